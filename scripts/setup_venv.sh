@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Create (if missing) the Python environments used to generate fixtures and to let real
+# torch judge reshard's outputs (scripts/gen_fixtures.py, scripts/torch_interop.py).
+#
+#   scripts/setup_venv.sh                 main venv: newest torch + safetensors + numpy
+#   scripts/setup_venv.sh --lightning     ... plus Lightning (fixture cases fabric_*)
+#   scripts/setup_venv.sh --torch21       ... plus a second venv with torch==2.1.0
+#                                          (fixture case fabric_fsdp1_w4_f32_torch21)
+#
+# Locations: ${RESHARD_VENV:-$HOME/.cache/reshard/venv} and
+#            ${RESHARD_VENV21:-$HOME/.cache/reshard/venv-torch21}.
+# <repo>/.venv is made a symlink to the main venv.
+# Idempotent: an existing venv whose packages import is left alone.
+# The torch wheels are several GB (CUDA libraries), so keep the venvs and reuse them.
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${RESHARD_VENV:-$HOME/.cache/reshard/venv}"
+VENV21="${RESHARD_VENV21:-$HOME/.cache/reshard/venv-torch21}"
+PYTHON="${RESHARD_PYTHON:-python3}"
+LIGHTNING_SPEC="${RESHARD_LIGHTNING_SPEC:-lightning==2.6.6}"
+
+want_torch21=0
+want_lightning=0
+for arg in "$@"; do
+  case "$arg" in
+    --torch21) want_torch21=1 ;;
+    --lightning) want_lightning=1 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    *) echo "setup_venv.sh: unknown argument: $arg" >&2; exit 2 ;;
+  esac
+done
+
+say() { echo "setup_venv: $*"; }
+
+# ensure_venv DIR IMPORT_CHECK PIP_SPEC...
+ensure_venv() {
+  local dir="$1" check="$2"; shift 2
+  if [ ! -x "$dir/bin/python" ]; then
+    say "creating venv $dir with $("$PYTHON" --version 2>&1)"
+    mkdir -p "$(dirname "$dir")"
+    "$PYTHON" -m venv "$dir"
+  else
+    say "venv exists: $dir"
+  fi
+  if "$dir/bin/python" -c "$check" >/dev/null 2>&1; then
+    say "  packages already present: $("$dir/bin/python" -c "$check" 2>/dev/null)"
+  else
+    say "  installing: $*"
+    "$dir/bin/python" -m pip install --disable-pip-version-check -q "$@"
+    say "  installed: $("$dir/bin/python" -c "$check")"
+  fi
+}
+
+CHECK='import torch, safetensors, numpy; print("torch", torch.__version__, "safetensors", safetensors.__version__, "numpy", numpy.__version__)'
+CHECK_L='import torch, safetensors, numpy, lightning; print("torch", torch.__version__, "safetensors", safetensors.__version__, "numpy", numpy.__version__, "lightning", lightning.__version__)'
+
+ensure_venv "$VENV" "$CHECK" torch safetensors numpy
+if [ "$want_lightning" = 1 ]; then
+  ensure_venv "$VENV" "$CHECK_L" "$LIGHTNING_SPEC"
+fi
+
+# <repo>/.venv -> main venv
+link="$REPO_ROOT/.venv"
+if [ -L "$link" ]; then
+  if [ "$(readlink "$link")" = "$VENV" ]; then
+    say "symlink ok: $link -> $VENV"
+  else
+    ln -sfn "$VENV" "$link"
+    say "symlink updated: $link -> $VENV"
+  fi
+elif [ -e "$link" ]; then
+  say "WARNING: $link exists and is not a symlink; left alone"
+else
+  ln -s "$VENV" "$link"
+  say "symlink created: $link -> $VENV"
+fi
+
+if [ "$want_torch21" = 1 ]; then
+  # torch 2.1.0 has wheels for Python <= 3.11 and needs numpy < 2.
+  ensure_venv "$VENV21" "$CHECK" "torch==2.1.0" "numpy<2" safetensors
+  if [ "$want_lightning" = 1 ]; then
+    ensure_venv "$VENV21" "$CHECK_L" "$LIGHTNING_SPEC" "torch==2.1.0" "numpy<2"
+  fi
+fi
+say "done"

@@ -1,0 +1,17 @@
+//! The layout algebra: dtypes, N-d regions, placements over a device mesh, and tensor layouts.
+//!
+//! Everything else in reshard speaks in these terms: readers describe what a checkpoint holds
+//! as [`TensorLayout`]s, a target is a [`Sharding`] (or flat ranges) compiled to regions per
+//! rank, and the planner intersects the two.
+
+mod dtype;
+mod placement;
+mod region;
+mod tensor;
+
+pub use dtype::DType;
+pub use placement::{
+    chunk_range, even_range, flat_range_boxes, flat_ranges, FlatShare, Mesh, Placement, Sharding,
+};
+pub use region::{for_each_run, row_major_strides, Region, Run, Strided};
+pub use tensor::{distinct_regions, join, Loc, Piece, TensorLayout};

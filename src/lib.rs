@@ -1,0 +1,15 @@
+//! reshard: move distributed-training checkpoints between world sizes.
+//!
+//! The pipeline is read → plan → write around one algebra:
+//! - [`layout`]: dtypes, regions, placements over a mesh, tensor layouts;
+//! - [`formats`]: readers that turn checkpoint files into layouts plus byte locations, and
+//!   writers that turn a target layout into destination files;
+//! - [`plan`]: source layout × target layout → a minimal copy plan (pure, serializable);
+//! - [`exec`]: runs a plan with memory-mapped sources and parallel copies, then commits
+//!   the outputs atomically;
+//! - [`convert`]: the end-to-end job the CLI and trainers call.
+
+pub mod error;
+pub mod layout;
+
+pub use error::{Error, Result};
