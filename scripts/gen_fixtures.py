@@ -131,6 +131,13 @@ def dir_sizes(d: Path) -> dict:
     return {str(p.relative_to(d)): p.stat().st_size for p in sorted(d.rglob("*")) if p.is_file()}
 
 
+def _fix_modes(d: Path):
+    """mkdtemp / safetensors create 0700 / 0600 entries: make them ordinary 0755 / 0644."""
+    os.chmod(d, 0o755)
+    for p in d.rglob("*"):
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+
+
 def torch_dtype(name: str):
     import torch
     return getattr(torch, name)
@@ -819,6 +826,7 @@ def generate(name: str, out: Path, scale: int) -> dict:
         with open(stage / "case.json", "w") as f:
             json.dump(case, f, indent=1)
             f.write("\n")
+        _fix_modes(stage)
         final = out / name
         if final.exists():
             shutil.rmtree(final)

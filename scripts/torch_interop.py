@@ -313,5 +313,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    import warnings
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.exit(main())

@@ -11,5 +11,6 @@
 
 pub mod error;
 pub mod layout;
+pub mod plan;
 
 pub use error::{Error, Result};

@@ -1,0 +1,300 @@
+//! The planner: source layout × target layout → a minimal copy plan.
+//!
+//! Pure and serializable: it reads no data file. Every destination byte is read exactly once
+//! from one source piece (identical replicas are deduplicated and reads spread over them),
+//! padding is never copied, runs are merged into maximal contiguous or strided copies, and
+//! adjacent copies are coalesced across tensors. Overlaps are found with the sweep of
+//! [`crate::layout::join`], not by comparing all pairs.
+
+use crate::error::{Error, Result};
+use crate::layout::{distinct_regions, for_each_run, join, DType, Region, Strided, TensorLayout};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+
+/// A dtype conversion applied while copying.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cast {
+    /// Source element type.
+    pub from: DType,
+    /// Destination element type.
+    pub to: DType,
+}
+
+/// One copy: `count` rows of `len` source bytes; row `i` is read at
+/// `src_offset + i·src_stride` of source file `src` and written at
+/// `dst_offset + i·dst_stride` of destination file `dst` (converted when `cast` is set).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CopyOp {
+    /// Source file index.
+    pub src: u32,
+    /// First source byte.
+    pub src_offset: u64,
+    /// Destination file index.
+    pub dst: u32,
+    /// First destination byte.
+    pub dst_offset: u64,
+    /// Source bytes per row.
+    pub len: u64,
+    /// Number of rows (1 for a contiguous copy).
+    pub count: u64,
+    /// Source bytes between rows.
+    pub src_stride: u64,
+    /// Destination bytes between rows.
+    pub dst_stride: u64,
+    /// Conversion, if the dtypes differ.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cast: Option<Cast>,
+}
+
+impl CopyOp {
+    /// Destination bytes per row.
+    pub fn dst_len(&self) -> u64 {
+        match self.cast {
+            Some(c) => self.len / c.from.size() as u64 * c.to.size() as u64,
+            None => self.len,
+        }
+    }
+
+    /// Source bytes read by the whole op.
+    pub fn bytes_read(&self) -> u64 {
+        self.len * self.count
+    }
+
+    /// Destination bytes written by the whole op.
+    pub fn bytes_written(&self) -> u64 {
+        self.dst_len() * self.count
+    }
+
+    /// First and past-the-last destination byte touched.
+    pub fn dst_span(&self) -> (u64, u64) {
+        let end = self.dst_offset + (self.count - 1) * self.dst_stride + self.dst_len();
+        (self.dst_offset, end)
+    }
+
+    /// First and past-the-last source byte touched.
+    pub fn src_span(&self) -> (u64, u64) {
+        let end = self.src_offset + (self.count - 1) * self.src_stride + self.len;
+        (self.src_offset, end)
+    }
+}
+
+/// What the plan does for one tensor.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorPlan {
+    /// Tensor name.
+    pub name: String,
+    /// Source and destination dtype.
+    pub dtype: (DType, DType),
+    /// Global shape.
+    pub shape: Vec<u64>,
+    /// Source pieces (all, replicas included) and destination pieces.
+    pub pieces: (usize, usize),
+    /// Ops produced for this tensor before cross-tensor coalescing.
+    pub ops: usize,
+    /// Bytes read and written.
+    pub bytes: (u64, u64),
+}
+
+/// A copy plan: ops sorted by destination, and a summary per tensor.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Plan {
+    /// The copies, sorted by (destination file, destination offset).
+    pub ops: Vec<CopyOp>,
+    /// One entry per planned tensor, in destination order.
+    pub tensors: Vec<TensorPlan>,
+}
+
+impl Plan {
+    /// Total bytes read from sources.
+    pub fn bytes_read(&self) -> u64 {
+        self.ops.iter().map(CopyOp::bytes_read).sum()
+    }
+
+    /// Total tensor bytes written to destinations.
+    pub fn bytes_written(&self) -> u64 {
+        self.ops.iter().map(CopyOp::bytes_written).sum()
+    }
+
+    /// Source file indices read, sorted.
+    pub fn src_files(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = self.ops.iter().map(|o| o.src).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+}
+
+/// Plan the copy of every tensor of `dst` from the tensor of the same name in `src`.
+/// Both sides are validated first (exact cover, no conflicting overlap).
+pub fn plan(src: &[TensorLayout], dst: &[TensorLayout]) -> Result<Plan> {
+    let by_name: HashMap<&str, &TensorLayout> = src.iter().map(|t| (t.name.as_str(), t)).collect();
+    let mut out = Plan::default();
+    for d in dst {
+        let s = by_name.get(d.name.as_str()).ok_or_else(|| {
+            Error::layout(&d.name, "is in the target but not in the source")
+        })?;
+        let before = out.ops.len();
+        plan_tensor(s, d, &mut out.ops)?;
+        let ops = &out.ops[before..];
+        out.tensors.push(TensorPlan {
+            name: d.name.clone(),
+            dtype: (s.dtype, d.dtype),
+            shape: d.shape.clone(),
+            pieces: (s.pieces.len(), d.pieces.len()),
+            ops: ops.len(),
+            bytes: (
+                ops.iter().map(CopyOp::bytes_read).sum(),
+                ops.iter().map(CopyOp::bytes_written).sum(),
+            ),
+        });
+    }
+    out.ops = coalesce(std::mem::take(&mut out.ops));
+    Ok(out)
+}
+
+/// Append to `ops` the copies that fill every piece of `dst` from `src`.
+pub fn plan_tensor(src: &TensorLayout, dst: &TensorLayout, ops: &mut Vec<CopyOp>) -> Result<()> {
+    if src.shape != dst.shape {
+        return Err(Error::layout(
+            &dst.name,
+            format!("source shape {:?} differs from target shape {:?}", src.shape, dst.shape),
+        ));
+    }
+    if !src.dtype.can_cast_to(dst.dtype) {
+        return Err(Error::layout(
+            &dst.name,
+            format!("cannot convert {} to {} (only between f16, bf16, f32, f64)", src.dtype, dst.dtype),
+        ));
+    }
+    src.validate()?;
+    dst.validate()?;
+    let cast = (src.dtype != dst.dtype).then_some(Cast { from: src.dtype, to: dst.dtype });
+    let (es, ed) = (src.dtype.size() as u64, dst.dtype.size() as u64);
+
+    // Group source replicas by region.
+    let groups_regions = distinct_regions(src.pieces.iter().map(|p| &p.region));
+    let index: HashMap<&Region, usize> =
+        groups_regions.iter().enumerate().map(|(i, r)| (*r, i)).collect();
+    let mut replicas: Vec<Vec<usize>> = vec![vec![]; groups_regions.len()];
+    for (i, p) in src.pieces.iter().enumerate() {
+        if let Some(&g) = index.get(&p.region) {
+            replicas[g].push(i);
+        }
+    }
+    let dst_regions: Vec<&Region> = dst.pieces.iter().map(|p| &p.region).collect();
+    let src_strides: Vec<Vec<u64>> = src.pieces.iter().map(|p| p.strides()).collect();
+    let dst_strides: Vec<Vec<u64>> = dst.pieces.iter().map(|p| p.strides()).collect();
+
+    let mut pairs = vec![];
+    join(&groups_regions, &dst_regions, |g, j| pairs.push((j, g)));
+    pairs.sort_unstable();
+    for (j, g) in pairs {
+        let b = groups_regions[g]
+            .intersect(dst_regions[j])
+            .expect("join yields intersecting pairs");
+        let reps = &replicas[g];
+        let si = reps[(j + g) % reps.len()];
+        let sp = &src.pieces[si];
+        let dp = &dst.pieces[j];
+        let s = Strided { region: &sp.region, base: sp.loc.offset, strides: &src_strides[si], elem: es };
+        let d = Strided { region: &dp.region, base: dp.loc.offset, strides: &dst_strides[j], elem: ed };
+        for_each_run(&b, &s, &d, |r| {
+            ops.push(CopyOp {
+                src: sp.loc.file,
+                src_offset: r.src,
+                dst: dp.loc.file,
+                dst_offset: r.dst,
+                len: r.elems * es,
+                count: r.count,
+                src_stride: r.src_stride,
+                dst_stride: r.dst_stride,
+                cast,
+            })
+        });
+    }
+    Ok(())
+}
+
+/// Sort ops by destination and merge neighbours that continue each other on both sides.
+pub fn coalesce(mut ops: Vec<CopyOp>) -> Vec<CopyOp> {
+    ops.sort_unstable_by_key(|o| (o.dst, o.dst_offset));
+    let mut out: Vec<CopyOp> = Vec::with_capacity(ops.len());
+    for o in ops {
+        if let Some(last) = out.last_mut() {
+            if last.count == 1
+                && o.count == 1
+                && last.src == o.src
+                && last.dst == o.dst
+                && last.cast == o.cast
+                && last.src_offset + last.len == o.src_offset
+                && last.dst_offset + last.dst_len() == o.dst_offset
+            {
+                last.len += o.len;
+                continue;
+            }
+        }
+        out.push(o);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{Loc, Piece, Sharding};
+
+    /// A layout where rank r's pieces are stored row-major, back to back, in file r.
+    fn sharded(name: &str, dtype: DType, shape: &[u64], s: &Sharding) -> TensorLayout {
+        let mut pieces = vec![];
+        for r in 0..s.mesh.world() {
+            let mut off = 0;
+            for region in s.rank_regions(shape, r) {
+                let n = region.volume() * dtype.size() as u64;
+                pieces.push(Piece { rank: r as u32, region, loc: Loc { file: r as u32, offset: off, strides: None } });
+                off += n;
+            }
+        }
+        TensorLayout { name: name.into(), dtype, shape: shape.to_vec(), pieces }
+    }
+
+    #[test]
+    fn dim0_consolidation_is_one_op_per_piece_and_coalesces_within_a_file() {
+        let src = sharded("w", DType::F32, &[10, 12], &Sharding::fsdp(4));
+        let dst = sharded("w", DType::F32, &[10, 12], &Sharding::fsdp(1));
+        let p = plan(&[src], &[dst]).unwrap();
+        assert_eq!(p.ops.len(), 4);
+        assert_eq!(p.bytes_read(), 480);
+        assert_eq!(p.bytes_written(), 480);
+        assert_eq!(p.tensors[0].ops, 4);
+        assert!(p.ops.iter().all(|o| o.count == 1));
+    }
+
+    #[test]
+    fn replicas_are_read_once() {
+        let s = Sharding { mesh: crate::layout::Mesh(vec![2, 2]), placements: vec!["S(0)".parse().unwrap(), "R".parse().unwrap()] };
+        let src = sharded("w", DType::BF16, &[7, 3], &s);
+        let dst = sharded("w", DType::BF16, &[7, 3], &Sharding::fsdp(3));
+        let p = plan(&[src], &[dst]).unwrap();
+        assert_eq!(p.bytes_read(), 7 * 3 * 2);
+    }
+
+    #[test]
+    fn column_shards_become_strided_ops_and_casts_convert_sizes() {
+        let s1 = Sharding { mesh: crate::layout::Mesh(vec![4]), placements: vec![crate::layout::Placement::Shard(1)] };
+        let src = sharded("w", DType::BF16, &[6, 8], &s1);
+        let mut dst = sharded("w", DType::F32, &[6, 8], &Sharding::fsdp(1));
+        let p = plan(&[src.clone()], &[dst.clone()]).unwrap();
+        assert_eq!(p.ops.len(), 4);
+        assert!(p.ops.iter().all(|o| o.count == 6 && o.len == 4 && o.dst_len() == 8 && o.dst_stride == 32));
+        assert_eq!(p.bytes_written(), 6 * 8 * 4);
+        dst.dtype = DType::I32;
+        let e = plan(&[src], &[dst]).unwrap_err().to_string();
+        assert!(e.contains("cannot convert BF16 to I32"), "{e}");
+    }
+
+    #[test]
+    fn missing_source_tensor_is_an_error() {
+        let dst = sharded("x", DType::F32, &[2], &Sharding::fsdp(1));
+        assert!(plan(&[], &[dst]).is_err());
+    }
+}
