@@ -12,5 +12,7 @@
 pub mod error;
 pub mod layout;
 pub mod plan;
+pub mod exec;
+pub mod commit;
 
 pub use error::{Error, Result};

@@ -1,0 +1,483 @@
+//! The executor: runs a [`Plan`] from memory-mapped sources into destination files.
+//!
+//! It knows nothing about formats. Destinations are described as [`OutputFile`]s (size plus
+//! literal bytes such as headers) and written with positional writes, never mapped, so their
+//! pages never count against the process. Work is cut into windows of each destination file
+//! (a few MiB) and windows run in parallel on a rayon pool; a window whose copies are all
+//! plain contiguous runs is written straight from the source mapping, any other window is
+//! assembled in a per-thread buffer (casts, strided rows, headers) and written once. Source
+//! pages a window used are released (`MADV_DONTNEED`) as soon as it is written, so resident
+//! memory stays flat whatever the checkpoint size.
+
+use crate::error::{Error, IoContext, Result};
+use crate::plan::{Cast, CopyOp, Plan};
+use crate::layout::DType;
+use half::{bf16, f16};
+use memmap2::Mmap;
+use rayon::prelude::*;
+use serde::Serialize;
+use std::cell::RefCell;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A destination file: where it goes, its final size, and bytes written verbatim (headers).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutputFile {
+    /// Path relative to the destination (a file name for a single-file output).
+    pub path: PathBuf,
+    /// Final size in bytes.
+    pub size: u64,
+    /// `(offset, bytes)` written verbatim.
+    pub literals: Vec<(u64, Vec<u8>)>,
+}
+
+/// Executor settings.
+#[derive(Clone, Debug)]
+pub struct ExecOptions {
+    /// Worker threads (`None`: one per core).
+    pub threads: Option<usize>,
+    /// Bytes of destination per work unit.
+    pub window: u64,
+    /// Show a progress bar on stderr (only drawn on a terminal).
+    pub progress: bool,
+}
+
+impl Default for ExecOptions {
+    fn default() -> Self {
+        ExecOptions { threads: None, window: 8 << 20, progress: false }
+    }
+}
+
+/// What a run did.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ExecStats {
+    /// Tensor bytes read from sources.
+    pub bytes_read: u64,
+    /// Bytes written to destinations (tensor data and literals).
+    pub bytes_written: u64,
+    /// Work units executed.
+    pub windows: usize,
+    /// Threads used.
+    pub threads: usize,
+}
+
+/// A piece of one window: either literal bytes or (part of) a copy op.
+#[derive(Clone, Debug)]
+enum Frag<'a> {
+    Lit { dst: u64, bytes: &'a [u8] },
+    Op(CopyOp),
+}
+
+impl Frag<'_> {
+    fn is_direct(&self) -> bool {
+        matches!(self, Frag::Op(o) if o.count == 1 && o.cast.is_none())
+    }
+}
+
+/// A unit of work: a byte range of one destination file and what fills it.
+#[derive(Debug)]
+struct Window<'a> {
+    dst: u32,
+    start: u64,
+    end: u64,
+    frags: Vec<Frag<'a>>,
+}
+
+/// Clip `op` to destination bytes `w0..w1`, pushing the parts to `out`. Rows are cut at
+/// element boundaries of the destination dtype (windows are multiples of 8 bytes and writers
+/// align cast destinations, so a cut never splits an element).
+fn clip(op: &CopyOp, w0: u64, w1: u64, out: &mut Vec<Frag>) {
+    let dl = op.dst_len();
+    let (es, ed) = match op.cast {
+        Some(c) => (c.from.size() as u64, c.to.size() as u64),
+        None => (1, 1),
+    };
+    let row = |i: u64| -> (u64, u64) {
+        let d = op.dst_offset + i * op.dst_stride;
+        (d, d + dl)
+    };
+    let part = |i: u64, a: u64, b: u64| -> CopyOp {
+        // destination bytes a..b of row i
+        let (d, _) = row(i);
+        let (x, y) = ((a - d) / ed * es, (b - d) / ed * es);
+        CopyOp {
+            src_offset: op.src_offset + i * op.src_stride + x,
+            dst_offset: a,
+            len: y - x,
+            count: 1,
+            src_stride: 0,
+            dst_stride: 0,
+            ..*op
+        }
+    };
+    if op.count == 1 {
+        let (d, e) = row(0);
+        let (a, b) = (d.max(w0), e.min(w1));
+        if a < b {
+            out.push(Frag::Op(if a == d && b == e { *op } else { part(0, a, b) }));
+        }
+        return;
+    }
+    let ds = op.dst_stride;
+    // rows i with d_i < w1 and d_i + dl > w0
+    let i_lo = if op.dst_offset + dl > w0 { 0 } else { (w0 - op.dst_offset - dl) / ds + 1 };
+    let i_hi = if w1 <= op.dst_offset { 0 } else { ((w1 - op.dst_offset).div_ceil(ds)).min(op.count) };
+    let mut i = i_lo;
+    let mut full_start = None;
+    let flush = |from: Option<u64>, to: u64, out: &mut Vec<Frag>| {
+        if let Some(f) = from {
+            if to > f {
+                out.push(Frag::Op(CopyOp {
+                    src_offset: op.src_offset + f * op.src_stride,
+                    dst_offset: op.dst_offset + f * ds,
+                    count: to - f,
+                    ..*op
+                }));
+            }
+        }
+    };
+    while i < i_hi {
+        let (d, e) = row(i);
+        if d >= w0 && e <= w1 {
+            full_start.get_or_insert(i);
+        } else {
+            flush(full_start.take(), i, out);
+            let (a, b) = (d.max(w0), e.min(w1));
+            if a < b {
+                out.push(Frag::Op(part(i, a, b)));
+            }
+        }
+        i += 1;
+    }
+    flush(full_start, i_hi, out);
+}
+
+/// Cut the plan into windows of `window` destination bytes.
+fn windows<'a>(plan: &Plan, outputs: &'a [OutputFile], window: u64) -> Vec<Window<'a>> {
+    let window = window.max(8) / 8 * 8;
+    let mut per_file: Vec<Vec<Window>> = outputs
+        .iter()
+        .enumerate()
+        .map(|(f, o)| {
+            (0..o.size.div_ceil(window))
+                .map(|k| Window {
+                    dst: f as u32,
+                    start: k * window,
+                    end: ((k + 1) * window).min(o.size),
+                    frags: vec![],
+                })
+                .collect()
+        })
+        .collect();
+    for (f, o) in outputs.iter().enumerate() {
+        for (off, bytes) in &o.literals {
+            let mut a = *off;
+            let end = off + bytes.len() as u64;
+            while a < end {
+                let k = (a / window) as usize;
+                let b = end.min((k as u64 + 1) * window);
+                let s = &bytes[(a - off) as usize..(b - off) as usize];
+                per_file[f][k].frags.push(Frag::Lit { dst: a, bytes: s });
+                a = b;
+            }
+        }
+    }
+    for op in &plan.ops {
+        let (a, b) = op.dst_span();
+        if b <= a {
+            continue;
+        }
+        let wins = &mut per_file[op.dst as usize];
+        for k in (a / window)..=((b - 1) / window) {
+            let w = &mut wins[k as usize];
+            clip(op, w.start, w.end, &mut w.frags);
+        }
+    }
+    per_file
+        .into_iter()
+        .flatten()
+        .filter(|w| !w.frags.is_empty())
+        .collect()
+}
+
+/// Convert `n` elements from `src` bytes (dtype `c.from`) into `dst` bytes (dtype `c.to`).
+fn convert(c: Cast, src: &[u8], dst: &mut [u8]) {
+    let n = src.len() / c.from.size();
+    let read = |i: usize| -> f64 {
+        let s = &src[i * c.from.size()..];
+        match c.from {
+            DType::F16 => f16::from_bits(u16::from_le_bytes([s[0], s[1]])).to_f64(),
+            DType::BF16 => bf16::from_bits(u16::from_le_bytes([s[0], s[1]])).to_f64(),
+            DType::F32 => f32::from_le_bytes([s[0], s[1], s[2], s[3]]) as f64,
+            DType::F64 => f64::from_le_bytes(s[..8].try_into().unwrap_or_default()),
+            _ => f64::NAN,
+        }
+    };
+    // f32 → 16-bit goes through f32 directly so rounding is a single round-to-nearest-even.
+    for i in 0..n {
+        let d = &mut dst[i * c.to.size()..(i + 1) * c.to.size()];
+        match (c.from, c.to) {
+            (DType::F32, DType::BF16) | (DType::F32, DType::F16) => {
+                let s = &src[i * 4..i * 4 + 4];
+                let x = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+                let bits = if c.to == DType::BF16 { bf16::from_f32(x).to_bits() } else { f16::from_f32(x).to_bits() };
+                d.copy_from_slice(&bits.to_le_bytes());
+            }
+            (_, DType::F16) => d.copy_from_slice(&f16::from_f64(read(i)).to_bits().to_le_bytes()),
+            (_, DType::BF16) => d.copy_from_slice(&bf16::from_f64(read(i)).to_bits().to_le_bytes()),
+            (_, DType::F32) => d.copy_from_slice(&(read(i) as f32).to_le_bytes()),
+            (_, DType::F64) => d.copy_from_slice(&read(i).to_le_bytes()),
+            _ => {}
+        }
+    }
+}
+
+fn release(map: &Mmap, a: u64, b: u64) {
+    const PAGE: u64 = 4096;
+    let a = a / PAGE * PAGE;
+    let b = b.div_ceil(PAGE) * PAGE;
+    let b = b.min(map.len() as u64);
+    if b > a {
+        // SAFETY: the mapping is a read-only shared file mapping; dropping its pages only makes
+        // later reads fault them in again from the page cache. No reference into it is held
+        // across this call by this thread, and other threads' reads refault transparently.
+        unsafe {
+            let _ = map.unchecked_advise_range(
+                memmap2::UncheckedAdvice::DontNeed,
+                a as usize,
+                (b - a) as usize,
+            );
+        }
+    }
+}
+
+thread_local! {
+    static BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Run one window.
+fn run_window(w: &Window, srcs: &[Mmap], dst: &File, dst_path: &Path) -> Result<()> {
+    let write = |bytes: &[u8], at: u64| dst.write_all_at(bytes, at).at(dst_path);
+    let slice = |o: &CopyOp, row: u64| -> &[u8] {
+        let s = (o.src_offset + row * o.src_stride) as usize;
+        &srcs[o.src as usize][s..s + o.len as usize]
+    };
+    if w.frags.iter().all(Frag::is_direct) {
+        for f in &w.frags {
+            if let Frag::Op(o) = f {
+                write(slice(o, 0), o.dst_offset)?;
+            }
+        }
+    } else {
+        let lo = w.frags.iter().map(|f| match f {
+            Frag::Lit { dst, .. } => *dst,
+            Frag::Op(o) => o.dst_offset,
+        }).min().unwrap_or(w.start);
+        let hi = w.frags.iter().map(|f| match f {
+            Frag::Lit { dst, bytes } => dst + bytes.len() as u64,
+            Frag::Op(o) => o.dst_span().1,
+        }).max().unwrap_or(w.start);
+        let covered: u64 = w.frags.iter().map(|f| match f {
+            Frag::Lit { bytes, .. } => bytes.len() as u64,
+            Frag::Op(o) => o.bytes_written(),
+        }).sum();
+        BUF.with(|buf| -> Result<()> {
+            let mut buf = buf.borrow_mut();
+            buf.resize((hi - lo) as usize, 0);
+            if covered < hi - lo {
+                buf.fill(0);
+            }
+            for f in &w.frags {
+                match f {
+                    Frag::Lit { dst, bytes } => {
+                        let a = (dst - lo) as usize;
+                        buf[a..a + bytes.len()].copy_from_slice(bytes);
+                    }
+                    Frag::Op(o) => {
+                        let dl = o.dst_len() as usize;
+                        for r in 0..o.count {
+                            let a = (o.dst_offset + r * o.dst_stride - lo) as usize;
+                            let out = &mut buf[a..a + dl];
+                            match o.cast {
+                                None => out.copy_from_slice(slice(o, r)),
+                                Some(c) => convert(c, slice(o, r), out),
+                            }
+                        }
+                    }
+                }
+            }
+            write(&buf, lo)
+        })?;
+    }
+    for f in &w.frags {
+        if let Frag::Op(o) = f {
+            let (a, b) = o.src_span();
+            release(&srcs[o.src as usize], a, b);
+        }
+    }
+    Ok(())
+}
+
+/// Check every op stays within its source mapping and destination size.
+fn check_bounds(plan: &Plan, sources: &[PathBuf], maps: &[Mmap], outputs: &[OutputFile]) -> Result<()> {
+    for o in &plan.ops {
+        let s = maps.get(o.src as usize).ok_or_else(|| Error::usage(format!("plan names source file #{} of {}", o.src, maps.len())))?;
+        let (_, b) = o.src_span();
+        if b > s.len() as u64 {
+            return Err(Error::format(
+                &sources[o.src as usize],
+                format!("is shorter than its metadata says: bytes up to {b} are needed, the file has {}", s.len()),
+            ));
+        }
+        let d = outputs.get(o.dst as usize).ok_or_else(|| Error::usage(format!("plan names destination file #{}", o.dst)))?;
+        if o.dst_span().1 > d.size {
+            return Err(Error::usage(format!("{}: copy past the end of the output ({} > {})", d.path.display(), o.dst_span().1, d.size)));
+        }
+        if o.count == 0 || (o.cast.is_some() && o.len % o.cast.map_or(1, |c| c.from.size() as u64) != 0) {
+            return Err(Error::usage("malformed copy op in plan"));
+        }
+    }
+    Ok(())
+}
+
+/// Map `sources` read-only.
+pub fn map_sources(sources: &[PathBuf]) -> Result<Vec<Mmap>> {
+    sources
+        .iter()
+        .map(|p| {
+            let f = File::open(p).at(p)?;
+            // SAFETY: the file is opened read-only; reshard never writes to sources. Another
+            // process truncating the file while it is mapped would be undefined behaviour in
+            // any mmap-based reader; sizes are checked against the metadata before copying.
+            let m = unsafe { Mmap::map(&f) }.at(p)?;
+            let _ = m.advise(memmap2::Advice::Sequential);
+            Ok(m)
+        })
+        .collect()
+}
+
+/// Run `plan`, reading `sources` and writing each of `outputs` to `dest_paths` (same order),
+/// which must already exist. Files are fsynced before this returns.
+pub fn execute(
+    plan: &Plan,
+    sources: &[PathBuf],
+    outputs: &[OutputFile],
+    dest_paths: &[PathBuf],
+    opts: &ExecOptions,
+) -> Result<ExecStats> {
+    let maps = map_sources(sources)?;
+    check_bounds(plan, sources, &maps, outputs)?;
+    let files: Vec<File> = dest_paths
+        .iter()
+        .zip(outputs)
+        .map(|(p, o)| {
+            let f = std::fs::OpenOptions::new().write(true).open(p).at(p)?;
+            f.set_len(o.size).at(p)?;
+            Ok(f)
+        })
+        .collect::<Result<_>>()?;
+    let wins = windows(plan, outputs, opts.window);
+    let total: u64 = wins.iter().map(|w| w.end - w.start).sum();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(opts.threads.unwrap_or(0))
+        .build()
+        .map_err(|e| Error::usage(format!("cannot start worker threads: {e}")))?;
+    let bar = if opts.progress {
+        let b = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
+        b.set_style(
+            indicatif::ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let done = AtomicU64::new(0);
+    pool.install(|| {
+        wins.par_iter().try_for_each(|w| {
+            run_window(w, &maps, &files[w.dst as usize], &dest_paths[w.dst as usize])?;
+            bar.inc(w.end - w.start);
+            done.fetch_add(1, Ordering::Relaxed);
+            Ok::<(), Error>(())
+        })
+    })?;
+    bar.finish_and_clear();
+    for (f, p) in files.iter().zip(dest_paths) {
+        f.sync_all().at(p)?;
+    }
+    Ok(ExecStats {
+        bytes_read: plan.bytes_read(),
+        bytes_written: plan.bytes_written()
+            + outputs.iter().flat_map(|o| &o.literals).map(|(_, b)| b.len() as u64).sum::<u64>(),
+        windows: wins.len(),
+        threads: pool.current_num_threads(),
+    })
+}
+
+/// Bytes of destination each of `threads` workers would get if windows were dealt greedily
+/// (largest first) — the per-thread balance `reshard plan` shows.
+pub fn balance(plan: &Plan, outputs: &[OutputFile], threads: usize, window: u64) -> Vec<u64> {
+    let mut sizes: Vec<u64> = windows(plan, outputs, window).iter().map(|w| w.end - w.start).collect();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    let mut load = vec![0u64; threads.max(1)];
+    for s in sizes {
+        if let Some(m) = load.iter_mut().min() {
+            *m += s;
+        }
+    }
+    load
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clip_strided_op_into_windows_keeps_every_byte_once() {
+        let op = CopyOp { src: 0, src_offset: 0, dst: 0, dst_offset: 4, len: 6, count: 10, src_stride: 6, dst_stride: 16, cast: None };
+        let mut seen = vec![0u8; 200];
+        for w0 in (0..200).step_by(24) {
+            let mut out = vec![];
+            clip(&op, w0, w0 + 24, &mut out);
+            for f in out {
+                let Frag::Op(o) = f else { unreachable!() };
+                assert!(o.dst_offset >= w0 && o.dst_span().1 <= w0 + 24);
+                for r in 0..o.count {
+                    for b in 0..o.len {
+                        let d = o.dst_offset + r * o.dst_stride + b;
+                        // source byte matches destination byte's position in the original op
+                        let row = (d - 4) / 16;
+                        assert_eq!(o.src_offset + r * o.src_stride + b, row * 6 + (d - 4 - row * 16));
+                        seen[d as usize] += 1;
+                    }
+                }
+            }
+        }
+        for r in 0..10u64 {
+            for b in 0..6u64 {
+                assert_eq!(seen[(4 + r * 16 + b) as usize], 1);
+            }
+        }
+        assert_eq!(seen.iter().map(|&x| x as u64).sum::<u64>(), 60);
+    }
+
+    #[test]
+    fn casts_round_trip_exactly_representable_values() {
+        let vals = [0.0f32, 1.5, -2.25, 65504.0, 1e-3];
+        let src: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut mid = vec![0u8; vals.len() * 2];
+        convert(Cast { from: DType::F32, to: DType::BF16 }, &src, &mut mid);
+        let mut back = vec![0u8; vals.len() * 4];
+        convert(Cast { from: DType::BF16, to: DType::F32 }, &mid, &mut back);
+        let got: Vec<f32> = back.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        for (g, v) in got.iter().zip(vals) {
+            assert_eq!(*g, bf16::from_f32(v).to_f32());
+        }
+        assert_eq!(got[1], 1.5);
+        let mut h = vec![0u8; vals.len() * 2];
+        convert(Cast { from: DType::F32, to: DType::F16 }, &src, &mut h);
+        assert_eq!(f16::from_bits(u16::from_le_bytes([h[6], h[7]])).to_f32(), 65504.0);
+    }
+}
