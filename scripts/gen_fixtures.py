@@ -595,20 +595,20 @@ def job_fabric(rank, world, port, spec, stage: Path, scale):
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     class CPUFSDPStrategy(FSDPStrategy):
-        """FSDPStrategy whose setup_module passes device_id=cpu (Lightning passes None on CPU)."""
+        """FSDPStrategy.setup_module, except device_id=cpu (Lightning passes root_device.index = None,
+        which torch 2.15 FSDP1 rejects on CPU). Being a subclass also gets past the connector's
+        'FSDP is only available on GPU' check (it tests `type(strategy) is FSDPStrategy`)."""
 
         def setup_module(self, module):
-            from lightning.fabric.strategies.fsdp import _has_meta_device_parameters_or_buffers
+            from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
             if any(isinstance(mod, FSDP) for mod in module.modules()):
-                return module
-            kwargs = dict(self._fsdp_kwargs)
-            if old:
-                kwargs.pop("device_id", None)
-            else:
-                kwargs["device_id"] = torch.device("cpu")
-            return FSDP(module=module, cpu_offload=self.cpu_offload,
-                        mixed_precision=self.mixed_precision_config,
-                        sharding_strategy=self.sharding_strategy, **kwargs)
+                raise RuntimeError("unexpected pre-wrapped module")
+            kwargs = {} if old else {"device_id": torch.device("cpu")}
+            module = FSDP(module=module, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
+                          sharding_strategy=self.sharding_strategy, **kwargs, **self._fsdp_kwargs)
+            _move_torchmetrics_to_device(module, self.root_device)
+            _setup_activation_checkpointing(module, self._activation_checkpointing_kwargs)
+            return module
 
     model = build_model(scale, torch.float32)
     block_cls = type(model.blocks[0])
@@ -628,18 +628,12 @@ def job_fabric(rank, world, port, spec, stage: Path, scale):
     fabric.save("checkpoint", {"model": model, "optimizer": opt, "step": 1})
 
     # oracle: what Lightning handed to DCP (same calls as FSDPStrategy.save_checkpoint)
-    from torch.distributed.fsdp import StateDictType, ShardedStateDictConfig
-    try:
-        from torch.distributed.fsdp import ShardedOptimStateDictConfig
-        optim_cfg = ShardedOptimStateDictConfig(offload_to_cpu=True)
-    except ImportError:
-        optim_cfg = None
-    inner = model._forward_module if hasattr(model, "_forward_module") else model
-    with FSDP.state_dict_type(inner, StateDictType.SHARDED_STATE_DICT,
-                              ShardedStateDictConfig(offload_to_cpu=True), optim_cfg):
-        msd = inner.state_dict()
-        raw_opt = opt.optimizer if hasattr(opt, "optimizer") else opt
-        osd = FSDP.optim_state_dict(inner, raw_opt)
+    from lightning.fabric.wrappers import _unwrap_objects
+    from lightning.fabric.strategies.fsdp import _get_sharded_state_dict_context
+    st = _unwrap_objects({"model": model, "optimizer": opt})
+    with _get_sharded_state_dict_context(st["model"]):
+        msd = st["model"].state_dict()
+        osd = FSDP.optim_state_dict(st["model"], st["optimizer"])
     live_oracle({"model": msd, "optimizer": osd}, stage,
                 extra_info={"train_loss_rank0": float(loss.detach()), "lightning": lightning.__version__})
     dist.barrier()

@@ -14,5 +14,7 @@ pub mod layout;
 pub mod plan;
 pub mod exec;
 pub mod commit;
+pub mod formats;
+pub mod target;
 
 pub use error::{Error, Result};

@@ -1,0 +1,139 @@
+//! Hugging Face sharded safetensors: `model.safetensors.index.json` (`weight_map`: tensor →
+//! file, `metadata.total_size`) plus `model-0000i-of-0000N.safetensors` files, each holding
+//! whole tensors. A consolidated (one-rank) layout split across files.
+
+use super::safetensors::{align_order, full_layouts, output_file, read_header, Entry};
+use super::{Checkpoint, Format, Output, TargetTensor, WriteOptions};
+use crate::error::{Error, IoContext, Result};
+use crate::exec::OutputFile;
+use crate::layout::{Loc, Piece, Region, TensorLayout};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// The index file's name.
+pub const INDEX: &str = "model.safetensors.index.json";
+
+/// The index file of a Hugging Face sharded checkpoint in `dir`, if there is one
+/// (`model.safetensors.index.json`, or a single other `*.safetensors.index.json`).
+pub fn index_path(dir: &Path) -> Option<PathBuf> {
+    let p = dir.join(INDEX);
+    if p.is_file() {
+        return Some(p);
+    }
+    let mut found = std::fs::read_dir(dir).ok()?.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| {
+        p.is_file() && p.file_name().is_some_and(|n| n.to_string_lossy().ends_with(".safetensors.index.json"))
+    });
+    let first = found.next()?;
+    found.next().is_none().then_some(first)
+}
+
+/// Read a Hugging Face sharded checkpoint.
+pub fn read(dir: &Path) -> Result<Checkpoint> {
+    let index = index_path(dir).ok_or_else(|| Error::format(dir, format!("has no {INDEX}")))?;
+    let text = std::fs::read_to_string(&index).at(&index)?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::format(&index, format!("is not valid JSON: {e}")))?;
+    let map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| Error::format(&index, "has no `weight_map` object"))?;
+    let mut files: Vec<PathBuf> = vec![];
+    let mut file_ix: HashMap<String, u32> = HashMap::new();
+    let mut headers = vec![];
+    let mut tensors = vec![];
+    let mut metadata = Default::default();
+    for (name, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| Error::format(&index, format!("`weight_map.{name}` is not a file name")))?;
+        if file.contains('/') || file.contains('\\') || file.starts_with('.') {
+            return Err(Error::format(&index, format!("`{name}` points at `{file}`, outside the checkpoint directory")));
+        }
+        let ix = match file_ix.get(file) {
+            Some(&ix) => ix,
+            None => {
+                let path = dir.join(file);
+                if !path.is_file() {
+                    return Err(Error::format(&path, format!("is missing (named by {INDEX} for `{name}`)")));
+                }
+                let h = read_header(&path)?;
+                if files.is_empty() {
+                    metadata = h.metadata.clone();
+                }
+                headers.push(h);
+                files.push(path);
+                file_ix.insert(file.to_string(), (files.len() - 1) as u32);
+                (files.len() - 1) as u32
+            }
+        };
+        let h = &headers[ix as usize];
+        let t = h.tensors.iter().find(|t| &t.name == name).ok_or_else(|| {
+            Error::format(&files[ix as usize], format!("has no tensor `{name}`, which {INDEX} maps to it"))
+        })?;
+        tensors.push(TensorLayout {
+            name: name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            pieces: vec![Piece { rank: 0, region: Region::full(&t.shape), loc: Loc { file: ix, offset: t.offset, strides: None } }],
+        });
+    }
+    for (f, h) in files.iter().zip(&headers) {
+        if let Some(t) = h.tensors.iter().find(|t| !map.contains_key(&t.name)) {
+            return Err(Error::format(f, format!("holds tensor `{}`, which {INDEX} does not list", t.name)));
+        }
+    }
+    Ok(Checkpoint { format: Format::Hf, path: dir.to_path_buf(), files, ranks: 1, tensors, metadata })
+}
+
+/// Lay out a consolidated target as Hugging Face shards of at most `max_shard_size` bytes
+/// (a tensor larger than that gets a file of its own) plus the index.
+pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
+    let mut entries: Vec<Entry> =
+        target.iter().map(|t| Entry { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone() }).collect();
+    align_order(&mut entries);
+    let mut groups: Vec<Vec<Entry>> = vec![];
+    let mut cur = 0u64;
+    for e in entries {
+        let n = e.shape.iter().product::<u64>() * e.dtype.size() as u64;
+        match groups.last_mut() {
+            Some(g) if cur + n <= opts.max_shard_size => {
+                g.push(e);
+                cur += n;
+            }
+            _ => {
+                groups.push(vec![e]);
+                cur = n;
+            }
+        }
+    }
+    if groups.is_empty() {
+        groups.push(vec![]);
+    }
+    let n = groups.len();
+    let mut files = vec![];
+    let mut tensors = vec![];
+    let mut weight_map = serde_json::Map::new();
+    let mut total = 0u64;
+    for (i, g) in groups.iter().enumerate() {
+        let name = format!("model-{:05}-of-{:05}.safetensors", i + 1, n);
+        let (file, offsets) = output_file(PathBuf::from(&name), g, &opts.metadata)?;
+        for e in g {
+            weight_map.insert(e.name.clone(), name.clone().into());
+            total += e.shape.iter().product::<u64>() * e.dtype.size() as u64;
+        }
+        tensors.extend(full_layouts(g, &offsets, i as u32));
+        files.push(file);
+    }
+    // The index lists tensors in the order the target gave them.
+    let mut ordered = serde_json::Map::new();
+    for t in target {
+        if let Some(v) = weight_map.get(&t.name) {
+            ordered.insert(t.name.clone(), v.clone());
+        }
+    }
+    let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": ordered});
+    let mut bytes = serde_json::to_vec_pretty(&index).unwrap_or_default();
+    bytes.push(b'\n');
+    files.push(OutputFile { path: PathBuf::from(INDEX), size: bytes.len() as u64, literals: vec![(0, bytes)] });
+    Ok(Output { files, tensors })
+}

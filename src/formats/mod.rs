@@ -1,0 +1,222 @@
+//! Checkpoint formats: readers turn files into tensor layouts plus byte locations, writers
+//! turn a target layout into destination files. One module per format; nothing outside this
+//! module knows a file format.
+//!
+//! - [`safetensors`]: one `.safetensors` file (a consolidated checkpoint);
+//! - [`hf`]: Hugging Face sharded safetensors (`model.safetensors.index.json` + files);
+//! - [`hf_storage`]: the per-rank safetensors shards PyTorch's
+//!   `HuggingFaceStorageWriter(save_distributed=True)` writes, with each chunk's global
+//!   offsets under `DCP_SHARDING_INFO`.
+
+pub mod hf;
+pub mod hf_storage;
+pub mod safetensors;
+
+use crate::error::{Error, IoContext, Result};
+use crate::exec::OutputFile;
+use crate::layout::{Region, TensorLayout};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+/// The formats reshard reads and writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Format {
+    /// A single `.safetensors` file.
+    Safetensors,
+    /// Hugging Face sharded safetensors with `model.safetensors.index.json`.
+    Hf,
+    /// Per-rank safetensors shards with `DCP_SHARDING_INFO` (torch's HF storage layout).
+    HfStorage,
+}
+
+impl Format {
+    /// The name used on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Safetensors => "safetensors",
+            Format::Hf => "hf",
+            Format::HfStorage => "hf-storage",
+        }
+    }
+
+    /// True when the format's output is a directory.
+    pub fn is_dir(self) -> bool {
+        !matches!(self, Format::Safetensors)
+    }
+}
+
+impl fmt::Display for Format {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Format {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "safetensors" | "st" => Ok(Format::Safetensors),
+            "hf" | "hf-sharded" => Ok(Format::Hf),
+            "hf-storage" | "hf-distributed" => Ok(Format::HfStorage),
+            _ => Err(format!("unknown format `{s}` (expected safetensors, hf or hf-storage)")),
+        }
+    }
+}
+
+/// A checkpoint as a reader sees it: its files, and every tensor's layout over them.
+#[derive(Clone, Debug, Serialize)]
+pub struct Checkpoint {
+    /// The format it was read as.
+    pub format: Format,
+    /// The path given (file or directory).
+    pub path: PathBuf,
+    /// Data files; [`crate::layout::Loc::file`] indexes this list.
+    pub files: Vec<PathBuf>,
+    /// Number of ranks (shards) it was written by.
+    pub ranks: u32,
+    /// The tensors, in the checkpoint's own order.
+    pub tensors: Vec<TensorLayout>,
+    /// String metadata carried by the checkpoint (safetensors `__metadata__`).
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl Checkpoint {
+    /// Open a checkpoint of any supported format, detected from `path`, and validate it.
+    pub fn open(path: &Path) -> Result<Checkpoint> {
+        let ck = match detect(path)? {
+            Format::Safetensors => safetensors::read(path)?,
+            Format::Hf => hf::read(path)?,
+            Format::HfStorage => hf_storage::read(path)?,
+        };
+        ck.validate()?;
+        Ok(ck)
+    }
+
+    /// Check every tensor's pieces tile it exactly and lie within their files.
+    pub fn validate(&self) -> Result<()> {
+        let sizes: Vec<u64> = self
+            .files
+            .iter()
+            .map(|f| std::fs::metadata(f).map(|m| m.len()).at(f))
+            .collect::<Result<_>>()?;
+        for t in &self.tensors {
+            t.validate()?;
+            let elem = t.dtype.size() as u64;
+            for p in &t.pieces {
+                let end = p.loc.offset.saturating_add(p.span_bytes(elem));
+                let size = sizes.get(p.loc.file as usize).copied().unwrap_or(0);
+                if end > size {
+                    let f = self.files.get(p.loc.file as usize).cloned().unwrap_or_default();
+                    return Err(Error::format(
+                        f,
+                        format!(
+                            "is truncated: tensor `{}` {} needs bytes up to {end}, the file has {size}",
+                            t.name, p.region
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The tensor called `name`.
+    pub fn tensor(&self, name: &str) -> Option<&TensorLayout> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// Total bytes of all tensors (each counted once).
+    pub fn nbytes(&self) -> u64 {
+        self.tensors.iter().map(|t| t.nbytes()).sum()
+    }
+}
+
+/// Tell which format `path` holds.
+pub fn detect(path: &Path) -> Result<Format> {
+    let meta = std::fs::metadata(path).at(path)?;
+    if meta.is_file() {
+        return Ok(Format::Safetensors);
+    }
+    if hf::index_path(path).is_some() {
+        return Ok(Format::Hf);
+    }
+    if !safetensors::files_in(path)?.is_empty() {
+        return Ok(Format::HfStorage);
+    }
+    if path.join(".metadata").is_file() {
+        return Err(Error::format(
+            path,
+            "is a PyTorch DCP checkpoint (.metadata); reading DCP is not supported by this version",
+        ));
+    }
+    Err(Error::format(
+        path,
+        "is not a checkpoint: expected a .safetensors file, or a directory with \
+         model.safetensors.index.json or *.safetensors shards",
+    ))
+}
+
+/// What a writer is asked to produce for one tensor: its dtype and shape in the output, and
+/// the regions each target rank holds.
+#[derive(Clone, Debug)]
+pub struct TargetTensor {
+    /// Output name.
+    pub name: String,
+    /// Output dtype.
+    pub dtype: crate::layout::DType,
+    /// Global shape.
+    pub shape: Vec<u64>,
+    /// Per target rank, the regions it holds.
+    pub ranks: Vec<Vec<Region>>,
+}
+
+/// Writer settings.
+#[derive(Clone, Debug)]
+pub struct WriteOptions {
+    /// Largest data file for [`Format::Hf`] outputs.
+    pub max_shard_size: u64,
+    /// String metadata to carry into safetensors headers.
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl Default for WriteOptions {
+    fn default() -> Self {
+        WriteOptions { max_shard_size: 5_000_000_000, metadata: BTreeMap::new() }
+    }
+}
+
+/// A writer's answer: the files to create and every tensor's layout over them.
+#[derive(Clone, Debug)]
+pub struct Output {
+    /// Files to create; [`crate::layout::Loc::file`] indexes this list.
+    pub files: Vec<OutputFile>,
+    /// The tensors as they will be laid out in those files.
+    pub tensors: Vec<TensorLayout>,
+}
+
+/// Lay out `target` (over `world` ranks) in `format`.
+pub fn write(format: Format, target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
+    match format {
+        Format::Safetensors => {
+            if world != 1 {
+                return Err(Error::usage(format!(
+                    "a single .safetensors file holds one rank, not {world}: use --to 1, or a directory output"
+                )));
+            }
+            safetensors::write(target, opts)
+        }
+        Format::Hf => {
+            if world != 1 {
+                return Err(Error::usage(format!(
+                    "the hf format holds a consolidated model (one rank), not {world}: use --to 1, or --format hf-storage"
+                )));
+            }
+            hf::write(target, opts)
+        }
+        Format::HfStorage => hf_storage::write(target, world, opts),
+    }
+}

@@ -1,0 +1,220 @@
+//! A single `.safetensors` file, and the safetensors header reading and writing the other
+//! safetensors-based formats share.
+//!
+//! Headers are parsed and validated by the `safetensors` crate over a memory map, so only the
+//! header pages are touched; tensor data never passes through it. Written headers list
+//! tensors in data order, are padded with spaces so data starts 8-byte aligned, and place
+//! tensors by decreasing element size so every tensor is aligned to its dtype.
+
+use super::{Checkpoint, Format, Output, TargetTensor, WriteOptions};
+use crate::error::{Error, IoContext, Result};
+use crate::exec::OutputFile;
+use crate::layout::{DType, Loc, Piece, Region, TensorLayout};
+use ::safetensors::tensor::{Dtype, Metadata};
+use ::safetensors::SafeTensors;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// One tensor of a safetensors file: name, dtype, shape and absolute byte offset of its data.
+#[derive(Clone, Debug)]
+pub struct HeaderTensor {
+    /// Name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// Absolute offset of the first data byte in the file.
+    pub offset: u64,
+}
+
+/// A parsed safetensors header.
+#[derive(Clone, Debug, Default)]
+pub struct Header {
+    /// Tensors in data order.
+    pub tensors: Vec<HeaderTensor>,
+    /// `__metadata__`.
+    pub metadata: BTreeMap<String, String>,
+}
+
+fn dtype_of(d: Dtype) -> Option<DType> {
+    Some(match d {
+        Dtype::BOOL => DType::Bool,
+        Dtype::U8 => DType::U8,
+        Dtype::I8 => DType::I8,
+        Dtype::F8_E4M3 => DType::F8E4M3,
+        Dtype::F8_E5M2 => DType::F8E5M2,
+        Dtype::I16 => DType::I16,
+        Dtype::U16 => DType::U16,
+        Dtype::F16 => DType::F16,
+        Dtype::BF16 => DType::BF16,
+        Dtype::I32 => DType::I32,
+        Dtype::U32 => DType::U32,
+        Dtype::F32 => DType::F32,
+        Dtype::F64 => DType::F64,
+        Dtype::I64 => DType::I64,
+        Dtype::U64 => DType::U64,
+        _ => return None,
+    })
+}
+
+/// Parse and validate the header of the safetensors file at `path`.
+pub fn read_header(path: &Path) -> Result<Header> {
+    let file = std::fs::File::open(path).at(path)?;
+    let len = file.metadata().at(path)?.len();
+    if len < 8 {
+        return Err(Error::format(path, format!("is not a safetensors file: {len} bytes, shorter than the 8-byte header length")));
+    }
+    // SAFETY: read-only mapping of a file reshard never writes; only the header is read here.
+    let map = unsafe { memmap2::Mmap::map(&file) }.at(path)?;
+    let (n, meta) = SafeTensors::read_metadata(&map).map_err(|e| {
+        let what = match e {
+            ::safetensors::SafeTensorError::MetadataIncompleteBuffer => {
+                "is truncated or has trailing bytes: its size does not match its header".to_string()
+            }
+            other => format!("is not a valid safetensors file: {other}"),
+        };
+        Error::format(path, what)
+    })?;
+    header_from(path, n as u64, &meta)
+}
+
+fn header_from(path: &Path, n: u64, meta: &Metadata) -> Result<Header> {
+    let infos = meta.tensors();
+    let mut tensors = Vec::with_capacity(infos.len());
+    for name in meta.offset_keys() {
+        let info = infos[&name];
+        let dtype = dtype_of(info.dtype).ok_or_else(|| {
+            Error::format(path, format!("tensor `{name}` has dtype {:?}, which reshard does not support", info.dtype))
+        })?;
+        tensors.push(HeaderTensor {
+            name,
+            dtype,
+            shape: info.shape.iter().map(|&s| s as u64).collect(),
+            offset: 8 + n + info.data_offsets.0 as u64,
+        });
+    }
+    let metadata = meta.metadata().clone().unwrap_or_default().into_iter().collect();
+    Ok(Header { tensors, metadata })
+}
+
+/// The `*.safetensors` files directly in `dir`, sorted by name.
+pub fn files_in(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .at(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file() && p.extension().is_some_and(|e| e == "safetensors"))
+        .filter(|p| !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')))
+        .collect();
+    v.sort();
+    Ok(v)
+}
+
+/// A tensor to place in a safetensors file.
+#[derive(Clone, Debug)]
+pub struct Entry {
+    /// Name in the header.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape of the stored box.
+    pub shape: Vec<u64>,
+}
+
+impl Entry {
+    fn nbytes(&self) -> u64 {
+        self.shape.iter().product::<u64>() * self.dtype.size() as u64
+    }
+}
+
+/// Order entries for writing: decreasing element size (stable), so each tensor's data is
+/// aligned to its dtype when the data section starts 8-byte aligned.
+pub fn align_order(entries: &mut [Entry]) {
+    entries.sort_by_key(|e| std::cmp::Reverse(e.dtype.size()));
+}
+
+/// Lay out a safetensors file holding `entries` in the given order: returns the file's header
+/// bytes (length prefix included), each entry's absolute data offset, and the file size.
+pub fn layout_file(entries: &[Entry], metadata: &BTreeMap<String, String>) -> Result<(Vec<u8>, Vec<u64>, u64)> {
+    let mut header = serde_json::Map::new();
+    if !metadata.is_empty() {
+        header.insert("__metadata__".into(), serde_json::to_value(metadata).unwrap_or_default());
+    }
+    let mut rel = 0u64;
+    let mut rels = Vec::with_capacity(entries.len());
+    for e in entries {
+        let n = e.nbytes();
+        header.insert(
+            e.name.clone(),
+            serde_json::json!({"dtype": e.dtype.name(), "shape": e.shape, "data_offsets": [rel, rel + n]}),
+        );
+        rels.push(rel);
+        rel += n;
+    }
+    let mut json = serde_json::to_vec(&header).map_err(|e| Error::usage(format!("cannot encode header: {e}")))?;
+    // Validate what we emit with the safetensors crate itself.
+    serde_json::from_slice::<Metadata>(&json)
+        .map_err(|e| Error::usage(format!("internal error: generated an invalid safetensors header: {e}")))?;
+    while (8 + json.len()) % 8 != 0 {
+        json.push(b' ');
+    }
+    let start = 8 + json.len() as u64;
+    let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&json);
+    Ok((bytes, rels.iter().map(|r| start + r).collect(), start + rel))
+}
+
+/// Build one output file holding `entries` (already ordered); returns the file and each
+/// entry's absolute data offset.
+pub fn output_file(path: PathBuf, entries: &[Entry], metadata: &BTreeMap<String, String>) -> Result<(OutputFile, Vec<u64>)> {
+    let (header, offsets, size) = layout_file(entries, metadata)?;
+    Ok((OutputFile { path, size, literals: vec![(0, header)] }, offsets))
+}
+
+/// Read a single safetensors file as a one-rank checkpoint.
+pub fn read(path: &Path) -> Result<Checkpoint> {
+    let h = read_header(path)?;
+    let tensors = h
+        .tensors
+        .into_iter()
+        .map(|t| TensorLayout {
+            pieces: vec![Piece { rank: 0, region: Region::full(&t.shape), loc: Loc { file: 0, offset: t.offset, strides: None } }],
+            name: t.name,
+            dtype: t.dtype,
+            shape: t.shape,
+        })
+        .collect();
+    Ok(Checkpoint {
+        format: Format::Safetensors,
+        path: path.to_path_buf(),
+        files: vec![path.to_path_buf()],
+        ranks: 1,
+        tensors,
+        metadata: h.metadata,
+    })
+}
+
+/// Lay out a consolidated target as one safetensors file.
+pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
+    let mut entries: Vec<Entry> = target
+        .iter()
+        .map(|t| Entry { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone() })
+        .collect();
+    align_order(&mut entries);
+    let (file, offsets) = output_file(PathBuf::from("model.safetensors"), &entries, &opts.metadata)?;
+    Ok(Output { files: vec![file], tensors: full_layouts(&entries, &offsets, 0) })
+}
+
+/// Layouts of whole tensors stored row-major at `offsets` in output file `file`.
+pub fn full_layouts(entries: &[Entry], offsets: &[u64], file: u32) -> Vec<TensorLayout> {
+    entries
+        .iter()
+        .zip(offsets)
+        .map(|(e, &offset)| TensorLayout {
+            name: e.name.clone(),
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            pieces: vec![Piece { rank: 0, region: Region::full(&e.shape), loc: Loc { file, offset, strides: None } }],
+        })
+        .collect()
+}
