@@ -517,9 +517,27 @@ def _patch_torch21_for_cpu():
         def __exit__(self, *a):
             return False
 
+    class _Event:
+        def __init__(self, *a, **k):
+            pass
+
+        def record(self, *a, **k):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def wait(self, *a, **k):
+            pass
+
+        def query(self):
+            return True
+
+    # FSDP1 (2.1) calls torch.cpu.Stream(priority=...), which 2.1 does not accept, and
+    # torch.cpu.Event, which 2.1 lacks. CPU work is synchronous, so no-ops are equivalent.
     torch.cpu.Stream = _Stream
-    if not hasattr(torch.cpu, "current_stream") or True:
-        torch.cpu.current_stream = lambda *a, **k: _Stream()
+    torch.cpu.Event = _Event
+    torch.cpu.current_stream = lambda *a, **k: _Stream()
     torch.cpu.stream = lambda *a, **k: _Stream()
 
     class _Done:
@@ -603,9 +621,9 @@ def job_fabric(rank, world, port, spec, stage: Path, scale):
             from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
             if any(isinstance(mod, FSDP) for mod in module.modules()):
                 raise RuntimeError("unexpected pre-wrapped module")
-            kwargs = {} if old else {"device_id": torch.device("cpu")}
             module = FSDP(module=module, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
-                          sharding_strategy=self.sharding_strategy, **kwargs, **self._fsdp_kwargs)
+                          sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
+                          **self._fsdp_kwargs)
             _move_torchmetrics_to_device(module, self.root_device)
             _setup_activation_checkpointing(module, self._activation_checkpointing_kwargs)
             return module

@@ -27,8 +27,15 @@ fn sibling(dest: &Path, tag: &str) -> Result<PathBuf> {
     let name = dest
         .file_name()
         .ok_or_else(|| Error::usage(format!("{}: not a file or directory name", dest.display())))?;
-    let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    Ok(parent.join(format!(".{}{tag}{}", name.to_string_lossy(), std::process::id())))
+    let parent = dest
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    Ok(parent.join(format!(
+        ".{}{tag}{}",
+        name.to_string_lossy(),
+        std::process::id()
+    )))
 }
 
 impl Staging {
@@ -41,9 +48,15 @@ impl Staging {
                 dest.display()
             )));
         }
-        let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let parent = dest
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
         if !parent.is_dir() {
-            return Err(Error::usage(format!("{}: directory does not exist", parent.display())));
+            return Err(Error::usage(format!(
+                "{}: directory does not exist",
+                parent.display()
+            )));
         }
         let tmp = sibling(dest, TMP_MARK)?;
         if is_dir {
@@ -52,17 +65,31 @@ impl Staging {
         } else {
             let _ = fs::remove_file(&tmp);
         }
-        Ok(Staging { dest: dest.to_path_buf(), tmp, is_dir, force, committed: false })
+        Ok(Staging {
+            dest: dest.to_path_buf(),
+            tmp,
+            is_dir,
+            force,
+            committed: false,
+        })
     }
 
     /// Where to write the output file `rel` (relative to a directory output; ignored for a
     /// single-file output). Creates the file, empty.
     pub fn create(&self, rel: &Path) -> Result<PathBuf> {
-        let p = if self.is_dir { self.tmp.join(rel) } else { self.tmp.clone() };
+        let p = if self.is_dir {
+            self.tmp.join(rel)
+        } else {
+            self.tmp.clone()
+        };
         if let Some(dir) = p.parent() {
             fs::create_dir_all(dir).at(dir)?;
         }
-        fs::OpenOptions::new().write(true).create_new(true).open(&p).at(&p)?;
+        fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&p)
+            .at(&p)?;
         Ok(p)
     }
 
@@ -73,13 +100,21 @@ impl Staging {
 
     /// Move the staged output into place. Files must already be fsynced.
     pub fn commit(mut self) -> Result<()> {
-        let parent = self.dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
+        let parent = self
+            .dest
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."))
+            .to_path_buf();
         if self.is_dir {
             fsync_dir(&self.tmp)?;
         }
         let exists = fs::symlink_metadata(&self.dest).is_ok();
         if exists && !self.force {
-            return Err(Error::usage(format!("{}: appeared while writing; not replaced (use --force)", self.dest.display())));
+            return Err(Error::usage(format!(
+                "{}: appeared while writing; not replaced (use --force)",
+                self.dest.display()
+            )));
         }
         let replace_dir = exists && (self.is_dir || self.dest.is_dir());
         if replace_dir {
@@ -130,7 +165,10 @@ mod tests {
         assert!(!dest.exists());
         s.commit().unwrap();
         assert_eq!(fs::read(&dest).unwrap(), b"abc");
-        assert!(Staging::new(&dest, false, false).unwrap_err().to_string().contains("already exists"));
+        assert!(Staging::new(&dest, false, false)
+            .unwrap_err()
+            .to_string()
+            .contains("already exists"));
         // dropped without commit: nothing left behind
         let s = Staging::new(&dest, false, true).unwrap();
         fs::write(s.create(Path::new("x")).unwrap(), b"new").unwrap();

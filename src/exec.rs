@@ -10,8 +10,8 @@
 //! memory stays flat whatever the checkpoint size.
 
 use crate::error::{Error, IoContext, Result};
-use crate::plan::{Cast, CopyOp, Plan};
 use crate::layout::DType;
+use crate::plan::{Cast, CopyOp, Plan};
 use half::{bf16, f16};
 use memmap2::Mmap;
 use rayon::prelude::*;
@@ -46,7 +46,11 @@ pub struct ExecOptions {
 
 impl Default for ExecOptions {
     fn default() -> Self {
-        ExecOptions { threads: None, window: 8 << 20, progress: false }
+        ExecOptions {
+            threads: None,
+            window: 8 << 20,
+            progress: false,
+        }
     }
 }
 
@@ -122,8 +126,16 @@ fn clip(op: &CopyOp, w0: u64, w1: u64, out: &mut Vec<Frag>) {
     }
     let ds = op.dst_stride;
     // rows i with d_i < w1 and d_i + dl > w0
-    let i_lo = if op.dst_offset + dl > w0 { 0 } else { (w0 - op.dst_offset - dl) / ds + 1 };
-    let i_hi = if w1 <= op.dst_offset { 0 } else { ((w1 - op.dst_offset).div_ceil(ds)).min(op.count) };
+    let i_lo = if op.dst_offset + dl > w0 {
+        0
+    } else {
+        (w0 - op.dst_offset - dl) / ds + 1
+    };
+    let i_hi = if w1 <= op.dst_offset {
+        0
+    } else {
+        ((w1 - op.dst_offset).div_ceil(ds)).min(op.count)
+    };
     let mut i = i_lo;
     let mut full_start = None;
     let flush = |from: Option<u64>, to: u64, out: &mut Vec<Frag>| {
@@ -222,7 +234,11 @@ fn convert(c: Cast, src: &[u8], dst: &mut [u8]) {
             (DType::F32, DType::BF16) | (DType::F32, DType::F16) => {
                 let s = &src[i * 4..i * 4 + 4];
                 let x = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-                let bits = if c.to == DType::BF16 { bf16::from_f32(x).to_bits() } else { f16::from_f32(x).to_bits() };
+                let bits = if c.to == DType::BF16 {
+                    bf16::from_f32(x).to_bits()
+                } else {
+                    f16::from_f32(x).to_bits()
+                };
                 d.copy_from_slice(&bits.to_le_bytes());
             }
             (_, DType::F16) => d.copy_from_slice(&f16::from_f64(read(i)).to_bits().to_le_bytes()),
@@ -271,18 +287,32 @@ fn run_window(w: &Window, srcs: &[Mmap], dst: &File, dst_path: &Path) -> Result<
             }
         }
     } else {
-        let lo = w.frags.iter().map(|f| match f {
-            Frag::Lit { dst, .. } => *dst,
-            Frag::Op(o) => o.dst_offset,
-        }).min().unwrap_or(w.start);
-        let hi = w.frags.iter().map(|f| match f {
-            Frag::Lit { dst, bytes } => dst + bytes.len() as u64,
-            Frag::Op(o) => o.dst_span().1,
-        }).max().unwrap_or(w.start);
-        let covered: u64 = w.frags.iter().map(|f| match f {
-            Frag::Lit { bytes, .. } => bytes.len() as u64,
-            Frag::Op(o) => o.bytes_written(),
-        }).sum();
+        let lo = w
+            .frags
+            .iter()
+            .map(|f| match f {
+                Frag::Lit { dst, .. } => *dst,
+                Frag::Op(o) => o.dst_offset,
+            })
+            .min()
+            .unwrap_or(w.start);
+        let hi = w
+            .frags
+            .iter()
+            .map(|f| match f {
+                Frag::Lit { dst, bytes } => dst + bytes.len() as u64,
+                Frag::Op(o) => o.dst_span().1,
+            })
+            .max()
+            .unwrap_or(w.start);
+        let covered: u64 = w
+            .frags
+            .iter()
+            .map(|f| match f {
+                Frag::Lit { bytes, .. } => bytes.len() as u64,
+                Frag::Op(o) => o.bytes_written(),
+            })
+            .sum();
         BUF.with(|buf| -> Result<()> {
             let mut buf = buf.borrow_mut();
             buf.resize((hi - lo) as usize, 0);
@@ -321,9 +351,20 @@ fn run_window(w: &Window, srcs: &[Mmap], dst: &File, dst_path: &Path) -> Result<
 }
 
 /// Check every op stays within its source mapping and destination size.
-fn check_bounds(plan: &Plan, sources: &[PathBuf], maps: &[Mmap], outputs: &[OutputFile]) -> Result<()> {
+fn check_bounds(
+    plan: &Plan,
+    sources: &[PathBuf],
+    maps: &[Mmap],
+    outputs: &[OutputFile],
+) -> Result<()> {
     for o in &plan.ops {
-        let s = maps.get(o.src as usize).ok_or_else(|| Error::usage(format!("plan names source file #{} of {}", o.src, maps.len())))?;
+        let s = maps.get(o.src as usize).ok_or_else(|| {
+            Error::usage(format!(
+                "plan names source file #{} of {}",
+                o.src,
+                maps.len()
+            ))
+        })?;
         let (_, b) = o.src_span();
         if b > s.len() as u64 {
             return Err(Error::format(
@@ -331,11 +372,20 @@ fn check_bounds(plan: &Plan, sources: &[PathBuf], maps: &[Mmap], outputs: &[Outp
                 format!("is shorter than its metadata says: bytes up to {b} are needed, the file has {}", s.len()),
             ));
         }
-        let d = outputs.get(o.dst as usize).ok_or_else(|| Error::usage(format!("plan names destination file #{}", o.dst)))?;
+        let d = outputs
+            .get(o.dst as usize)
+            .ok_or_else(|| Error::usage(format!("plan names destination file #{}", o.dst)))?;
         if o.dst_span().1 > d.size {
-            return Err(Error::usage(format!("{}: copy past the end of the output ({} > {})", d.path.display(), o.dst_span().1, d.size)));
+            return Err(Error::usage(format!(
+                "{}: copy past the end of the output ({} > {})",
+                d.path.display(),
+                o.dst_span().1,
+                d.size
+            )));
         }
-        if o.count == 0 || (o.cast.is_some() && o.len % o.cast.map_or(1, |c| c.from.size() as u64) != 0) {
+        if o.count == 0
+            || (o.cast.is_some() && o.len % o.cast.map_or(1, |c| c.from.size() as u64) != 0)
+        {
             return Err(Error::usage("malformed copy op in plan"));
         }
     }
@@ -385,10 +435,15 @@ pub fn execute(
         .build()
         .map_err(|e| Error::usage(format!("cannot start worker threads: {e}")))?;
     let bar = if opts.progress {
-        let b = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
+        let b = indicatif::ProgressBar::with_draw_target(
+            Some(total),
+            indicatif::ProgressDrawTarget::stderr(),
+        );
         b.set_style(
-            indicatif::ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            indicatif::ProgressStyle::with_template(
+                "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
         b
     } else {
@@ -397,7 +452,12 @@ pub fn execute(
     let done = AtomicU64::new(0);
     pool.install(|| {
         wins.par_iter().try_for_each(|w| {
-            run_window(w, &maps, &files[w.dst as usize], &dest_paths[w.dst as usize])?;
+            run_window(
+                w,
+                &maps,
+                &files[w.dst as usize],
+                &dest_paths[w.dst as usize],
+            )?;
             bar.inc(w.end - w.start);
             done.fetch_add(1, Ordering::Relaxed);
             Ok::<(), Error>(())
@@ -410,7 +470,11 @@ pub fn execute(
     Ok(ExecStats {
         bytes_read: plan.bytes_read(),
         bytes_written: plan.bytes_written()
-            + outputs.iter().flat_map(|o| &o.literals).map(|(_, b)| b.len() as u64).sum::<u64>(),
+            + outputs
+                .iter()
+                .flat_map(|o| &o.literals)
+                .map(|(_, b)| b.len() as u64)
+                .sum::<u64>(),
         windows: wins.len(),
         threads: pool.current_num_threads(),
     })
@@ -419,7 +483,10 @@ pub fn execute(
 /// Bytes of destination each of `threads` workers would get if windows were dealt greedily
 /// (largest first) — the per-thread balance `reshard plan` shows.
 pub fn balance(plan: &Plan, outputs: &[OutputFile], threads: usize, window: u64) -> Vec<u64> {
-    let mut sizes: Vec<u64> = windows(plan, outputs, window).iter().map(|w| w.end - w.start).collect();
+    let mut sizes: Vec<u64> = windows(plan, outputs, window)
+        .iter()
+        .map(|w| w.end - w.start)
+        .collect();
     sizes.sort_unstable_by(|a, b| b.cmp(a));
     let mut load = vec![0u64; threads.max(1)];
     for s in sizes {
@@ -436,7 +503,17 @@ mod tests {
 
     #[test]
     fn clip_strided_op_into_windows_keeps_every_byte_once() {
-        let op = CopyOp { src: 0, src_offset: 0, dst: 0, dst_offset: 4, len: 6, count: 10, src_stride: 6, dst_stride: 16, cast: None };
+        let op = CopyOp {
+            src: 0,
+            src_offset: 0,
+            dst: 0,
+            dst_offset: 4,
+            len: 6,
+            count: 10,
+            src_stride: 6,
+            dst_stride: 16,
+            cast: None,
+        };
         let mut seen = vec![0u8; 200];
         for w0 in (0..200).step_by(24) {
             let mut out = vec![];
@@ -449,7 +526,10 @@ mod tests {
                         let d = o.dst_offset + r * o.dst_stride + b;
                         // source byte matches destination byte's position in the original op
                         let row = (d - 4) / 16;
-                        assert_eq!(o.src_offset + r * o.src_stride + b, row * 6 + (d - 4 - row * 16));
+                        assert_eq!(
+                            o.src_offset + r * o.src_stride + b,
+                            row * 6 + (d - 4 - row * 16)
+                        );
                         seen[d as usize] += 1;
                     }
                 }
@@ -468,16 +548,43 @@ mod tests {
         let vals = [0.0f32, 1.5, -2.25, 65504.0, 1e-3];
         let src: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
         let mut mid = vec![0u8; vals.len() * 2];
-        convert(Cast { from: DType::F32, to: DType::BF16 }, &src, &mut mid);
+        convert(
+            Cast {
+                from: DType::F32,
+                to: DType::BF16,
+            },
+            &src,
+            &mut mid,
+        );
         let mut back = vec![0u8; vals.len() * 4];
-        convert(Cast { from: DType::BF16, to: DType::F32 }, &mid, &mut back);
-        let got: Vec<f32> = back.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        convert(
+            Cast {
+                from: DType::BF16,
+                to: DType::F32,
+            },
+            &mid,
+            &mut back,
+        );
+        let got: Vec<f32> = back
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
         for (g, v) in got.iter().zip(vals) {
             assert_eq!(*g, bf16::from_f32(v).to_f32());
         }
         assert_eq!(got[1], 1.5);
         let mut h = vec![0u8; vals.len() * 2];
-        convert(Cast { from: DType::F32, to: DType::F16 }, &src, &mut h);
-        assert_eq!(f16::from_bits(u16::from_le_bytes([h[6], h[7]])).to_f32(), 65504.0);
+        convert(
+            Cast {
+                from: DType::F32,
+                to: DType::F16,
+            },
+            &src,
+            &mut h,
+        );
+        assert_eq!(
+            f16::from_bits(u16::from_le_bytes([h[6], h[7]])).to_f32(),
+            65504.0
+        );
     }
 }

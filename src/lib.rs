@@ -9,12 +9,13 @@
 //!   the outputs atomically;
 //! - [`convert`]: the end-to-end job the CLI and trainers call.
 
+pub mod commit;
+pub mod convert;
 pub mod error;
+pub mod exec;
+pub mod formats;
 pub mod layout;
 pub mod plan;
-pub mod exec;
-pub mod commit;
-pub mod formats;
 pub mod target;
 
 pub use error::{Error, Result};

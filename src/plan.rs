@@ -130,9 +130,9 @@ pub fn plan(src: &[TensorLayout], dst: &[TensorLayout]) -> Result<Plan> {
     let by_name: HashMap<&str, &TensorLayout> = src.iter().map(|t| (t.name.as_str(), t)).collect();
     let mut out = Plan::default();
     for d in dst {
-        let s = by_name.get(d.name.as_str()).ok_or_else(|| {
-            Error::layout(&d.name, "is in the target but not in the source")
-        })?;
+        let s = by_name
+            .get(d.name.as_str())
+            .ok_or_else(|| Error::layout(&d.name, "is in the target but not in the source"))?;
         let before = out.ops.len();
         plan_tensor(s, d, &mut out.ops)?;
         let ops = &out.ops[before..];
@@ -157,24 +157,36 @@ pub fn plan_tensor(src: &TensorLayout, dst: &TensorLayout, ops: &mut Vec<CopyOp>
     if src.shape != dst.shape {
         return Err(Error::layout(
             &dst.name,
-            format!("source shape {:?} differs from target shape {:?}", src.shape, dst.shape),
+            format!(
+                "source shape {:?} differs from target shape {:?}",
+                src.shape, dst.shape
+            ),
         ));
     }
     if !src.dtype.can_cast_to(dst.dtype) {
         return Err(Error::layout(
             &dst.name,
-            format!("cannot convert {} to {} (only between f16, bf16, f32, f64)", src.dtype, dst.dtype),
+            format!(
+                "cannot convert {} to {} (only between f16, bf16, f32, f64)",
+                src.dtype, dst.dtype
+            ),
         ));
     }
     src.validate()?;
     dst.validate()?;
-    let cast = (src.dtype != dst.dtype).then_some(Cast { from: src.dtype, to: dst.dtype });
+    let cast = (src.dtype != dst.dtype).then_some(Cast {
+        from: src.dtype,
+        to: dst.dtype,
+    });
     let (es, ed) = (src.dtype.size() as u64, dst.dtype.size() as u64);
 
     // Group source replicas by region.
     let groups_regions = distinct_regions(src.pieces.iter().map(|p| &p.region));
-    let index: HashMap<&Region, usize> =
-        groups_regions.iter().enumerate().map(|(i, r)| (*r, i)).collect();
+    let index: HashMap<&Region, usize> = groups_regions
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (*r, i))
+        .collect();
     let mut replicas: Vec<Vec<usize>> = vec![vec![]; groups_regions.len()];
     for (i, p) in src.pieces.iter().enumerate() {
         if let Some(&g) = index.get(&p.region) {
@@ -196,8 +208,18 @@ pub fn plan_tensor(src: &TensorLayout, dst: &TensorLayout, ops: &mut Vec<CopyOp>
         let si = reps[(j + g) % reps.len()];
         let sp = &src.pieces[si];
         let dp = &dst.pieces[j];
-        let s = Strided { region: &sp.region, base: sp.loc.offset, strides: &src_strides[si], elem: es };
-        let d = Strided { region: &dp.region, base: dp.loc.offset, strides: &dst_strides[j], elem: ed };
+        let s = Strided {
+            region: &sp.region,
+            base: sp.loc.offset,
+            strides: &src_strides[si],
+            elem: es,
+        };
+        let d = Strided {
+            region: &dp.region,
+            base: dp.loc.offset,
+            strides: &dst_strides[j],
+            elem: ed,
+        };
         for_each_run(&b, &s, &d, |r| {
             ops.push(CopyOp {
                 src: sp.loc.file,
@@ -250,11 +272,24 @@ mod tests {
             let mut off = 0;
             for region in s.rank_regions(shape, r) {
                 let n = region.volume() * dtype.size() as u64;
-                pieces.push(Piece { rank: r as u32, region, loc: Loc { file: r as u32, offset: off, strides: None } });
+                pieces.push(Piece {
+                    rank: r as u32,
+                    region,
+                    loc: Loc {
+                        file: r as u32,
+                        offset: off,
+                        strides: None,
+                    },
+                });
                 off += n;
             }
         }
-        TensorLayout { name: name.into(), dtype, shape: shape.to_vec(), pieces }
+        TensorLayout {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            pieces,
+        }
     }
 
     #[test]
@@ -271,7 +306,10 @@ mod tests {
 
     #[test]
     fn replicas_are_read_once() {
-        let s = Sharding { mesh: crate::layout::Mesh(vec![2, 2]), placements: vec!["S(0)".parse().unwrap(), "R".parse().unwrap()] };
+        let s = Sharding {
+            mesh: crate::layout::Mesh(vec![2, 2]),
+            placements: vec!["S(0)".parse().unwrap(), "R".parse().unwrap()],
+        };
         let src = sharded("w", DType::BF16, &[7, 3], &s);
         let dst = sharded("w", DType::BF16, &[7, 3], &Sharding::fsdp(3));
         let p = plan(&[src], &[dst]).unwrap();
@@ -280,12 +318,18 @@ mod tests {
 
     #[test]
     fn column_shards_become_strided_ops_and_casts_convert_sizes() {
-        let s1 = Sharding { mesh: crate::layout::Mesh(vec![4]), placements: vec![crate::layout::Placement::Shard(1)] };
+        let s1 = Sharding {
+            mesh: crate::layout::Mesh(vec![4]),
+            placements: vec![crate::layout::Placement::Shard(1)],
+        };
         let src = sharded("w", DType::BF16, &[6, 8], &s1);
         let mut dst = sharded("w", DType::F32, &[6, 8], &Sharding::fsdp(1));
         let p = plan(&[src.clone()], &[dst.clone()]).unwrap();
         assert_eq!(p.ops.len(), 4);
-        assert!(p.ops.iter().all(|o| o.count == 6 && o.len == 4 && o.dst_len() == 8 && o.dst_stride == 32));
+        assert!(p
+            .ops
+            .iter()
+            .all(|o| o.count == 6 && o.len == 4 && o.dst_len() == 8 && o.dst_stride == 32));
         assert_eq!(p.bytes_written(), 6 * 8 * 4);
         dst.dtype = DType::I32;
         let e = plan(&[src], &[dst]).unwrap_err().to_string();

@@ -49,7 +49,11 @@ pub struct LayoutSpec {
 impl LayoutSpec {
     /// FSDP2's default: `Shard(0)` over `world` ranks.
     pub fn fsdp(world: u64) -> Self {
-        LayoutSpec { mesh: vec![world], rules: vec![], flat: false }
+        LayoutSpec {
+            mesh: vec![world],
+            rules: vec![],
+            flat: false,
+        }
     }
 
     /// Read and check a layout file.
@@ -57,23 +61,33 @@ impl LayoutSpec {
         let text = std::fs::read_to_string(path).at(path)?;
         let spec: LayoutSpec = serde_json::from_str(&text)
             .map_err(|e| Error::format(path, format!("is not a valid layout file: {e}")))?;
-        spec.check().map_err(|e| Error::format(path, e.to_string()))?;
+        spec.check()
+            .map_err(|e| Error::format(path, e.to_string()))?;
         Ok(spec)
     }
 
     /// Check the mesh and rules are consistent.
     pub fn check(&self) -> Result<()> {
         if self.mesh.is_empty() || self.mesh.contains(&0) {
-            return Err(Error::usage(format!("mesh {:?} must have at least one dimension, none of size 0", self.mesh)));
+            return Err(Error::usage(format!(
+                "mesh {:?} must have at least one dimension, none of size 0",
+                self.mesh
+            )));
         }
-        if self.mesh.iter().try_fold(1u64, |a, &b| a.checked_mul(b)).is_none_or(|w| w > u32::MAX as u64) {
+        if self
+            .mesh
+            .iter()
+            .try_fold(1u64, |a, &b| a.checked_mul(b))
+            .is_none_or(|w| w > u32::MAX as u64)
+        {
             return Err(Error::usage(format!("mesh {:?} is too large", self.mesh)));
         }
         if self.flat && self.mesh.len() != 1 {
             return Err(Error::usage("a flat layout needs a 1-D mesh"));
         }
         for r in &self.rules {
-            Glob::new(&r.pattern).map_err(|e| Error::usage(format!("bad glob `{}`: {e}", r.pattern)))?;
+            Glob::new(&r.pattern)
+                .map_err(|e| Error::usage(format!("bad glob `{}`: {e}", r.pattern)))?;
             if r.placements.len() != self.mesh.len() {
                 return Err(Error::usage(format!(
                     "rule `{}` has {} placements for a {}-d mesh",
@@ -92,7 +106,12 @@ impl LayoutSpec {
     }
 
     /// The placements a tensor named `name` with `ndim` dimensions gets.
-    pub fn sharding_for(&self, name: &str, ndim: usize, rules: &[(GlobMatcher, Vec<Placement>)]) -> Sharding {
+    pub fn sharding_for(
+        &self,
+        name: &str,
+        ndim: usize,
+        rules: &[(GlobMatcher, Vec<Placement>)],
+    ) -> Sharding {
         let placements = rules
             .iter()
             .find(|(m, _)| m.is_match(name))
@@ -108,7 +127,10 @@ impl LayoutSpec {
                 _ => p,
             })
             .collect();
-        Sharding { mesh: Mesh(self.mesh.clone()), placements }
+        Sharding {
+            mesh: Mesh(self.mesh.clone()),
+            placements,
+        }
     }
 
     /// Compile the spec for tensors `(name, dtype, shape)`: the regions every rank holds.
@@ -120,7 +142,12 @@ impl LayoutSpec {
             let (shares, _) = flat_ranges(&shapes, world);
             let mut out: Vec<TargetTensor> = tensors
                 .iter()
-                .map(|(n, d, s)| TargetTensor { name: n.clone(), dtype: *d, shape: s.clone(), ranks: vec![vec![]; world as usize] })
+                .map(|(n, d, s)| TargetTensor {
+                    name: n.clone(),
+                    dtype: *d,
+                    shape: s.clone(),
+                    ranks: vec![vec![]; world as usize],
+                })
                 .collect();
             for (r, share) in shares.into_iter().enumerate() {
                 for (t, boxes) in share {
@@ -138,7 +165,14 @@ impl LayoutSpec {
         let rules: Vec<(GlobMatcher, Vec<Placement>)> = self
             .rules
             .iter()
-            .map(|r| Ok((Glob::new(&r.pattern).map_err(|e| Error::usage(e.to_string()))?.compile_matcher(), r.placements.clone())))
+            .map(|r| {
+                Ok((
+                    Glob::new(&r.pattern)
+                        .map_err(|e| Error::usage(e.to_string()))?
+                        .compile_matcher(),
+                    r.placements.clone(),
+                ))
+            })
             .collect::<Result<_>>()?;
         Ok(tensors
             .iter()
@@ -166,21 +200,44 @@ mod tests {
         )
         .unwrap();
         let t = spec
-            .compile(&[("a.bias".into(), DType::F32, vec![5]), ("a.w".into(), DType::F32, vec![4, 6])])
+            .compile(&[
+                ("a.bias".into(), DType::F32, vec![5]),
+                ("a.w".into(), DType::F32, vec![4, 6]),
+            ])
             .unwrap();
         // Shard(1) on a 1-d bias becomes Replicate: every rank holds it whole
-        assert!(t[0].ranks.iter().all(|r| r == &vec![Region::new(vec![0], vec![5])]));
+        assert!(t[0]
+            .ranks
+            .iter()
+            .all(|r| r == &vec![Region::new(vec![0], vec![5])]));
         assert_eq!(t[1].ranks[3], vec![Region::new(vec![2, 3], vec![2, 3])]);
         assert!(serde_json::from_str::<LayoutSpec>(r#"{"mesh":[2],"rulez":[]}"#).is_err());
-        let bad = LayoutSpec { mesh: vec![2], rules: vec![Rule { pattern: "*".into(), placements: vec![] }], flat: false };
+        let bad = LayoutSpec {
+            mesh: vec![2],
+            rules: vec![Rule {
+                pattern: "*".into(),
+                placements: vec![],
+            }],
+            flat: false,
+        };
         assert!(bad.check().is_err());
     }
 
     #[test]
     fn flat_spec_gives_each_rank_a_range() {
-        let spec = LayoutSpec { mesh: vec![3], rules: vec![], flat: true };
-        let t = spec.compile(&[("a".into(), DType::F32, vec![2, 2]), ("b".into(), DType::F32, vec![3])]).unwrap();
-        let vol = |r: usize| -> u64 { t.iter().flat_map(|x| &x.ranks[r]).map(|g| g.volume()).sum() };
+        let spec = LayoutSpec {
+            mesh: vec![3],
+            rules: vec![],
+            flat: true,
+        };
+        let t = spec
+            .compile(&[
+                ("a".into(), DType::F32, vec![2, 2]),
+                ("b".into(), DType::F32, vec![3]),
+            ])
+            .unwrap();
+        let vol =
+            |r: usize| -> u64 { t.iter().flat_map(|x| &x.ranks[r]).map(|g| g.volume()).sum() };
         assert_eq!((vol(0), vol(1), vol(2)), (3, 3, 1));
     }
 }

@@ -20,9 +20,14 @@ pub fn index_path(dir: &Path) -> Option<PathBuf> {
     if p.is_file() {
         return Some(p);
     }
-    let mut found = std::fs::read_dir(dir).ok()?.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| {
-        p.is_file() && p.file_name().is_some_and(|n| n.to_string_lossy().ends_with(".safetensors.index.json"))
-    });
+    let mut found = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.is_file()
+                && p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().ends_with(".safetensors.index.json"))
+        });
     let first = found.next()?;
     found.next().is_none().then_some(first)
 }
@@ -31,8 +36,8 @@ pub fn index_path(dir: &Path) -> Option<PathBuf> {
 pub fn read(dir: &Path) -> Result<Checkpoint> {
     let index = index_path(dir).ok_or_else(|| Error::format(dir, format!("has no {INDEX}")))?;
     let text = std::fs::read_to_string(&index).at(&index)?;
-    let json: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| Error::format(&index, format!("is not valid JSON: {e}")))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::format(&index, format!("is not valid JSON: {e}")))?;
     let map = json
         .get("weight_map")
         .and_then(|m| m.as_object())
@@ -43,18 +48,24 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
     let mut tensors = vec![];
     let mut metadata = Default::default();
     for (name, file) in map {
-        let file = file
-            .as_str()
-            .ok_or_else(|| Error::format(&index, format!("`weight_map.{name}` is not a file name")))?;
+        let file = file.as_str().ok_or_else(|| {
+            Error::format(&index, format!("`weight_map.{name}` is not a file name"))
+        })?;
         if file.contains('/') || file.contains('\\') || file.starts_with('.') {
-            return Err(Error::format(&index, format!("`{name}` points at `{file}`, outside the checkpoint directory")));
+            return Err(Error::format(
+                &index,
+                format!("`{name}` points at `{file}`, outside the checkpoint directory"),
+            ));
         }
         let ix = match file_ix.get(file) {
             Some(&ix) => ix,
             None => {
                 let path = dir.join(file);
                 if !path.is_file() {
-                    return Err(Error::format(&path, format!("is missing (named by {INDEX} for `{name}`)")));
+                    return Err(Error::format(
+                        &path,
+                        format!("is missing (named by {INDEX} for `{name}`)"),
+                    ));
                 }
                 let h = read_header(&path)?;
                 if files.is_empty() {
@@ -68,28 +79,55 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         };
         let h = &headers[ix as usize];
         let t = h.tensors.iter().find(|t| &t.name == name).ok_or_else(|| {
-            Error::format(&files[ix as usize], format!("has no tensor `{name}`, which {INDEX} maps to it"))
+            Error::format(
+                &files[ix as usize],
+                format!("has no tensor `{name}`, which {INDEX} maps to it"),
+            )
         })?;
         tensors.push(TensorLayout {
             name: name.clone(),
             dtype: t.dtype,
             shape: t.shape.clone(),
-            pieces: vec![Piece { rank: 0, region: Region::full(&t.shape), loc: Loc { file: ix, offset: t.offset, strides: None } }],
+            pieces: vec![Piece {
+                rank: 0,
+                region: Region::full(&t.shape),
+                loc: Loc {
+                    file: ix,
+                    offset: t.offset,
+                    strides: None,
+                },
+            }],
         });
     }
     for (f, h) in files.iter().zip(&headers) {
         if let Some(t) = h.tensors.iter().find(|t| !map.contains_key(&t.name)) {
-            return Err(Error::format(f, format!("holds tensor `{}`, which {INDEX} does not list", t.name)));
+            return Err(Error::format(
+                f,
+                format!("holds tensor `{}`, which {INDEX} does not list", t.name),
+            ));
         }
     }
-    Ok(Checkpoint { format: Format::Hf, path: dir.to_path_buf(), files, ranks: 1, tensors, metadata })
+    Ok(Checkpoint {
+        format: Format::Hf,
+        path: dir.to_path_buf(),
+        files,
+        ranks: 1,
+        tensors,
+        metadata,
+    })
 }
 
 /// Lay out a consolidated target as Hugging Face shards of at most `max_shard_size` bytes
 /// (a tensor larger than that gets a file of its own) plus the index.
 pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
-    let mut entries: Vec<Entry> =
-        target.iter().map(|t| Entry { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone() }).collect();
+    let mut entries: Vec<Entry> = target
+        .iter()
+        .map(|t| Entry {
+            name: t.name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+        })
+        .collect();
     align_order(&mut entries);
     let mut groups: Vec<Vec<Entry>> = vec![];
     let mut cur = 0u64;
@@ -134,6 +172,10 @@ pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
     let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": ordered});
     let mut bytes = serde_json::to_vec_pretty(&index).unwrap_or_default();
     bytes.push(b'\n');
-    files.push(OutputFile { path: PathBuf::from(INDEX), size: bytes.len() as u64, literals: vec![(0, bytes)] });
+    files.push(OutputFile {
+        path: PathBuf::from(INDEX),
+        size: bytes.len() as u64,
+        literals: vec![(0, bytes)],
+    });
     Ok(Output { files, tensors })
 }

@@ -40,12 +40,21 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
     let named = files.iter().all(|f| rank_of(f).is_some());
     for (fi, path) in files.iter().enumerate() {
         let h = read_header(path)?;
-        let rank = if named { rank_of(path).unwrap_or(0) } else { fi as u32 };
+        let rank = if named {
+            rank_of(path).unwrap_or(0)
+        } else {
+            fi as u32
+        };
         ranks_seen.insert(rank);
         let info: serde_json::Map<String, serde_json::Value> = match h.metadata.get(SHARDING_INFO) {
             Some(s) => match serde_json::from_str(s) {
                 Ok(serde_json::Value::Object(m)) => m,
-                _ => return Err(Error::format(path, format!("`{SHARDING_INFO}` in the header is not a JSON object"))),
+                _ => {
+                    return Err(Error::format(
+                        path,
+                        format!("`{SHARDING_INFO}` in the header is not a JSON object"),
+                    ))
+                }
             },
             None => Default::default(),
         };
@@ -61,28 +70,44 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                     .and_then(|o| o.as_array())
                     .and_then(|a| a.iter().map(|x| x.as_u64()).collect::<Option<Vec<u64>>>())
                     .ok_or_else(|| {
-                        Error::format(path, format!("`{SHARDING_INFO}` of `{}` has no list of saved_offsets", t.name))
+                        Error::format(
+                            path,
+                            format!(
+                                "`{SHARDING_INFO}` of `{}` has no list of saved_offsets",
+                                t.name
+                            ),
+                        )
                     })?,
                 None => vec![0; t.shape.len()],
             };
             if offsets.len() != t.shape.len() {
                 return Err(Error::format(
                     path,
-                    format!("tensor `{}` has {} dims but {} saved_offsets", t.name, t.shape.len(), offsets.len()),
+                    format!(
+                        "tensor `{}` has {} dims but {} saved_offsets",
+                        t.name,
+                        t.shape.len(),
+                        offsets.len()
+                    ),
                 ));
             }
             let piece = Piece {
                 rank,
                 region: Region::new(offsets, t.shape.clone()),
-                loc: Loc { file: fi as u32, offset: t.offset, strides: None },
+                loc: Loc {
+                    file: fi as u32,
+                    offset: t.offset,
+                    strides: None,
+                },
             };
             match by_name.get_mut(&t.name) {
                 Some(l) => {
-                    if l.dtype != t.dtype || l.shape.len() != t.shape.len() {
+                    let ndim = l.pieces[0].region.ndim();
+                    if l.dtype != t.dtype || ndim != t.shape.len() {
                         return Err(Error::format(
                             path,
                             format!("tensor `{}` is {} with {} dims here but {} with {} dims in another shard",
-                                t.name, t.dtype, t.shape.len(), l.dtype, l.shape.len()),
+                                t.name, t.dtype, t.shape.len(), l.dtype, ndim),
                         ));
                     }
                     l.pieces.push(piece);
@@ -91,7 +116,12 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                     order.push(t.name.clone());
                     by_name.insert(
                         t.name.clone(),
-                        TensorLayout { name: t.name, dtype: t.dtype, shape: vec![], pieces: vec![piece] },
+                        TensorLayout {
+                            name: t.name,
+                            dtype: t.dtype,
+                            shape: vec![],
+                            pieces: vec![piece],
+                        },
                     );
                 }
             }
@@ -102,7 +132,11 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         if let Some(missing) = (0..ranks).find(|r| !ranks_seen.contains(r)) {
             return Err(Error::format(
                 dir.join(format!("shard-{:05}-…", missing + 1)),
-                format!("is missing: files of {} ranks are present, up to shard {:05}", ranks_seen.len(), ranks),
+                format!(
+                    "is missing: files of {} ranks are present, up to shard {:05}",
+                    ranks_seen.len(),
+                    ranks
+                ),
             ));
         }
     }
@@ -116,7 +150,14 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             l
         })
         .collect();
-    Ok(Checkpoint { format: Format::HfStorage, path: dir.to_path_buf(), files, ranks, tensors, metadata })
+    Ok(Checkpoint {
+        format: Format::HfStorage,
+        path: dir.to_path_buf(),
+        files,
+        ranks,
+        tensors,
+        metadata,
+    })
 }
 
 /// Lay out `target` as per-rank shards over `world` ranks. A region held by several ranks
@@ -140,7 +181,14 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
                 if files.len() <= k {
                     files.push(vec![]);
                 }
-                files[k].push((Entry { name: t.name.clone(), dtype: t.dtype, shape: reg.sizes.clone() }, reg.offsets.clone()));
+                files[k].push((
+                    Entry {
+                        name: t.name.clone(),
+                        dtype: t.dtype,
+                        shape: reg.sizes.clone(),
+                    },
+                    reg.offsets.clone(),
+                ));
                 k += 1;
             }
         }
@@ -159,19 +207,31 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
                 info.insert(e.name.clone(), serde_json::json!({"saved_offsets": offs}));
             }
             let mut meta = opts.metadata.clone();
-            meta.insert(SHARDING_INFO.into(), serde_json::Value::Object(info).to_string());
+            meta.insert(
+                SHARDING_INFO.into(),
+                serde_json::Value::Object(info).to_string(),
+            );
             meta.insert("DCP_VERSION".into(), "1.0".into());
             meta.insert("format".into(), "pt".into());
             let mut entries: Vec<Entry> = group.iter().map(|(e, _)| e.clone()).collect();
             align_order(&mut entries);
-            let name = PathBuf::from(format!("shard-{:05}-model-{:05}-of-{:05}.safetensors", r + 1, k + 1, n));
+            let name = PathBuf::from(format!(
+                "shard-{:05}-model-{:05}-of-{:05}.safetensors",
+                r + 1,
+                k + 1,
+                n
+            ));
             let (file, offsets) = output_file(name, &entries, &meta)?;
             let fi = files.len() as u32;
             for ((e, offs), offset) in group.iter().zip(offsets) {
                 pieces.entry(e.name.clone()).or_default().push(Piece {
                     rank: r as u32,
                     region: Region::new(offs.clone(), e.shape.clone()),
-                    loc: Loc { file: fi, offset, strides: None },
+                    loc: Loc {
+                        file: fi,
+                        offset,
+                        strides: None,
+                    },
                 });
             }
             files.push(file);

@@ -62,7 +62,9 @@ impl FromStr for Format {
             "safetensors" | "st" => Ok(Format::Safetensors),
             "hf" | "hf-sharded" => Ok(Format::Hf),
             "hf-storage" | "hf-distributed" => Ok(Format::HfStorage),
-            _ => Err(format!("unknown format `{s}` (expected safetensors, hf or hf-storage)")),
+            _ => Err(format!(
+                "unknown format `{s}` (expected safetensors, hf or hf-storage)"
+            )),
         }
     }
 }
@@ -110,7 +112,11 @@ impl Checkpoint {
                 let end = p.loc.offset.saturating_add(p.span_bytes(elem));
                 let size = sizes.get(p.loc.file as usize).copied().unwrap_or(0);
                 if end > size {
-                    let f = self.files.get(p.loc.file as usize).cloned().unwrap_or_default();
+                    let f = self
+                        .files
+                        .get(p.loc.file as usize)
+                        .cloned()
+                        .unwrap_or_default();
                     return Err(Error::format(
                         f,
                         format!(
@@ -185,7 +191,10 @@ pub struct WriteOptions {
 
 impl Default for WriteOptions {
     fn default() -> Self {
-        WriteOptions { max_shard_size: 5_000_000_000, metadata: BTreeMap::new() }
+        WriteOptions {
+            max_shard_size: 5_000_000_000,
+            metadata: BTreeMap::new(),
+        }
     }
 }
 
@@ -199,7 +208,12 @@ pub struct Output {
 }
 
 /// Lay out `target` (over `world` ranks) in `format`.
-pub fn write(format: Format, target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
+pub fn write(
+    format: Format,
+    target: &[TargetTensor],
+    world: u32,
+    opts: &WriteOptions,
+) -> Result<Output> {
     match format {
         Format::Safetensors => {
             if world != 1 {

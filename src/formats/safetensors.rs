@@ -63,7 +63,12 @@ pub fn read_header(path: &Path) -> Result<Header> {
     let file = std::fs::File::open(path).at(path)?;
     let len = file.metadata().at(path)?.len();
     if len < 8 {
-        return Err(Error::format(path, format!("is not a safetensors file: {len} bytes, shorter than the 8-byte header length")));
+        return Err(Error::format(
+            path,
+            format!(
+                "is not a safetensors file: {len} bytes, shorter than the 8-byte header length"
+            ),
+        ));
     }
     // SAFETY: read-only mapping of a file reshard never writes; only the header is read here.
     let map = unsafe { memmap2::Mmap::map(&file) }.at(path)?;
@@ -85,7 +90,13 @@ fn header_from(path: &Path, n: u64, meta: &Metadata) -> Result<Header> {
     for name in meta.offset_keys() {
         let info = infos[&name];
         let dtype = dtype_of(info.dtype).ok_or_else(|| {
-            Error::format(path, format!("tensor `{name}` has dtype {:?}, which reshard does not support", info.dtype))
+            Error::format(
+                path,
+                format!(
+                    "tensor `{name}` has dtype {:?}, which reshard does not support",
+                    info.dtype
+                ),
+            )
         })?;
         tensors.push(HeaderTensor {
             name,
@@ -94,7 +105,12 @@ fn header_from(path: &Path, n: u64, meta: &Metadata) -> Result<Header> {
             offset: 8 + n + info.data_offsets.0 as u64,
         });
     }
-    let metadata = meta.metadata().clone().unwrap_or_default().into_iter().collect();
+    let metadata = meta
+        .metadata()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
     Ok(Header { tensors, metadata })
 }
 
@@ -104,7 +120,10 @@ pub fn files_in(dir: &Path) -> Result<Vec<PathBuf>> {
         .at(dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.is_file() && p.extension().is_some_and(|e| e == "safetensors"))
-        .filter(|p| !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')))
+        .filter(|p| {
+            !p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with('.'))
+        })
         .collect();
     v.sort();
     Ok(v)
@@ -135,10 +154,16 @@ pub fn align_order(entries: &mut [Entry]) {
 
 /// Lay out a safetensors file holding `entries` in the given order: returns the file's header
 /// bytes (length prefix included), each entry's absolute data offset, and the file size.
-pub fn layout_file(entries: &[Entry], metadata: &BTreeMap<String, String>) -> Result<(Vec<u8>, Vec<u64>, u64)> {
+pub fn layout_file(
+    entries: &[Entry],
+    metadata: &BTreeMap<String, String>,
+) -> Result<(Vec<u8>, Vec<u64>, u64)> {
     let mut header = serde_json::Map::new();
     if !metadata.is_empty() {
-        header.insert("__metadata__".into(), serde_json::to_value(metadata).unwrap_or_default());
+        header.insert(
+            "__metadata__".into(),
+            serde_json::to_value(metadata).unwrap_or_default(),
+        );
     }
     let mut rel = 0u64;
     let mut rels = Vec::with_capacity(entries.len());
@@ -151,10 +176,14 @@ pub fn layout_file(entries: &[Entry], metadata: &BTreeMap<String, String>) -> Re
         rels.push(rel);
         rel += n;
     }
-    let mut json = serde_json::to_vec(&header).map_err(|e| Error::usage(format!("cannot encode header: {e}")))?;
+    let mut json = serde_json::to_vec(&header)
+        .map_err(|e| Error::usage(format!("cannot encode header: {e}")))?;
     // Validate what we emit with the safetensors crate itself.
-    serde_json::from_slice::<Metadata>(&json)
-        .map_err(|e| Error::usage(format!("internal error: generated an invalid safetensors header: {e}")))?;
+    serde_json::from_slice::<Metadata>(&json).map_err(|e| {
+        Error::usage(format!(
+            "internal error: generated an invalid safetensors header: {e}"
+        ))
+    })?;
     while (8 + json.len()) % 8 != 0 {
         json.push(b' ');
     }
@@ -166,9 +195,20 @@ pub fn layout_file(entries: &[Entry], metadata: &BTreeMap<String, String>) -> Re
 
 /// Build one output file holding `entries` (already ordered); returns the file and each
 /// entry's absolute data offset.
-pub fn output_file(path: PathBuf, entries: &[Entry], metadata: &BTreeMap<String, String>) -> Result<(OutputFile, Vec<u64>)> {
+pub fn output_file(
+    path: PathBuf,
+    entries: &[Entry],
+    metadata: &BTreeMap<String, String>,
+) -> Result<(OutputFile, Vec<u64>)> {
     let (header, offsets, size) = layout_file(entries, metadata)?;
-    Ok((OutputFile { path, size, literals: vec![(0, header)] }, offsets))
+    Ok((
+        OutputFile {
+            path,
+            size,
+            literals: vec![(0, header)],
+        },
+        offsets,
+    ))
 }
 
 /// Read a single safetensors file as a one-rank checkpoint.
@@ -178,7 +218,15 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
         .tensors
         .into_iter()
         .map(|t| TensorLayout {
-            pieces: vec![Piece { rank: 0, region: Region::full(&t.shape), loc: Loc { file: 0, offset: t.offset, strides: None } }],
+            pieces: vec![Piece {
+                rank: 0,
+                region: Region::full(&t.shape),
+                loc: Loc {
+                    file: 0,
+                    offset: t.offset,
+                    strides: None,
+                },
+            }],
             name: t.name,
             dtype: t.dtype,
             shape: t.shape,
@@ -198,11 +246,19 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
 pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
     let mut entries: Vec<Entry> = target
         .iter()
-        .map(|t| Entry { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone() })
+        .map(|t| Entry {
+            name: t.name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+        })
         .collect();
     align_order(&mut entries);
-    let (file, offsets) = output_file(PathBuf::from("model.safetensors"), &entries, &opts.metadata)?;
-    Ok(Output { files: vec![file], tensors: full_layouts(&entries, &offsets, 0) })
+    let (file, offsets) =
+        output_file(PathBuf::from("model.safetensors"), &entries, &opts.metadata)?;
+    Ok(Output {
+        files: vec![file],
+        tensors: full_layouts(&entries, &offsets, 0),
+    })
 }
 
 /// Layouts of whole tensors stored row-major at `offsets` in output file `file`.
@@ -214,7 +270,15 @@ pub fn full_layouts(entries: &[Entry], offsets: &[u64], file: u32) -> Vec<Tensor
             name: e.name.clone(),
             dtype: e.dtype,
             shape: e.shape.clone(),
-            pieces: vec![Piece { rank: 0, region: Region::full(&e.shape), loc: Loc { file, offset, strides: None } }],
+            pieces: vec![Piece {
+                rank: 0,
+                region: Region::full(&e.shape),
+                loc: Loc {
+                    file,
+                    offset,
+                    strides: None,
+                },
+            }],
         })
         .collect()
 }

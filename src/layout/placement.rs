@@ -35,7 +35,9 @@ impl Placement {
     pub fn dim(&self) -> Option<usize> {
         match *self {
             Placement::Replicate => None,
-            Placement::Shard(d) | Placement::EvenShard(d) | Placement::StridedShard(d, _) => Some(d),
+            Placement::Shard(d) | Placement::EvenShard(d) | Placement::StridedShard(d, _) => {
+                Some(d)
+            }
         }
     }
 }
@@ -74,7 +76,9 @@ impl FromStr for Placement {
         if matches!(t.as_str(), "R" | "Replicate" | "Replicate()") {
             return Ok(Placement::Replicate);
         }
-        let bad = || format!("bad placement `{s}` (expected Replicate, Shard(d), EvenShard(d) or StridedShard(d, k))");
+        let bad = || {
+            format!("bad placement `{s}` (expected Replicate, Shard(d), EvenShard(d) or StridedShard(d, k))")
+        };
         let open = t.find('(').ok_or_else(bad)?;
         if !t.ends_with(')') {
             return Err(bad());
@@ -379,14 +383,20 @@ mod tests {
     #[test]
     fn two_d_meshes_match_dtensor() {
         // dtensor2d_manual_w4, mesh (2,2): [Shard(0), Shard(1)] of (13,11)
-        let s = Sharding { mesh: Mesh(vec![2, 2]), placements: vec![Placement::Shard(0), Placement::Shard(1)] };
+        let s = Sharding {
+            mesh: Mesh(vec![2, 2]),
+            placements: vec![Placement::Shard(0), Placement::Shard(1)],
+        };
         let b = boxes(&s, &[13, 11]);
         assert_eq!(b[0], vec![(vec![0, 0], vec![7, 6])]);
         assert_eq!(b[1], vec![(vec![0, 6], vec![7, 5])]);
         assert_eq!(b[2], vec![(vec![7, 0], vec![6, 6])]);
         assert_eq!(b[3], vec![(vec![7, 6], vec![6, 5])]);
         // [Shard(0), Shard(0)] of (13,3): offsets 0,4,7,10
-        let s = Sharding { mesh: Mesh(vec![2, 2]), placements: vec![Placement::Shard(0), Placement::Shard(0)] };
+        let s = Sharding {
+            mesh: Mesh(vec![2, 2]),
+            placements: vec![Placement::Shard(0), Placement::Shard(0)],
+        };
         let offs: Vec<u64> = boxes(&s, &[13, 3]).iter().map(|v| v[0].0[0]).collect();
         assert_eq!(offs, vec![0, 4, 7, 10]);
     }
@@ -405,8 +415,14 @@ mod tests {
         assert_eq!(b[2], vec![(vec![4, 0], vec![3, 12])]);
         assert_eq!(b[3], vec![(vec![11, 0], vec![3, 12])]);
         // alone on a 1-D mesh a rank owns split_factor boxes
-        let s = Sharding { mesh: Mesh(vec![2]), placements: vec![Placement::StridedShard(0, 2)] };
-        assert_eq!(boxes(&s, &[14, 12])[0], vec![(vec![0, 0], vec![4, 12]), (vec![7, 0], vec![4, 12])]);
+        let s = Sharding {
+            mesh: Mesh(vec![2]),
+            placements: vec![Placement::StridedShard(0, 2)],
+        };
+        assert_eq!(
+            boxes(&s, &[14, 12])[0],
+            vec![(vec![0, 0], vec![4, 12]), (vec![7, 0], vec![4, 12])]
+        );
     }
 
     #[test]
@@ -437,14 +453,22 @@ mod tests {
     fn flat_group_pads_last_rank() {
         let (shares, chunk) = flat_ranges(&[vec![3, 4], vec![5]], 4);
         assert_eq!(chunk, 5);
-        let total: u64 = shares.iter().flatten().flat_map(|(_, b)| b).map(|r| r.volume()).sum();
+        let total: u64 = shares
+            .iter()
+            .flatten()
+            .flat_map(|(_, b)| b)
+            .map(|r| r.volume())
+            .sum();
         assert_eq!(total, 17);
         assert_eq!(shares[3], vec![(1, vec![Region::new(vec![3], vec![2])])]);
     }
 
     #[test]
     fn parse_placements() {
-        assert_eq!("Shard(1)".parse::<Placement>().unwrap(), Placement::Shard(1));
+        assert_eq!(
+            "Shard(1)".parse::<Placement>().unwrap(),
+            Placement::Shard(1)
+        );
         assert_eq!("R".parse::<Placement>().unwrap(), Placement::Replicate);
         assert_eq!(
             "_StridedShard(dim=0, sf=2)".parse::<Placement>().unwrap(),

@@ -38,7 +38,9 @@ impl Region {
 
     /// Number of elements (1 for a 0-d region), or `None` if it overflows `u64`.
     pub fn checked_volume(&self) -> Option<u64> {
-        self.sizes.iter().try_fold(1u64, |acc, &s| acc.checked_mul(s))
+        self.sizes
+            .iter()
+            .try_fold(1u64, |acc, &s| acc.checked_mul(s))
     }
 
     /// Number of elements (1 for a 0-d region). Saturates on overflow.
@@ -267,8 +269,18 @@ mod tests {
         let piece = r(&[3, 0], &[3, 12]);
         let fs = row_major_strides(&full.sizes);
         let ps = row_major_strides(&piece.sizes);
-        let src = Strided { region: &piece, base: 100, strides: &ps, elem: 4 };
-        let dst = Strided { region: &full, base: 8, strides: &fs, elem: 4 };
+        let src = Strided {
+            region: &piece,
+            base: 100,
+            strides: &ps,
+            elem: 4,
+        };
+        let dst = Strided {
+            region: &full,
+            base: 8,
+            strides: &fs,
+            elem: 4,
+        };
         let v = runs(&piece, &src, &dst);
         assert_eq!(v.len(), 1);
         assert_eq!(v[0].elems, 36);
@@ -283,10 +295,30 @@ mod tests {
         let piece = r(&[0, 4], &[4, 4]);
         let fs = row_major_strides(&full.sizes);
         let ps = row_major_strides(&piece.sizes);
-        let src = Strided { region: &piece, base: 0, strides: &ps, elem: 2 };
-        let dst = Strided { region: &full, base: 0, strides: &fs, elem: 2 };
+        let src = Strided {
+            region: &piece,
+            base: 0,
+            strides: &ps,
+            elem: 2,
+        };
+        let dst = Strided {
+            region: &full,
+            base: 0,
+            strides: &fs,
+            elem: 2,
+        };
         let v = runs(&piece, &src, &dst);
-        assert_eq!(v, vec![Run { src: 0, dst: 8, elems: 4, count: 4, src_stride: 8, dst_stride: 16 }]);
+        assert_eq!(
+            v,
+            vec![Run {
+                src: 0,
+                dst: 8,
+                elems: 4,
+                count: 4,
+                src_stride: 8,
+                dst_stride: 16
+            }]
+        );
     }
 
     #[test]
@@ -295,12 +327,32 @@ mod tests {
         let full = r(&[0, 0], &[3, 2]);
         let st = [1u64, 3];
         let fs = row_major_strides(&full.sizes);
-        let src = Strided { region: &full, base: 0, strides: &st, elem: 4 };
-        let dst = Strided { region: &full, base: 0, strides: &fs, elem: 4 };
+        let src = Strided {
+            region: &full,
+            base: 0,
+            strides: &st,
+            elem: 4,
+        };
+        let dst = Strided {
+            region: &full,
+            base: 0,
+            strides: &fs,
+            elem: 4,
+        };
         let v = runs(&full, &src, &dst);
         // innermost not contiguous on the source: rows of 1 element along dim 1, dim 0 enumerated
         assert_eq!(v.len(), 3);
-        assert_eq!(v[1], Run { src: 4, dst: 8, elems: 1, count: 2, src_stride: 12, dst_stride: 4 });
+        assert_eq!(
+            v[1],
+            Run {
+                src: 4,
+                dst: 8,
+                elems: 1,
+                count: 2,
+                src_stride: 12,
+                dst_stride: 4
+            }
+        );
     }
 
     #[test]
@@ -309,11 +361,31 @@ mod tests {
         let b = r(&[0, 1, 0], &[2, 2, 2]);
         let fs = row_major_strides(&full.sizes);
         let bs = row_major_strides(&b.sizes);
-        let src = Strided { region: &b, base: 0, strides: &bs, elem: 1 };
-        let dst = Strided { region: &full, base: 0, strides: &fs, elem: 1 };
+        let src = Strided {
+            region: &b,
+            base: 0,
+            strides: &bs,
+            elem: 1,
+        };
+        let dst = Strided {
+            region: &full,
+            base: 0,
+            strides: &fs,
+            elem: 1,
+        };
         let v = runs(&b, &src, &dst);
         assert_eq!(v.len(), 2);
-        assert_eq!(v[0], Run { src: 0, dst: 4, elems: 2, count: 2, src_stride: 2, dst_stride: 4 });
+        assert_eq!(
+            v[0],
+            Run {
+                src: 0,
+                dst: 4,
+                elems: 2,
+                count: 2,
+                src_stride: 2,
+                dst_stride: 4
+            }
+        );
         assert_eq!(v[1].src, 4);
         assert_eq!(v[1].dst, 16);
     }

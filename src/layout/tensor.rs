@@ -98,7 +98,9 @@ impl TensorLayout {
         let total = full
             .checked_volume()
             .filter(|v| v.checked_mul(self.dtype.size() as u64).is_some())
-            .ok_or_else(|| Error::layout(&self.name, format!("shape {:?} is too large", self.shape)))?;
+            .ok_or_else(|| {
+                Error::layout(&self.name, format!("shape {:?} is too large", self.shape))
+            })?;
         for p in &self.pieces {
             if p.region.ndim() != self.shape.len() || !full.contains(&p.region) {
                 return Err(Error::layout(
@@ -258,12 +260,21 @@ mod tests {
         Piece {
             rank,
             region: Region::new(o.to_vec(), s.to_vec()),
-            loc: Loc { file: rank, offset: 0, strides: None },
+            loc: Loc {
+                file: rank,
+                offset: 0,
+                strides: None,
+            },
         }
     }
 
     fn t(shape: &[u64], pieces: Vec<Piece>) -> TensorLayout {
-        TensorLayout { name: "w".into(), dtype: DType::F32, shape: shape.to_vec(), pieces }
+        TensorLayout {
+            name: "w".into(),
+            dtype: DType::F32,
+            shape: shape.to_vec(),
+            pieces,
+        }
     }
 
     #[test]
@@ -285,10 +296,19 @@ mod tests {
 
     #[test]
     fn gaps_overlaps_and_outside_pieces_are_named() {
-        let gap = t(&[5, 4], vec![piece(0, &[0, 0], &[3, 4]), piece(1, &[3, 0], &[2, 2])]);
+        let gap = t(
+            &[5, 4],
+            vec![piece(0, &[0, 0], &[3, 4]), piece(1, &[3, 0], &[2, 2])],
+        );
         let e = gap.validate().unwrap_err().to_string();
-        assert_eq!(e, "tensor `w`: pieces cover 16 of 20 elements: region [3:5, 2:4] is not covered");
-        let ov = t(&[5, 4], vec![piece(0, &[0, 0], &[3, 4]), piece(1, &[2, 0], &[3, 4])]);
+        assert_eq!(
+            e,
+            "tensor `w`: pieces cover 16 of 20 elements: region [3:5, 2:4] is not covered"
+        );
+        let ov = t(
+            &[5, 4],
+            vec![piece(0, &[0, 0], &[3, 4]), piece(1, &[2, 0], &[3, 4])],
+        );
         let e = ov.validate().unwrap_err().to_string();
         assert_eq!(e, "tensor `w`: pieces [0:3, 0:4] and [2:5, 0:4] overlap");
         let out = t(&[5, 4], vec![piece(0, &[0, 0], &[6, 4])]);
@@ -299,8 +319,12 @@ mod tests {
 
     #[test]
     fn join_finds_exactly_the_intersecting_pairs() {
-        let a: Vec<Region> = (0..6).map(|i| Region::new(vec![i * 2, 0], vec![2, 8])).collect();
-        let b: Vec<Region> = (0..4).map(|j| Region::new(vec![0, j * 2], vec![12, 2])).collect();
+        let a: Vec<Region> = (0..6)
+            .map(|i| Region::new(vec![i * 2, 0], vec![2, 8]))
+            .collect();
+        let b: Vec<Region> = (0..4)
+            .map(|j| Region::new(vec![0, j * 2], vec![12, 2]))
+            .collect();
         let ar: Vec<&Region> = a.iter().collect();
         let br: Vec<&Region> = b.iter().collect();
         let mut got = vec![];

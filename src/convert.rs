@@ -1,0 +1,216 @@
+//! The end-to-end job: open a checkpoint, select tensors, compile the target layout, lay out
+//! the output, plan, execute and commit. The CLI and trainers call this.
+
+use crate::commit::Staging;
+use crate::error::{Error, Result};
+use crate::exec::{execute, ExecOptions, ExecStats};
+use crate::formats::{self, Checkpoint, Format, Output, WriteOptions};
+use crate::layout::DType;
+use crate::plan::{plan, Plan};
+use crate::target::LayoutSpec;
+use globset::{Glob, GlobSet, GlobSetBuilder};
+use std::path::{Path, PathBuf};
+
+/// Which tensors to keep: names matching any `include` glob (all when empty) and no
+/// `exclude` glob. `*` matches across dots.
+#[derive(Clone, Debug, Default)]
+pub struct Selection {
+    /// Globs of names to keep.
+    pub include: Vec<String>,
+    /// Globs of names to drop.
+    pub exclude: Vec<String>,
+}
+
+fn globset(globs: &[String]) -> Result<GlobSet> {
+    let mut b = GlobSetBuilder::new();
+    for g in globs {
+        b.add(Glob::new(g).map_err(|e| Error::usage(format!("bad glob `{g}`: {e}")))?);
+    }
+    b.build().map_err(|e| Error::usage(e.to_string()))
+}
+
+impl Selection {
+    /// The names of `ck`'s tensors that are selected, in checkpoint order.
+    pub fn apply<'a>(&self, ck: &'a Checkpoint) -> Result<Vec<&'a crate::layout::TensorLayout>> {
+        let inc = globset(&self.include)?;
+        let exc = globset(&self.exclude)?;
+        let v: Vec<_> = ck
+            .tensors
+            .iter()
+            .filter(|t| {
+                (self.include.is_empty() || inc.is_match(&t.name)) && !exc.is_match(&t.name)
+            })
+            .collect();
+        if v.is_empty() && !ck.tensors.is_empty() {
+            return Err(Error::usage(format!(
+                "no tensor of {} matches the --include/--exclude patterns",
+                ck.path.display()
+            )));
+        }
+        Ok(v)
+    }
+}
+
+/// Everything a conversion needs besides the paths.
+#[derive(Clone, Debug)]
+pub struct ConvertOptions {
+    /// The target layout (mesh and placements); its world size is the target M.
+    pub layout: LayoutSpec,
+    /// Output format; `None` infers it from the destination and M.
+    pub format: Option<Format>,
+    /// Tensors to keep.
+    pub select: Selection,
+    /// Cast floating tensors (f16, bf16, f32, f64) to this dtype.
+    pub dtype: Option<DType>,
+    /// Writer settings.
+    pub write: WriteOptions,
+    /// Executor settings.
+    pub exec: ExecOptions,
+    /// Replace an existing destination.
+    pub force: bool,
+}
+
+impl ConvertOptions {
+    /// Defaults for resharding to `world` ranks with FSDP2's `Shard(0)`.
+    pub fn to(world: u64) -> Self {
+        ConvertOptions {
+            layout: LayoutSpec::fsdp(world),
+            format: None,
+            select: Selection::default(),
+            dtype: None,
+            write: WriteOptions::default(),
+            exec: ExecOptions::default(),
+            force: false,
+        }
+    }
+}
+
+/// A prepared conversion: the source, the output layout and the plan. Nothing written yet.
+#[derive(Debug)]
+pub struct Job {
+    /// The source checkpoint.
+    pub source: Checkpoint,
+    /// The output format.
+    pub format: Format,
+    /// Target world size.
+    pub world: u32,
+    /// Output files and tensor layouts.
+    pub output: Output,
+    /// The copy plan.
+    pub plan: Plan,
+}
+
+/// The output format for `dst` at world size `world` when none is given: a `.safetensors`
+/// file for one rank, a Hugging Face sharded directory for one rank otherwise, per-rank
+/// shards for more.
+pub fn infer_format(dst: Option<&Path>, world: u64) -> Format {
+    let st = dst
+        .and_then(|d| d.extension())
+        .is_some_and(|e| e == "safetensors");
+    match (world, st) {
+        (1, true) => Format::Safetensors,
+        (1, false) => Format::Hf,
+        _ => Format::HfStorage,
+    }
+}
+
+/// Read `src` and prepare its conversion (`dst` only guides the format choice).
+pub fn prepare(src: &Path, dst: Option<&Path>, opts: &ConvertOptions) -> Result<Job> {
+    let source = Checkpoint::open(src)?;
+    let world = opts.layout.world();
+    let format = opts.format.unwrap_or_else(|| infer_format(dst, world));
+    let selected = opts.select.apply(&source)?;
+    let wanted: Vec<(String, DType, Vec<u64>)> = selected
+        .iter()
+        .map(|t| {
+            let dtype = match opts.dtype {
+                Some(d) if t.dtype.is_castable_float() => d,
+                _ => t.dtype,
+            };
+            (t.name.clone(), dtype, t.shape.clone())
+        })
+        .collect();
+    if let Some(d) = opts.dtype {
+        if !d.is_castable_float() {
+            return Err(Error::usage(format!(
+                "--dtype {d}: only floating dtypes (f16, bf16, f32, f64) can be targets"
+            )));
+        }
+    }
+    let target = opts.layout.compile(&wanted)?;
+    let mut wopts = opts.write.clone();
+    for (k, v) in &source.metadata {
+        wopts.metadata.entry(k.clone()).or_insert_with(|| v.clone());
+    }
+    wopts
+        .metadata
+        .entry("format".into())
+        .or_insert_with(|| "pt".into());
+    let output = formats::write(format, &target, world as u32, &wopts)?;
+    let src_tensors: Vec<_> = selected.into_iter().cloned().collect();
+    let plan = plan(&src_tensors, &output.tensors)?;
+    Ok(Job {
+        source,
+        format,
+        world: world as u32,
+        output,
+        plan,
+    })
+}
+
+/// Refuse destinations that are, contain, or lie inside the source.
+fn check_paths(src: &Path, dst: &Path) -> Result<()> {
+    let s =
+        std::fs::canonicalize(src).map_err(|e| Error::usage(format!("{}: {e}", src.display())))?;
+    let parent = dst
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let p = std::fs::canonicalize(parent)
+        .map_err(|e| Error::usage(format!("{}: {e}", parent.display())))?;
+    let d = p.join(dst.file_name().unwrap_or_default());
+    if d == s || d.starts_with(&s) || s.starts_with(&d) {
+        return Err(Error::usage(format!(
+            "{}: the destination overlaps the source {}; sources are never written to",
+            dst.display(),
+            src.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Write `job`'s output to `dst` atomically.
+pub fn run(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats> {
+    check_paths(&job.source.path, dst)?;
+    let is_dir = job.format.is_dir();
+    if !is_dir && dst.is_dir() {
+        return Err(Error::usage(format!(
+            "{}: is a directory; give a file name for a {} output",
+            dst.display(),
+            job.format
+        )));
+    }
+    let staging = Staging::new(dst, is_dir, opts.force)?;
+    let dest_paths: Vec<PathBuf> = job
+        .output
+        .files
+        .iter()
+        .map(|f| staging.create(&f.path))
+        .collect::<Result<_>>()?;
+    let stats = execute(
+        &job.plan,
+        &job.source.files,
+        &job.output.files,
+        &dest_paths,
+        &opts.exec,
+    )?;
+    staging.commit()?;
+    Ok(stats)
+}
+
+/// Convert `src` into `dst`: [`prepare`] then [`run`].
+pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<(Job, ExecStats)> {
+    let job = prepare(src, Some(dst), opts)?;
+    let stats = run(&job, dst, opts)?;
+    Ok((job, stats))
+}
