@@ -311,16 +311,24 @@ def live_oracle(state, stage: Path, hf_names: bool = False, extra_info: dict | N
 
     flat, _mapping = flatten_state_dict(state)
     tensors, nontensors, kinds = {}, {}, {}
+    keep = dist.get_rank() == 0  # only rank 0 keeps the full tensors (memory at --scale N)
     for k, v in flat.items():
         if DTensor is not None and isinstance(v, DTensor):
             kinds[k] = describe(v, DTensor, ShardedTensor)
-            tensors[k] = v.full_tensor().detach().cpu().clone()
+            full = v.full_tensor().detach().cpu()  # collective
+            if keep:
+                tensors[k] = full.clone()
+            del full
         elif ShardedTensor is not None and isinstance(v, ShardedTensor):
             kinds[k] = "ShardedTensor"
-            tensors[k] = gather_sharded_tensor(v)
+            full = gather_sharded_tensor(v)  # collective
+            if keep:
+                tensors[k] = full
+            del full
         elif isinstance(v, torch.Tensor):
             kinds[k] = "tensor"
-            tensors[k] = v.detach().cpu().clone()
+            if keep:
+                tensors[k] = v.detach().cpu().clone()
         else:
             kinds[k] = "object"
             nontensors[k] = jsonify(v)
@@ -458,8 +466,25 @@ def job_fsdp1(rank, world, spec, stage, scale):
     dist.destroy_process_group()
 
 
+def _quiet():
+    import logging
+    import warnings
+    if os.environ.get("RESHARD_GEN_VERBOSE"):
+        return
+    for cat in (UserWarning, FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=cat)
+    try:  # torch 2.1 sets this logger to INFO with its own handler at import time
+        import torch.distributed.checkpoint._dedup_tensors  # noqa: F401
+    except ImportError:
+        pass
+    for name in ("torch.distributed.checkpoint", "torch.distributed.checkpoint._dedup_tensors",
+                 "torch.distributed.tensor._redistribute", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def _worker(rank, name, world, port, stage, scale):
     spec = CASES[name]
+    _quiet()
     os.chdir(stage)
     if spec["kind"] == "fabric":
         return job_fabric(rank, world, port, spec, Path(stage), scale)
@@ -778,6 +803,7 @@ def venv21_python() -> str:
 
 def generate(name: str, out: Path, scale: int) -> dict:
     import torch
+    _quiet()
     spec = CASES[name]
     out.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=out))
@@ -833,6 +859,10 @@ def generate(name: str, out: Path, scale: int) -> dict:
         }
         if "lightning" in live:
             case["lightning"] = live["lightning"]
+            import lightning
+            case["lightning_consolidated_by"] = (
+                f"python -m lightning.fabric.utilities.consolidate_checkpoint (lightning {lightning.__version__}, "
+                f"torch {torch.__version__}); Lightning's consolidation needs torch >= 2.3")
         case["checkpoint_bytes"] = sum(case["checkpoint_files"].values())
         case["oracle_bytes"] = sum(case["oracle_files"].values())
         with open(stage / "case.json", "w") as f:

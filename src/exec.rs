@@ -42,6 +42,9 @@ pub struct ExecOptions {
     pub window: u64,
     /// Show a progress bar on stderr (only drawn on a terminal).
     pub progress: bool,
+    /// fsync every output before returning (needed for a durable commit; tests of the copy
+    /// logic alone may turn it off).
+    pub sync: bool,
 }
 
 impl Default for ExecOptions {
@@ -50,6 +53,7 @@ impl Default for ExecOptions {
             threads: None,
             window: 8 << 20,
             progress: false,
+            sync: true,
         }
     }
 }
@@ -409,7 +413,7 @@ pub fn map_sources(sources: &[PathBuf]) -> Result<Vec<Mmap>> {
 }
 
 /// Run `plan`, reading `sources` and writing each of `outputs` to `dest_paths` (same order),
-/// which must already exist. Files are fsynced before this returns.
+/// which must already exist. Files are fsynced before this returns (unless `opts.sync` is off).
 pub fn execute(
     plan: &Plan,
     sources: &[PathBuf],
@@ -464,8 +468,10 @@ pub fn execute(
         })
     })?;
     bar.finish_and_clear();
-    for (f, p) in files.iter().zip(dest_paths) {
-        f.sync_all().at(p)?;
+    if opts.sync {
+        for (f, p) in files.iter().zip(dest_paths) {
+            f.sync_all().at(p)?;
+        }
     }
     Ok(ExecStats {
         bytes_read: plan.bytes_read(),

@@ -212,13 +212,19 @@ impl Sharding {
     }
 
     /// The regions rank `rank` holds of a tensor of `shape` (more than one for
-    /// `StridedShard`; one empty region for a rank that gets nothing).
+    /// `StridedShard`; one empty region for a rank that gets nothing). A placement that splits
+    /// a dimension the tensor does not have acts as `Replicate`.
     pub fn rank_regions(&self, shape: &[u64], rank: u64) -> Vec<Region> {
         let coords = self.mesh.coords(rank);
         let mut dims: Vec<Vec<Segment>> = shape.iter().map(|&n| vec![(0, n)]).collect();
         for (m, p) in self.placements.iter().enumerate() {
             let (k, c) = (self.mesh.0[m], coords[m]);
-            match *p {
+            // A split of a dimension the tensor lacks (a scalar under Shard(0)) replicates.
+            let p = match p.dim() {
+                Some(d) if d >= shape.len() => Placement::Replicate,
+                _ => *p,
+            };
+            match p {
                 Placement::Replicate => {}
                 Placement::Shard(d) | Placement::EvenShard(d) => {
                     let n: u64 = dims[d].iter().map(|s| s.1).sum();
