@@ -4,7 +4,9 @@
 use ndarray::{ArrayD, IxDyn, Slice};
 use proptest::prelude::*;
 use reshard::exec::{execute, ExecOptions, OutputFile};
-use reshard::layout::{flat_ranges, DType, Loc, Mesh, Piece, Placement, Region, Sharding, TensorLayout};
+use reshard::layout::{
+    flat_ranges, DType, Loc, Mesh, Piece, Placement, Region, Sharding, TensorLayout,
+};
 use reshard::plan::{plan, CopyOp, Plan};
 use std::path::PathBuf;
 
@@ -28,14 +30,29 @@ impl Scheme {
             Scheme::Mesh(s) => s.rank_regions(shape, r),
             Scheme::Flat(w) => {
                 let (shares, _) = flat_ranges(&[shape.to_vec()], *w);
-                shares[r as usize].iter().flat_map(|(_, b)| b.clone()).collect()
+                shares[r as usize]
+                    .iter()
+                    .flat_map(|(_, b)| b.clone())
+                    .collect()
             }
         }
     }
 }
 
 fn shape_strategy() -> impl Strategy<Value = Vec<u64>> {
-    prop::collection::vec(prop_oneof![Just(0u64), Just(1), Just(2), Just(3), Just(5), Just(7), Just(13), 1u64..10], 0..=3)
+    prop::collection::vec(
+        prop_oneof![
+            Just(0u64),
+            Just(1),
+            Just(2),
+            Just(3),
+            Just(5),
+            Just(7),
+            Just(13),
+            1u64..10
+        ],
+        0..=3,
+    )
 }
 
 fn placement(ndim: usize) -> BoxedStrategy<Placement> {
@@ -53,11 +70,20 @@ fn placement(ndim: usize) -> BoxedStrategy<Placement> {
 
 fn scheme(ndim: usize) -> BoxedStrategy<Scheme> {
     let mesh1 = (1u64..=16).prop_flat_map(move |w| {
-        placement(ndim).prop_map(move |p| Scheme::Mesh(Sharding { mesh: Mesh(vec![w]), placements: vec![p] }))
+        placement(ndim).prop_map(move |p| {
+            Scheme::Mesh(Sharding {
+                mesh: Mesh(vec![w]),
+                placements: vec![p],
+            })
+        })
     });
     let mesh2 = ((1u64..=4), (1u64..=4)).prop_flat_map(move |(a, b)| {
-        (placement(ndim), placement(ndim))
-            .prop_map(move |(p, q)| Scheme::Mesh(Sharding { mesh: Mesh(vec![a, b]), placements: vec![p, q] }))
+        (placement(ndim), placement(ndim)).prop_map(move |(p, q)| {
+            Scheme::Mesh(Sharding {
+                mesh: Mesh(vec![a, b]),
+                placements: vec![p, q],
+            })
+        })
     });
     prop_oneof![3 => mesh1, 2 => mesh2, 1 => (1u64..=16).prop_map(Scheme::Flat)].boxed()
 }
@@ -91,7 +117,13 @@ fn region_bytes(full: &ArrayD<u8>, region: &Region) -> Vec<u8> {
 
 /// A layout with rank r's regions stored back to back in file r; returns the layout and each
 /// file's bytes (taken from `full` when given, zeros otherwise).
-fn layout(name: &str, dtype: DType, shape: &[u64], s: &Scheme, full: Option<&ArrayD<u8>>) -> (TensorLayout, Vec<Vec<u8>>) {
+fn layout(
+    name: &str,
+    dtype: DType,
+    shape: &[u64],
+    s: &Scheme,
+    full: Option<&ArrayD<u8>>,
+) -> (TensorLayout, Vec<Vec<u8>>) {
     let mut pieces = vec![];
     let mut files = vec![];
     for r in 0..s.world() {
@@ -102,11 +134,27 @@ fn layout(name: &str, dtype: DType, shape: &[u64], s: &Scheme, full: Option<&Arr
                 Some(f) => bytes.extend(region_bytes(f, &region)),
                 None => bytes.resize(bytes.len() + (region.volume() as usize) * dtype.size(), 0),
             }
-            pieces.push(Piece { rank: r as u32, region, loc: Loc { file: r as u32, offset, strides: None } });
+            pieces.push(Piece {
+                rank: r as u32,
+                region,
+                loc: Loc {
+                    file: r as u32,
+                    offset,
+                    strides: None,
+                },
+            });
         }
         files.push(bytes);
     }
-    (TensorLayout { name: name.into(), dtype, shape: shape.to_vec(), pieces }, files)
+    (
+        TensorLayout {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            pieces,
+        },
+        files,
+    )
 }
 
 /// Execute `plan` for real: sources and destinations are files in a temporary directory.
@@ -124,7 +172,11 @@ fn run(plan: &Plan, srcs: &[Vec<u8>], dst_sizes: &[usize]) -> Vec<Vec<u8>> {
     let outputs: Vec<OutputFile> = dst_sizes
         .iter()
         .enumerate()
-        .map(|(i, &n)| OutputFile { path: format!("dst{i}").into(), size: n as u64, literals: vec![] })
+        .map(|(i, &n)| OutputFile {
+            path: format!("dst{i}").into(),
+            size: n as u64,
+            literals: vec![],
+        })
         .collect();
     let dst_paths: Vec<PathBuf> = outputs
         .iter()
@@ -135,9 +187,17 @@ fn run(plan: &Plan, srcs: &[Vec<u8>], dst_sizes: &[usize]) -> Vec<Vec<u8>> {
         })
         .collect();
     // a tiny window so that ops are cut and reassembled across work units
-    let opts = ExecOptions { threads: Some(2), window: 64, progress: false, sync: false };
+    let opts = ExecOptions {
+        threads: Some(2),
+        window: 64,
+        progress: false,
+        sync: false,
+    };
     execute(plan, &src_paths, &outputs, &dst_paths, &opts).unwrap();
-    dst_paths.iter().map(|p| std::fs::read(p).unwrap()).collect()
+    dst_paths
+        .iter()
+        .map(|p| std::fs::read(p).unwrap())
+        .collect()
 }
 
 /// Count how often each destination byte is written by `ops` (reference interpretation).

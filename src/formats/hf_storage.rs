@@ -110,6 +110,24 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                                 t.name, t.dtype, t.shape.len(), l.dtype, ndim),
                         ));
                     }
+                    if let Some(twin) = l
+                        .pieces
+                        .iter()
+                        .find(|p| p.region == piece.region && !p.region.is_empty())
+                    {
+                        return Err(Error::format(
+                            path,
+                            format!(
+                                "tensor `{}`: chunk {} is stored twice (also in {})",
+                                t.name,
+                                piece.region,
+                                files[twin.loc.file as usize]
+                                    .file_name()
+                                    .unwrap_or_default()
+                                    .to_string_lossy()
+                            ),
+                        ));
+                    }
                     l.pieces.push(piece);
                 }
                 None => {

@@ -1,0 +1,449 @@
+//! End-to-end tests of the `reshard` binary on checkpoints written by the tests themselves.
+
+mod common;
+use common::*;
+use std::path::Path;
+
+fn setup(world: usize) -> (tempfile::TempDir, std::path::PathBuf) {
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    write_hf_storage(&ck, &fsdp_shards(&model(), world));
+    (d, ck)
+}
+
+#[test]
+fn consolidates_four_ranks_into_one_file_byte_for_byte() {
+    let (d, ck) = setup(4);
+    let before = snapshot(&ck);
+    let out = d.path().join("full.safetensors");
+    let msg = ok(&["convert", s(&ck), s(&out), "--to", "1"]);
+    assert!(msg.contains("safetensors, 1 rank(s)"), "{msg}");
+    assert_eq!(read_safetensors(&out), model());
+    assert_eq!(snapshot(&ck), before, "the source changed");
+    assert_eq!(names(d.path()), vec!["ck", "full.safetensors"]);
+}
+
+#[test]
+fn reshards_n_to_m_to_one_for_many_m() {
+    let (d, ck) = setup(4);
+    for m in [1usize, 2, 3, 5, 8, 16] {
+        let mid = d.path().join(format!("w{m}"));
+        ok(&[
+            "convert",
+            s(&ck),
+            s(&mid),
+            "--to",
+            &m.to_string(),
+            "--format",
+            "hf-storage",
+            "-q",
+        ]);
+        let insp = ok(&["inspect", s(&mid)]);
+        assert!(
+            insp.contains(&format!("hf-storage checkpoint, {m} rank(s)")),
+            "{insp}"
+        );
+        let back = d.path().join(format!("back{m}.safetensors"));
+        ok(&["convert", s(&mid), s(&back), "--to", "1"]);
+        assert_eq!(read_safetensors(&back), model(), "4 -> {m} -> 1");
+    }
+}
+
+#[test]
+fn hf_sharded_output_respects_max_shard_size_and_reads_back() {
+    let (d, ck) = setup(3);
+    let hf = d.path().join("hf");
+    ok(&[
+        "convert",
+        s(&ck),
+        s(&hf),
+        "--to",
+        "1",
+        "--max-shard-size",
+        "1KB",
+    ]);
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(hf.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let map = index["weight_map"].as_object().unwrap();
+    assert_eq!(map.len(), model().len());
+    let mut total = 0;
+    for (name, file) in map {
+        let t = read_safetensors(&hf.join(file.as_str().unwrap()));
+        assert_eq!(&t[name], &model()[name]);
+        total += t[name].data.len();
+    }
+    assert_eq!(index["metadata"]["total_size"], total);
+    let files = names(&hf).len() - 1;
+    assert!(files > 2, "expected several shards under 1 KB, got {files}");
+    let back = d.path().join("back.safetensors");
+    ok(&["convert", s(&hf), s(&back), "--to", "1"]);
+    assert_eq!(read_safetensors(&back), model());
+}
+
+#[test]
+fn include_exclude_and_dtype_cast() {
+    let (d, ck) = setup(2);
+    let out = d.path().join("m.safetensors");
+    ok(&[
+        "convert",
+        s(&ck),
+        s(&out),
+        "--to",
+        "1",
+        "--exclude",
+        "opt.*",
+        "--include",
+        "model.*",
+        "--dtype",
+        "f32",
+    ]);
+    let got = read_safetensors(&out);
+    let want = model();
+    assert_eq!(got.len(), want.len() - 2);
+    for (n, t) in &got {
+        let w = &want[n];
+        assert_eq!(t.shape, w.shape);
+        match w.dtype {
+            safetensors::Dtype::BF16 => {
+                assert_eq!(t.dtype, safetensors::Dtype::F32);
+                for (i, c) in w.data.chunks(2).enumerate() {
+                    let f = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+                    assert_eq!(&t.data[4 * i..4 * i + 4], &f.to_le_bytes(), "{n}[{i}]");
+                }
+            }
+            safetensors::Dtype::F16 | safetensors::Dtype::F64 => {
+                assert_eq!(t.dtype, safetensors::Dtype::F32)
+            }
+            _ => assert_eq!(t, w, "{n}: non-floating tensors and f32 are untouched"),
+        }
+    }
+    fails(
+        &[
+            "convert",
+            s(&ck),
+            s(&d.path().join("x.safetensors")),
+            "--to",
+            "1",
+            "--include",
+            "nothing.*",
+        ],
+        "no tensor",
+    );
+    fails(
+        &[
+            "convert",
+            s(&ck),
+            s(&d.path().join("x.safetensors")),
+            "--to",
+            "1",
+            "--dtype",
+            "i32",
+        ],
+        "only floating dtypes",
+    );
+}
+
+#[test]
+fn layout_file_2d_mesh_and_flat() {
+    let (d, ck) = setup(4);
+    let lay = d.path().join("tp.json");
+    std::fs::write(
+        &lay,
+        r#"{"mesh": [2, 2], "rules": [{"match": "*.weight", "placements": ["Shard(0)", "Shard(1)"]},
+                                     {"match": "model.cube", "placements": ["StridedShard(2, 2)", "EvenShard(0)"]}]}"#,
+    )
+    .unwrap();
+    let out = d.path().join("tp");
+    ok(&["convert", s(&ck), s(&out), "--layout", s(&lay)]);
+    let insp = ok(&["inspect", s(&out)]);
+    assert!(insp.contains("4 rank(s)"), "{insp}");
+    assert!(insp.contains("split along dims [0, 1]"), "{insp}");
+    let back = d.path().join("back.safetensors");
+    ok(&["convert", s(&out), s(&back), "--to", "1"]);
+    assert_eq!(read_safetensors(&back), model());
+
+    let flat = d.path().join("flat.json");
+    std::fs::write(&flat, r#"{"mesh": [5], "flat": true}"#).unwrap();
+    let out = d.path().join("flat");
+    ok(&[
+        "convert",
+        s(&ck),
+        s(&out),
+        "--layout",
+        s(&flat),
+        "--to",
+        "5",
+    ]);
+    let back = d.path().join("back2.safetensors");
+    ok(&["convert", s(&out), s(&back), "--to", "1"]);
+    assert_eq!(read_safetensors(&back), model());
+    fails(
+        &[
+            "convert",
+            s(&ck),
+            s(&d.path().join("z")),
+            "--layout",
+            s(&flat),
+            "--to",
+            "4",
+        ],
+        "disagrees",
+    );
+    std::fs::write(
+        &flat,
+        r#"{"mesh": [2], "rules": [{"match": "*", "placements": ["Shard(0)", "R"]}]}"#,
+    )
+    .unwrap();
+    fails(
+        &["plan", s(&ck), "--layout", s(&flat)],
+        "placements for a 1-d mesh",
+    );
+}
+
+#[test]
+fn inspect_and_plan_report_and_write_nothing() {
+    let (d, ck) = setup(4);
+    let text = ok(&["inspect", s(&ck)]);
+    assert!(
+        text.contains("hf-storage checkpoint, 4 rank(s), 4 file(s), 15 tensor(s)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("model.embed.weight") && text.contains("along dim 0: 0:3 3:6 6:9 9:10"),
+        "{text}"
+    );
+    let j: serde_json::Value = serde_json::from_str(&ok(&["inspect", s(&ck), "--json"])).unwrap();
+    assert_eq!(j["tensors"].as_array().unwrap().len(), 15);
+    let total: usize = model().values().map(|t| t.data.len()).sum();
+    let p: serde_json::Value =
+        serde_json::from_str(&ok(&["plan", s(&ck), "--to", "2", "--json"])).unwrap();
+    assert_eq!(p["bytes_read"], total);
+    assert_eq!(p["bytes_written"], total);
+    assert_eq!(p["target"]["ranks"], 2);
+    let text = ok(&["plan", s(&ck), "--to", "1", "--ops"]);
+    assert!(
+        text.contains("per-thread balance") && text.contains("OPS"),
+        "{text}"
+    );
+    assert_eq!(names(d.path()), vec!["ck"]);
+    let help = ok(&["convert", "--help"]);
+    assert!(help.contains("Examples:"), "{help}");
+}
+
+#[test]
+fn existing_destination_needs_force() {
+    let (d, ck) = setup(2);
+    let out = d.path().join("o.safetensors");
+    std::fs::write(&out, b"keep me").unwrap();
+    fails(
+        &["convert", s(&ck), s(&out), "--to", "1"],
+        "already exists (use --force",
+    );
+    assert_eq!(std::fs::read(&out).unwrap(), b"keep me");
+    ok(&["convert", s(&ck), s(&out), "--to", "1", "--force", "-q"]);
+    assert_eq!(read_safetensors(&out), model());
+    // directories too
+    let dir = d.path().join("o2");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("old"), b"x").unwrap();
+    fails(&["convert", s(&ck), s(&dir), "--to", "2"], "already exists");
+    ok(&["convert", s(&ck), s(&dir), "--to", "2", "--force", "-q"]);
+    assert!(!dir.join("old").exists());
+    assert_eq!(names(d.path()), vec!["ck", "o.safetensors", "o2"]);
+}
+
+/// Run a failing conversion and check nothing was written next to the destination.
+fn bad(ck: &Path, needle: &str) {
+    eprintln!("case: {needle}");
+    let parent = ck.parent().unwrap();
+    let before = names(parent);
+    let out = parent.join("out.safetensors");
+    fails(&["convert", s(ck), s(&out), "--to", "1"], needle);
+    fails(&["inspect", s(ck)], needle);
+    assert_eq!(
+        names(parent),
+        before,
+        "output or temporary files left behind"
+    );
+}
+
+#[test]
+fn bad_inputs_fail_with_one_line_naming_the_file() {
+    let m = model();
+    // truncated shard
+    let (_d, ck) = setup(4);
+    let f = ck.join("shard-00002-model-00001-of-00001.safetensors");
+    let b = std::fs::read(&f).unwrap();
+    std::fs::write(&f, &b[..b.len() - 10]).unwrap();
+    bad(
+        &ck,
+        "shard-00002-model-00001-of-00001.safetensors: is truncated",
+    );
+    // truncated inside the header
+    std::fs::write(&f, &b[..20]).unwrap();
+    bad(
+        &ck,
+        "shard-00002-model-00001-of-00001.safetensors: is not a valid safetensors file",
+    );
+    // corrupt header
+    let mut c = b.clone();
+    c[8] = b'!';
+    std::fs::write(&f, &c).unwrap();
+    bad(
+        &ck,
+        "shard-00002-model-00001-of-00001.safetensors: is not a valid safetensors file",
+    );
+    // missing rank file
+    std::fs::remove_file(&f).unwrap();
+    bad(&ck, "shard-00002-…: is missing");
+
+    // a gap: one chunk dropped
+    let (_d, ck) = setup(4);
+    let mut shards = fsdp_shards(&m, 4);
+    shards[1].remove("model.embed.weight");
+    write_hf_storage(&ck, &shards);
+    bad(&ck, "tensor `model.embed.weight`: pieces cover 84 of 120 elements: region [3:6, 0:12] is not covered");
+
+    // an overlap: a chunk claims rows another rank holds
+    let (_d, ck) = setup(4);
+    let mut shards = fsdp_shards(&m, 4);
+    shards[1].get_mut("model.embed.weight").unwrap().2 = vec![2, 0];
+    write_hf_storage(&ck, &shards);
+    bad(
+        &ck,
+        "tensor `model.embed.weight`: pieces [0:3, 0:12] and [2:5, 0:12] overlap",
+    );
+    // the same chunk stored by two ranks (torch's writer never does that)
+    let mut shards = fsdp_shards(&m, 4);
+    shards[2].get_mut("model.cls").unwrap().2 = vec![1, 0];
+    write_hf_storage(&ck, &shards);
+    bad(&ck, "tensor `model.cls`: chunk [1:2, 0:12] is stored twice");
+
+    // a chunk outside the tensor is caught as a gap of the real shape or an overlap; a chunk
+    // of the wrong dtype is named with its file
+    let (_d, ck) = setup(2);
+    let mut shards = fsdp_shards(&m, 2);
+    let e = shards[1].get_mut("model.embed.weight").unwrap();
+    e.0 = safetensors::Dtype::I32;
+    write_hf_storage(&ck, &shards);
+    bad(
+        &ck,
+        "shard-00002-model-00001-of-00001.safetensors: tensor `model.embed.weight` is I32",
+    );
+
+    // HF index naming a missing file, and one escaping the directory
+    let d = tempfile::tempdir().unwrap();
+    let hf = d.path().join("hf");
+    std::fs::create_dir(&hf).unwrap();
+    write_safetensors(&hf.join("a.safetensors"), &m);
+    let mut map = serde_json::Map::new();
+    for n in m.keys() {
+        map.insert(n.clone(), "a.safetensors".into());
+    }
+    map.insert("model.cls".into(), "b.safetensors".into());
+    std::fs::write(
+        hf.join("model.safetensors.index.json"),
+        serde_json::json!({"weight_map": map}).to_string(),
+    )
+    .unwrap();
+    bad(
+        &hf,
+        "b.safetensors: is missing (named by model.safetensors.index.json for `model.cls`)",
+    );
+    map.insert("model.cls".into(), "../a.safetensors".into());
+    std::fs::write(
+        hf.join("model.safetensors.index.json"),
+        serde_json::json!({"weight_map": map}).to_string(),
+    )
+    .unwrap();
+    bad(&hf, "outside the checkpoint directory");
+    std::fs::write(hf.join("model.safetensors.index.json"), "{not json").unwrap();
+    bad(&hf, "model.safetensors.index.json: is not valid JSON");
+
+    // not a checkpoint at all
+    let empty = d.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    bad(&empty, "is not a checkpoint");
+    fails(
+        &["inspect", s(&d.path().join("nope"))],
+        "nope: No such file or directory",
+    );
+}
+
+#[test]
+fn refuses_to_write_into_or_over_the_source() {
+    let (d, ck) = setup(2);
+    let before = snapshot(&ck);
+    fails(
+        &[
+            "convert",
+            s(&ck),
+            s(&ck.join("x.safetensors")),
+            "--to",
+            "1",
+            "--force",
+        ],
+        "overlaps the source",
+    );
+    fails(
+        &["convert", s(&ck), s(&ck), "--to", "2", "--force"],
+        "overlaps the source",
+    );
+    fails(
+        &["convert", s(&ck), s(d.path()), "--to", "2", "--force"],
+        "overlaps the source",
+    );
+    let st = d.path().join("a.safetensors");
+    ok(&["convert", s(&ck), s(&st), "--to", "1"]);
+    fails(
+        &["convert", s(&st), s(&st), "--to", "1", "--force"],
+        "overlaps the source",
+    );
+    assert_eq!(snapshot(&ck), before);
+    fails(
+        &[
+            "convert",
+            s(&ck),
+            s(&d.path().join("x.safetensors")),
+            "--to",
+            "0",
+        ],
+        "--to must be at least 1",
+    );
+    fails(
+        &[
+            "convert",
+            s(&ck),
+            s(&d.path().join("x")),
+            "--to",
+            "2",
+            "--format",
+            "safetensors",
+        ],
+        "holds one rank",
+    );
+    fails(
+        &[
+            "convert",
+            s(&ck),
+            s(&d.path().join("x")),
+            "--to",
+            "2",
+            "--format",
+            "hf",
+        ],
+        "consolidated model",
+    );
+    fails(
+        &[
+            "convert",
+            s(&ck),
+            s(&d.path().join("no/such/x.safetensors")),
+            "--to",
+            "1",
+        ],
+        "directory does not exist",
+    );
+}
