@@ -273,6 +273,47 @@ fn release(map: &Mmap, a: u64, b: u64) {
     }
 }
 
+/// Perform `o` into `buf`, which holds destination bytes from offset `lo` on.
+fn apply(o: &CopyOp, srcs: &[Mmap], buf: &mut [u8], lo: u64) {
+    let dl = o.dst_len() as usize;
+    for r in 0..o.count {
+        let s = (o.src_offset + r * o.src_stride) as usize;
+        let src = &srcs[o.src as usize][s..s + o.len as usize];
+        let a = (o.dst_offset + r * o.dst_stride - lo) as usize;
+        let out = &mut buf[a..a + dl];
+        match o.cast {
+            None => out.copy_from_slice(src),
+            Some(c) => convert(c, src, out),
+        }
+    }
+}
+
+/// Run `ops` whose destination is a single buffer `out` (destination file index ignored,
+/// offsets relative to `out`), reading `sources`. For reading a region into memory.
+pub fn read_into(ops: &[CopyOp], sources: &[PathBuf], out: &mut [u8]) -> Result<()> {
+    let maps = map_sources(sources)?;
+    for o in ops {
+        let m = maps
+            .get(o.src as usize)
+            .ok_or_else(|| Error::usage("copy op names an unknown source"))?;
+        let (_, b) = o.src_span();
+        if b > m.len() as u64 {
+            return Err(Error::format(
+                &sources[o.src as usize],
+                format!(
+                    "is truncated: bytes up to {b} are needed, the file has {}",
+                    m.len()
+                ),
+            ));
+        }
+        if o.dst_span().1 > out.len() as u64 {
+            return Err(Error::usage("copy op past the end of the buffer"));
+        }
+        apply(o, &maps, out, 0);
+    }
+    Ok(())
+}
+
 thread_local! {
     static BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
@@ -329,17 +370,7 @@ fn run_window(w: &Window, srcs: &[Mmap], dst: &File, dst_path: &Path) -> Result<
                         let a = (dst - lo) as usize;
                         buf[a..a + bytes.len()].copy_from_slice(bytes);
                     }
-                    Frag::Op(o) => {
-                        let dl = o.dst_len() as usize;
-                        for r in 0..o.count {
-                            let a = (o.dst_offset + r * o.dst_stride - lo) as usize;
-                            let out = &mut buf[a..a + dl];
-                            match o.cast {
-                                None => out.copy_from_slice(slice(o, r)),
-                                Some(c) => convert(c, slice(o, r), out),
-                            }
-                        }
-                    }
+                    Frag::Op(o) => apply(o, srcs, &mut buf, lo),
                 }
             }
             write(&buf, lo)

@@ -174,11 +174,24 @@ pub fn plan_tensor(src: &TensorLayout, dst: &TensorLayout, ops: &mut Vec<CopyOp>
     }
     src.validate()?;
     dst.validate()?;
-    let cast = (src.dtype != dst.dtype).then_some(Cast {
+    fill(src, &dst.pieces, dst.dtype, ops);
+    Ok(())
+}
+
+/// Append to `ops` the copies that fill `pieces` (regions of `src`'s tensor, stored as
+/// `dtype`) from `src`, which must be valid. Each piece is filled wholly, even when several
+/// pieces hold the same region; the pieces need not cover the tensor.
+pub fn fill(
+    src: &TensorLayout,
+    pieces: &[crate::layout::Piece],
+    dtype: DType,
+    ops: &mut Vec<CopyOp>,
+) {
+    let cast = (src.dtype != dtype).then_some(Cast {
         from: src.dtype,
-        to: dst.dtype,
+        to: dtype,
     });
-    let (es, ed) = (src.dtype.size() as u64, dst.dtype.size() as u64);
+    let (es, ed) = (src.dtype.size() as u64, dtype.size() as u64);
 
     // Group source replicas by region.
     let groups_regions = distinct_regions(src.pieces.iter().map(|p| &p.region));
@@ -193,9 +206,9 @@ pub fn plan_tensor(src: &TensorLayout, dst: &TensorLayout, ops: &mut Vec<CopyOp>
             replicas[g].push(i);
         }
     }
-    let dst_regions: Vec<&Region> = dst.pieces.iter().map(|p| &p.region).collect();
+    let dst_regions: Vec<&Region> = pieces.iter().map(|p| &p.region).collect();
     let src_strides: Vec<Vec<u64>> = src.pieces.iter().map(|p| p.strides()).collect();
-    let dst_strides: Vec<Vec<u64>> = dst.pieces.iter().map(|p| p.strides()).collect();
+    let dst_strides: Vec<Vec<u64>> = pieces.iter().map(|p| p.strides()).collect();
 
     let mut pairs = vec![];
     join(&groups_regions, &dst_regions, |g, j| pairs.push((j, g)));
@@ -207,7 +220,7 @@ pub fn plan_tensor(src: &TensorLayout, dst: &TensorLayout, ops: &mut Vec<CopyOp>
         let reps = &replicas[g];
         let si = reps[(j + g) % reps.len()];
         let sp = &src.pieces[si];
-        let dp = &dst.pieces[j];
+        let dp = &pieces[j];
         let s = Strided {
             region: &sp.region,
             base: sp.loc.offset,
@@ -234,7 +247,6 @@ pub fn plan_tensor(src: &TensorLayout, dst: &TensorLayout, ops: &mut Vec<CopyOp>
             })
         });
     }
-    Ok(())
 }
 
 /// Sort ops by destination and merge neighbours that continue each other on both sides.

@@ -114,6 +114,9 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         ranks: 1,
         tensors,
         metadata,
+        extras: vec![],
+        paths: Default::default(),
+        producer: None,
     })
 }
 

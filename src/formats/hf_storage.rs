@@ -175,6 +175,9 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         ranks,
         tensors,
         metadata,
+        extras: vec![],
+        paths: Default::default(),
+        producer: None,
     })
 }
 

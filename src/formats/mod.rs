@@ -10,6 +10,7 @@
 
 pub mod hf;
 pub mod hf_storage;
+pub mod pickle;
 pub mod safetensors;
 
 use crate::error::{Error, IoContext, Result};
@@ -69,6 +70,36 @@ impl FromStr for Format {
     }
 }
 
+/// One element of a key's path in the nested state dict: a dict key or a list index
+/// (DCP's `planner_data`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum KeyPart {
+    /// A dict key.
+    Key(String),
+    /// A list index.
+    Index(i64),
+}
+
+/// A non-tensor entry of a checkpoint: a DCP `BYTE_IO` item (step counters, `param_groups`,
+/// scheduler state) or a key of Lightning's `meta.pt`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Extra {
+    /// The flat key (`optimizer.param_groups.0.lr`, `step`).
+    pub name: String,
+    /// The decoded value, JSON-ified for display (tuples become lists, None null; values JSON
+    /// cannot hold exactly are shown as strings such as `"<bytes: 12>"`).
+    pub value: serde_json::Value,
+    /// The decoded pickle value, for writers that re-emit it.
+    #[serde(skip)]
+    pub pickle: Option<pickle::Value>,
+    /// Where the original serialized item lives: (file index, offset, length).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub raw: Option<(u32, u64, u64)>,
+    /// Where it came from (`dcp`, `meta.pt`).
+    pub origin: &'static str,
+}
+
 /// A checkpoint as a reader sees it: its files, and every tensor's layout over them.
 #[derive(Clone, Debug, Serialize)]
 pub struct Checkpoint {
@@ -84,6 +115,14 @@ pub struct Checkpoint {
     pub tensors: Vec<TensorLayout>,
     /// String metadata carried by the checkpoint (safetensors `__metadata__`).
     pub metadata: BTreeMap<String, String>,
+    /// Non-tensor entries, in checkpoint order.
+    pub extras: Vec<Extra>,
+    /// Nesting of flat keys (tensors and extras) in the original state dict, when the format
+    /// records it (DCP `planner_data`); keys absent here are top-level.
+    pub paths: BTreeMap<String, Vec<KeyPart>>,
+    /// What wrote the checkpoint, where that can be told (e.g. `torch >= 2.4 (DCP 1.0.0)`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub producer: Option<String>,
 }
 
 impl Checkpoint {
@@ -133,6 +172,46 @@ impl Checkpoint {
     /// The tensor called `name`.
     pub fn tensor(&self, name: &str) -> Option<&TensorLayout> {
         self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// Read `region` of tensor `name` as row-major little-endian bytes of `dtype` (the
+    /// tensor's own dtype when `None`), touching only the bytes of the pieces that overlap it.
+    pub fn read_region(
+        &self,
+        name: &str,
+        region: &Region,
+        dtype: Option<crate::layout::DType>,
+    ) -> Result<Vec<u8>> {
+        let t = self
+            .tensor(name)
+            .ok_or_else(|| Error::usage(format!("{}: no tensor `{name}`", self.path.display())))?;
+        let dtype = dtype.unwrap_or(t.dtype);
+        if region.ndim() != t.shape.len() || !Region::full(&t.shape).contains(region) {
+            return Err(Error::layout(
+                name,
+                format!("region {region} is outside the shape {:?}", t.shape),
+            ));
+        }
+        if !t.dtype.can_cast_to(dtype) {
+            return Err(Error::layout(
+                name,
+                format!("cannot convert {} to {dtype}", t.dtype),
+            ));
+        }
+        let piece = crate::layout::Piece {
+            rank: 0,
+            region: region.clone(),
+            loc: crate::layout::Loc {
+                file: 0,
+                offset: 0,
+                strides: None,
+            },
+        };
+        let mut ops = vec![];
+        crate::plan::fill(t, std::slice::from_ref(&piece), dtype, &mut ops);
+        let mut out = vec![0u8; (region.volume() as usize) * dtype.size()];
+        crate::exec::read_into(&ops, &self.files, &mut out)?;
+        Ok(out)
     }
 
     /// Total bytes of all tensors (each counted once).

@@ -239,6 +239,9 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
         ranks: 1,
         tensors,
         metadata: h.metadata,
+        extras: vec![],
+        paths: Default::default(),
+        producer: None,
     })
 }
 

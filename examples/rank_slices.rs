@@ -1,0 +1,84 @@
+//! The slices rank `r` of `M` would load: for every tensor, the region FSDP2's `Shard(0)` over
+//! M ranks gives rank r, which source files and bytes hold it, and the data itself — read
+//! straight from the files, touching only what the rank needs.
+//!
+//! ```text
+//! cargo run --release --example rank_slices -- examples/data/hf_storage_w4 3 1
+//! ```
+
+use reshard::formats::Checkpoint;
+use reshard::layout::{Loc, Piece};
+use reshard::plan::fill;
+use reshard::target::LayoutSpec;
+use std::path::PathBuf;
+
+fn main() -> reshard::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (Some(path), Some(m), Some(r)) = (
+        args.first(),
+        args.get(1).and_then(|m| m.parse::<u64>().ok()),
+        args.get(2).and_then(|r| r.parse::<u64>().ok()),
+    ) else {
+        eprintln!("usage: rank_slices CHECKPOINT M RANK");
+        std::process::exit(2);
+    };
+    if m == 0 || r >= m {
+        eprintln!("RANK must be below M, and M at least 1");
+        std::process::exit(2);
+    }
+    let ck = Checkpoint::open(&PathBuf::from(path))?;
+    let wanted: Vec<_> = ck
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.dtype, t.shape.clone()))
+        .collect();
+    let target = LayoutSpec::fsdp(m).compile(&wanted)?;
+    let mut total = 0u64;
+    println!(
+        "rank {r} of {m} loads from {} ({} ranks):",
+        ck.path.display(),
+        ck.ranks
+    );
+    for (t, tt) in ck.tensors.iter().zip(&target) {
+        for region in tt.ranks[r as usize].iter().filter(|g| !g.is_empty()) {
+            // Which bytes of which files hold this region.
+            let piece = Piece {
+                rank: 0,
+                region: region.clone(),
+                loc: Loc {
+                    file: 0,
+                    offset: 0,
+                    strides: None,
+                },
+            };
+            let mut ops = vec![];
+            fill(t, std::slice::from_ref(&piece), t.dtype, &mut ops);
+            let files: Vec<String> = ops
+                .iter()
+                .map(|o| {
+                    format!(
+                        "{}@{}+{}x{}",
+                        ck.files[o.src as usize]
+                            .file_name()
+                            .unwrap_or_default()
+                            .to_string_lossy(),
+                        o.src_offset,
+                        o.len,
+                        o.count
+                    )
+                })
+                .collect();
+            let data = ck.read_region(&t.name, region, None)?;
+            total += data.len() as u64;
+            println!(
+                "  {:32} {:5} {} <- {}",
+                t.name,
+                t.dtype.name(),
+                region,
+                files.join(", ")
+            );
+        }
+    }
+    println!("{total} bytes read for rank {r}");
+    Ok(())
+}
