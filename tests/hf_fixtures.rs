@@ -1,0 +1,88 @@
+//! Real checkpoints written by torch's `HuggingFaceStorageWriter(save_distributed=True)`
+//! (tests/fixtures, made by scripts/gen_fixtures.py): reshard's results are compared byte for
+//! byte with torch's consolidated oracle, and — when a Python with torch is available — torch's
+//! own reader must accept what reshard writes.
+
+mod common;
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+const CASES: [&str; 2] = ["hf_storage_w4_f32", "hf_storage_w3_bf16"];
+
+#[test]
+fn consolidation_and_round_trips_equal_torchs_oracle() {
+    for case in CASES {
+        let ck = fixture(case).join("checkpoint");
+        let oracle = read_safetensors(&fixture(case).join("oracle/full.safetensors"));
+        let d = tempfile::tempdir().unwrap();
+        let one = d.path().join("one.safetensors");
+        ok(&["convert", s(&ck), s(&one), "--to", "1", "-q"]);
+        assert_eq!(read_safetensors(&one), oracle, "{case} -> 1");
+        for m in [1usize, 2, 3, 5, 8] {
+            let mid = d.path().join(format!("m{m}"));
+            ok(&["convert", s(&ck), s(&mid), "--to", &m.to_string(), "--format", "hf-storage", "-q"]);
+            let back = d.path().join(format!("back{m}.safetensors"));
+            ok(&["convert", s(&mid), s(&back), "--to", "1", "-q"]);
+            assert_eq!(read_safetensors(&back), oracle, "{case} -> {m} -> 1");
+        }
+        let hf = d.path().join("hf");
+        ok(&["convert", s(&ck), s(&hf), "--to", "1", "--max-shard-size", "2KB", "-q"]);
+        let back = d.path().join("hf.safetensors");
+        ok(&["convert", s(&hf), s(&back), "--to", "1", "-q"]);
+        assert_eq!(read_safetensors(&back), oracle, "{case} -> hf -> 1");
+    }
+}
+
+/// A Python that can import torch and safetensors: $RESHARD_PYTHON, or the project's .venv.
+fn torch_python() -> Option<PathBuf> {
+    let candidates = [
+        std::env::var_os("RESHARD_PYTHON").map(PathBuf::from),
+        Some(Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python")),
+    ];
+    candidates.into_iter().flatten().find(|p| {
+        Command::new(p)
+            .args(["-c", "import torch, safetensors"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })
+}
+
+fn judge(py: &Path, args: &[&str]) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/torch_interop.py");
+    let o = Command::new(py).arg(&script).args(args).output().unwrap();
+    assert!(
+        o.status.success(),
+        "torch rejected: torch_interop.py {args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[test]
+fn torch_reads_what_reshard_writes() {
+    let Some(py) = torch_python() else {
+        eprintln!("skipped: no Python with torch (set RESHARD_PYTHON or run scripts/setup_venv.sh)");
+        return;
+    };
+    for case in CASES {
+        let ck = fixture(case).join("checkpoint");
+        let oracle = fixture(case).join("oracle/full.safetensors");
+        let d = tempfile::tempdir().unwrap();
+        // N -> M with torch's HuggingFaceStorageReader, for M below and above N
+        for m in [1usize, 2, 8] {
+            let out = d.path().join(format!("m{m}"));
+            ok(&["convert", s(&ck), s(&out), "--to", &m.to_string(), "--format", "hf-storage", "-q"]);
+            judge(&py, &["hf-storage-load", s(&out), s(&oracle)]);
+        }
+        let one = d.path().join("one.safetensors");
+        ok(&["convert", s(&ck), s(&one), "--to", "1", "-q"]);
+        judge(&py, &["safetensors-equal", s(&one), s(&oracle)]);
+        let hf = d.path().join("hf");
+        ok(&["convert", s(&ck), s(&hf), "--to", "1", "--max-shard-size", "2KB", "-q"]);
+        judge(&py, &["hf-load", s(&hf), s(&oracle)]);
+    }
+}
