@@ -1,1 +1,72 @@
-fn main() {}
+//! Planner benchmarks: how long planning takes for large checkpoints, without touching data.
+//!
+//! `cargo bench --bench planner` — figures go in BENCHMARKS.md.
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use reshard::layout::{flat_ranges, DType, Loc, Piece, Sharding, TensorLayout};
+use reshard::plan::plan;
+use std::hint::black_box;
+
+/// `n` tensors of shapes (rows, 64) laid out as flat ranges (ZeRO / FSDP1 flat parameters)
+/// over `world` ranks; each rank's range is stored back to back in its own file.
+fn flat_layouts(n: usize, world: u64) -> Vec<TensorLayout> {
+    let shapes: Vec<Vec<u64>> = (0..n).map(|i| vec![1 + (i as u64 * 7919) % 61, 64]).collect();
+    let (shares, chunk) = flat_ranges(&shapes, world);
+    let mut layouts: Vec<TensorLayout> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| TensorLayout { name: format!("layers.{i}.weight"), dtype: DType::BF16, shape: s.clone(), pieces: vec![] })
+        .collect();
+    for (r, share) in shares.into_iter().enumerate() {
+        let mut off = 0u64;
+        for (t, boxes) in share {
+            for region in boxes {
+                let n = region.volume() * 2;
+                layouts[t].pieces.push(Piece { rank: r as u32, region, loc: Loc { file: r as u32, offset: off, strides: None } });
+                off += n;
+            }
+        }
+        debug_assert!(off <= chunk * 2);
+    }
+    layouts
+}
+
+/// `n` tensors of shape (rows, 256), each `Shard(0)` over `world` ranks (FSDP2).
+fn fsdp_layouts(n: usize, world: u64) -> Vec<TensorLayout> {
+    let s = Sharding::fsdp(world);
+    let mut offsets = vec![0u64; world as usize];
+    (0..n)
+        .map(|i| {
+            let shape = vec![3000 + (i as u64 % 17), 256];
+            let pieces = (0..world)
+                .flat_map(|r| s.rank_regions(&shape, r).into_iter().map(move |g| (r, g)))
+                .map(|(r, region)| {
+                    let off = offsets[r as usize];
+                    offsets[r as usize] += region.volume() * 2;
+                    Piece { rank: r as u32, region, loc: Loc { file: r as u32, offset: off, strides: None } }
+                })
+                .collect();
+            TensorLayout { name: format!("t{i}"), dtype: DType::BF16, shape, pieces }
+        })
+        .collect()
+}
+
+fn bench(c: &mut Criterion) {
+    let mut g = c.benchmark_group("plan");
+    g.sample_size(10);
+    let src = flat_layouts(100_000, 1024);
+    let dst = flat_layouts(100_000, 768);
+    g.bench_function("flat 100k tensors 1024->768 ranks", |b| b.iter(|| black_box(plan(&src, &dst).unwrap())));
+    for n in [250usize, 1000] {
+        let src = fsdp_layouts(n, 1024);
+        let dst = fsdp_layouts(n, 768);
+        let chunks = n * (1024 + 768);
+        g.bench_function(format!("Shard(0) {n} tensors 1024->768 ranks ({chunks} chunks)"), |b| {
+            b.iter(|| black_box(plan(&src, &dst).unwrap()))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
