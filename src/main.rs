@@ -69,6 +69,10 @@ enum Cmd {
         /// Print nothing but errors.
         #[arg(short, long)]
         quiet: bool,
+        /// Skip fsync before the final rename: faster, still atomic against a crash of
+        /// reshard, but a power loss may leave a renamed output whose data never reached disk.
+        #[arg(long)]
+        no_fsync: bool,
     },
 }
 
@@ -404,9 +408,11 @@ fn run(cli: Cli) -> Result<()> {
             target,
             force,
             quiet,
+            no_fsync,
         } => {
             let mut opts = target.options(quiet)?;
             opts.force = force;
+            opts.exec.sync = !no_fsync;
             let t0 = Instant::now();
             let (job, stats) = convert::convert(&src, &dst, &opts)?;
             if !quiet {
