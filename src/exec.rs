@@ -551,7 +551,7 @@ mod tests {
             dst_stride: 16,
             cast: None,
         };
-        let mut seen = vec![0u8; 200];
+        let mut seen = [0u8; 200];
         for w0 in (0..200).step_by(24) {
             let mut out = vec![];
             clip(&op, w0, w0 + 24, &mut out);

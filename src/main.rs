@@ -236,7 +236,7 @@ fn describe(t: &TensorLayout) -> String {
     }
 }
 
-fn inspect(path: &PathBuf, json: bool) -> Result<()> {
+fn inspect(path: &std::path::Path, json: bool) -> Result<()> {
     let ck = Checkpoint::open(path)?;
     let mut out = std::io::stdout().lock();
     if json {
@@ -255,8 +255,8 @@ fn inspect(path: &PathBuf, json: bool) -> Result<()> {
         human(ck.nbytes())
     );
     for (k, v) in &ck.metadata {
-        let v: String = if v.len() > 60 {
-            format!("{}…", &v[..v.floor_char_boundary(60)])
+        let v: String = if v.chars().count() > 60 {
+            format!("{}…", v.chars().take(60).collect::<String>())
         } else {
             v.clone()
         };

@@ -336,7 +336,7 @@ mod tests {
         };
         let src = sharded("w", DType::BF16, &[6, 8], &s1);
         let mut dst = sharded("w", DType::F32, &[6, 8], &Sharding::fsdp(1));
-        let p = plan(&[src.clone()], &[dst.clone()]).unwrap();
+        let p = plan(std::slice::from_ref(&src), std::slice::from_ref(&dst)).unwrap();
         assert_eq!(p.ops.len(), 4);
         assert!(p
             .ops

@@ -308,7 +308,7 @@ proptest! {
         let sizes: Vec<usize> = wide_zero.iter().map(Vec::len).collect();
         let p = plan(std::slice::from_ref(&src), std::slice::from_ref(&wide)).unwrap();
         prop_assert_eq!(p.bytes_written(), n * 4);
-        let mid = run(&p, &[src_bytes.clone()], &sizes);
+        let mid = run(&p, std::slice::from_ref(&src_bytes), &sizes);
         let mut narrow = src.clone();
         narrow.pieces[0].loc.file = 0;
         let p2 = plan(std::slice::from_ref(&wide), std::slice::from_ref(&narrow)).unwrap();

@@ -2144,7 +2144,7 @@ mod tests {
         assert_eq!(ok(b"F1.5\n."), Value::Float(1.5));
         assert!(err(b"Iabc\n.").contains("invalid INT literal at byte 0"));
         let mut long = b"L".to_vec();
-        long.extend(std::iter::repeat(b'9').take(MAX_TEXT_INT_DIGITS + 1));
+        long.extend(std::iter::repeat_n(b'9', MAX_TEXT_INT_DIGITS + 1));
         long.extend_from_slice(b"\n.");
         assert!(err(&long).contains("longer than"));
     }
@@ -2377,7 +2377,7 @@ h\x02)\x81}(h\x03K\x02ub\x86.",
         // Hostile names are shortened and escaped in messages, kept whole in the fields.
         let mut b = b"\x8c\x02a\n\x8d".to_vec();
         b.extend_from_slice(&1000u64.to_le_bytes());
-        b.extend(std::iter::repeat(b'x').take(1000));
+        b.extend(std::iter::repeat_n(b'x', 1000));
         b.extend_from_slice(b"\x93.");
         match p(&b) {
             Err(PickleError::UnknownGlobal {
@@ -2567,7 +2567,7 @@ h\x02)\x81}(h\x03K\x02ub\x86.",
         let n = 1 << 20;
         let mut b = vec![0x8d];
         b.extend_from_slice(&(n as u64).to_le_bytes());
-        b.extend(std::iter::repeat(b'a').take(n));
+        b.extend(std::iter::repeat_n(b'a', n));
         b.extend_from_slice(b"\x94](");
         for _ in 0..100 {
             b.extend_from_slice(b"h\x00");
@@ -2615,7 +2615,7 @@ h\x02)\x81}(h\x03K\x02ub\x86.",
 
     #[test]
     fn too_many_marks() {
-        let b: Vec<u8> = std::iter::repeat(b'(').take(MAX_MARKS + 1).collect();
+        let b: Vec<u8> = std::iter::repeat_n(b'(', MAX_MARKS + 1).collect();
         assert!(err(&b).starts_with(&format!("MARK depth exceeds {MAX_MARKS}")));
     }
 

@@ -331,9 +331,9 @@ mod tests {
         join(&ar, &br, |i, j| got.push((i, j)));
         got.sort();
         let mut want = vec![];
-        for i in 0..6 {
-            for j in 0..4 {
-                if a[i].intersect(&b[j]).is_some() {
+        for (i, x) in a.iter().enumerate() {
+            for (j, y) in b.iter().enumerate() {
+                if x.intersect(y).is_some() {
                     want.push((i, j));
                 }
             }
