@@ -314,12 +314,47 @@ pub fn read_into(ops: &[CopyOp], sources: &[PathBuf], out: &mut [u8]) -> Result<
     Ok(())
 }
 
+/// Whether `copy_file_range` is worth trying (cleared the first time the kernel refuses it).
+static COPY_FILE_RANGE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Copy `len` bytes between files in the kernel (`copy_file_range`), without mapping or
+/// buffering them in user space. Returns `Ok(false)`, having copied nothing, when the kernel
+/// or filesystem does not support it, so the caller falls back to `pwrite`.
+fn copy_range(src: &File, src_off: u64, dst: &File, dst_off: u64, len: u64) -> std::io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    let (mut off_in, mut off_out) = (src_off as libc::loff_t, dst_off as libc::loff_t);
+    let mut left = len;
+    while left > 0 {
+        // SAFETY: valid descriptors and offset pointers for the duration of the call.
+        let n = unsafe {
+            libc::copy_file_range(src.as_raw_fd(), &mut off_in, dst.as_raw_fd(), &mut off_out, left as usize, 0)
+        };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            let unsupported = matches!(e.raw_os_error(), Some(libc::EXDEV | libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP));
+            if unsupported && left == len {
+                COPY_FILE_RANGE.store(false, Ordering::Relaxed);
+                return Ok(false);
+            }
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "source ended early"));
+        }
+        left -= n as u64;
+    }
+    Ok(true)
+}
+
 thread_local! {
     static BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Run one window.
-fn run_window(w: &Window, srcs: &[Mmap], dst: &File, dst_path: &Path) -> Result<()> {
+fn run_window(w: &Window, srcs: &[Mmap], src_files: &[File], dst: &File, dst_path: &Path) -> Result<()> {
     let write = |bytes: &[u8], at: u64| dst.write_all_at(bytes, at).at(dst_path);
     let slice = |o: &CopyOp, row: u64| -> &[u8] {
         let s = (o.src_offset + row * o.src_stride) as usize;
@@ -328,9 +363,15 @@ fn run_window(w: &Window, srcs: &[Mmap], dst: &File, dst_path: &Path) -> Result<
     if w.frags.iter().all(Frag::is_direct) {
         for f in &w.frags {
             if let Frag::Op(o) = f {
-                write(slice(o, 0), o.dst_offset)?;
+                let kernel = COPY_FILE_RANGE.load(Ordering::Relaxed)
+                    && copy_range(&src_files[o.src as usize], o.src_offset, dst, o.dst_offset, o.len).at(dst_path)?;
+                if !kernel {
+                    write(slice(o, 0), o.dst_offset)?;
+                }
             }
         }
+        // copy_file_range reads through the page cache, not the mapping: nothing to release.
+        return Ok(());
     } else {
         let lo = w
             .frags
@@ -453,6 +494,7 @@ pub fn execute(
     opts: &ExecOptions,
 ) -> Result<ExecStats> {
     let maps = map_sources(sources)?;
+    let src_files: Vec<File> = sources.iter().map(|p| File::open(p).at(p)).collect::<Result<_>>()?;
     check_bounds(plan, sources, &maps, outputs)?;
     let files: Vec<File> = dest_paths
         .iter()
@@ -490,6 +532,7 @@ pub fn execute(
             run_window(
                 w,
                 &maps,
+                &src_files,
                 &files[w.dst as usize],
                 &dest_paths[w.dst as usize],
             )?;
