@@ -30,6 +30,12 @@ fn globset(globs: &[String]) -> Result<GlobSet> {
 }
 
 impl Selection {
+    /// True when `name` passes the include and exclude globs.
+    pub fn keeps(&self, name: &str) -> bool {
+        let inc = self.include.is_empty() || globset(&self.include).is_ok_and(|g| g.is_match(name));
+        inc && !globset(&self.exclude).is_ok_and(|g| g.is_match(name))
+    }
+
     /// The names of `ck`'s tensors that are selected, in checkpoint order.
     pub fn apply<'a>(&self, ck: &'a Checkpoint) -> Result<Vec<&'a crate::layout::TensorLayout>> {
         let inc = globset(&self.include)?;
@@ -98,7 +104,14 @@ pub struct Job {
     pub output: Output,
     /// The copy plan.
     pub plan: Plan,
+    /// Non-tensor entries carried into the output (as JSON under [`EXTRAS_KEY`] in the
+    /// safetensors `__metadata__`).
+    pub extras: usize,
 }
+
+/// The safetensors `__metadata__` key under which non-tensor entries (DCP `BYTE_IO` items,
+/// Lightning `meta.pt` keys) are kept, as one JSON object `{flat key: value}`.
+pub const EXTRAS_KEY: &str = "reshard.extras";
 
 /// The output format for `dst` at world size `world` when none is given: a `.safetensors`
 /// file for one rank, a Hugging Face sharded directory for one rank otherwise, per-rank
@@ -146,6 +159,18 @@ pub fn prepare(src: &Path, dst: Option<&Path>, opts: &ConvertOptions) -> Result<
         .metadata
         .entry("format".into())
         .or_insert_with(|| "pt".into());
+    let extras: serde_json::Map<String, serde_json::Value> = source
+        .extras
+        .iter()
+        .filter(|e| opts.select.keeps(&e.name))
+        .map(|e| (e.name.clone(), e.value.clone()))
+        .collect();
+    if !extras.is_empty() {
+        wopts.metadata.insert(
+            EXTRAS_KEY.into(),
+            serde_json::Value::Object(extras.clone()).to_string(),
+        );
+    }
     let output = formats::write(format, &target, world as u32, &wopts)?;
     let src_tensors: Vec<_> = selected.into_iter().cloned().collect();
     let plan = plan(&src_tensors, &output.tensors)?;
@@ -155,6 +180,7 @@ pub fn prepare(src: &Path, dst: Option<&Path>, opts: &ConvertOptions) -> Result<
         world: world as u32,
         output,
         plan,
+        extras: extras.len(),
     })
 }
 

@@ -262,6 +262,9 @@ fn inspect(path: &std::path::Path, json: bool) -> Result<()> {
         };
         let _ = writeln!(out, "  metadata {k} = {v}");
     }
+    if let Some(p) = &ck.producer {
+        let _ = writeln!(out, "  written by {p}");
+    }
     let w = ck
         .tensors
         .iter()
@@ -284,6 +287,18 @@ fn inspect(path: &std::path::Path, json: bool) -> Result<()> {
             human(t.nbytes()),
             describe(t)
         );
+    }
+    if !ck.extras.is_empty() {
+        let _ = writeln!(out, "NON-TENSOR ENTRIES ({})", ck.extras.len());
+        for e in &ck.extras {
+            let v = e.value.to_string();
+            let v: String = if v.chars().count() > 100 {
+                format!("{}…", v.chars().take(100).collect::<String>())
+            } else {
+                v
+            };
+            let _ = writeln!(out, "  {} [{}] = {v}", e.name, e.origin);
+        }
     }
     Ok(())
 }
@@ -428,6 +443,14 @@ fn run(cli: Cli) -> Result<()> {
                     secs,
                     human((stats.bytes_written as f64 / secs.max(1e-9)) as u64)
                 );
+                if job.extras > 0 {
+                    println!(
+                        "kept {} non-tensor entr{} as JSON in the safetensors __metadata__ key `{}`",
+                        job.extras,
+                        if job.extras == 1 { "y" } else { "ies" },
+                        convert::EXTRAS_KEY
+                    );
+                }
             }
             Ok(())
         }
