@@ -9,6 +9,7 @@
 //!   the outputs atomically;
 //! - [`convert`]: the end-to-end job the CLI and trainers call.
 
+pub mod array;
 pub mod commit;
 pub mod convert;
 pub mod error;

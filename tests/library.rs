@@ -57,3 +57,48 @@ fn read_region_returns_exactly_the_slice() {
         .read_region("nope", &Region::new(vec![], vec![]), None)
         .is_err());
 }
+
+#[test]
+fn read_array_gives_typed_ndarrays() {
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    let m = model();
+    write_hf_storage(&ck, &fsdp_shards(&m, 3));
+    let c = Checkpoint::open(&ck).unwrap();
+    let t = &m["model.embed.weight"];
+    let a = c
+        .read_array::<f32>("model.embed.weight", &Region::new(vec![1, 2], vec![8, 4]))
+        .unwrap();
+    assert_eq!(a.shape(), &[8, 4]);
+    for i in 0..8 {
+        for j in 0..4 {
+            let k = ((1 + i) * 12 + 2 + j) * 4;
+            assert_eq!(
+                a[[i, j]].to_bits(),
+                f32::from_le_bytes(t.data[k..k + 4].try_into().unwrap()).to_bits()
+            );
+        }
+    }
+    let ids = c
+        .read_array::<i64>("model.ids", &Region::new(vec![0, 0], vec![11, 2]))
+        .unwrap();
+    assert_eq!(
+        ids[[10, 1]],
+        i64::from_le_bytes(m["model.ids"].data[168..176].try_into().unwrap())
+    );
+    // bf16 read as f32 converts; an integer tensor cannot be read as f32
+    let q = c
+        .read_array::<f32>(
+            "model.blocks.0.qkv.weight",
+            &Region::new(vec![0, 0], vec![1, 1]),
+        )
+        .unwrap();
+    let b = &m["model.blocks.0.qkv.weight"].data;
+    assert_eq!(
+        q[[0, 0]],
+        half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+    );
+    assert!(c
+        .read_array::<f32>("model.ids", &Region::new(vec![0, 0], vec![1, 1]))
+        .is_err());
+}
