@@ -10,19 +10,34 @@ use std::hint::black_box;
 /// `n` tensors of shapes (rows, 64) laid out as flat ranges (ZeRO / FSDP1 flat parameters)
 /// over `world` ranks; each rank's range is stored back to back in its own file.
 fn flat_layouts(n: usize, world: u64) -> Vec<TensorLayout> {
-    let shapes: Vec<Vec<u64>> = (0..n).map(|i| vec![1 + (i as u64 * 7919) % 61, 64]).collect();
+    let shapes: Vec<Vec<u64>> = (0..n)
+        .map(|i| vec![1 + (i as u64 * 7919) % 61, 64])
+        .collect();
     let (shares, chunk) = flat_ranges(&shapes, world);
     let mut layouts: Vec<TensorLayout> = shapes
         .iter()
         .enumerate()
-        .map(|(i, s)| TensorLayout { name: format!("layers.{i}.weight"), dtype: DType::BF16, shape: s.clone(), pieces: vec![] })
+        .map(|(i, s)| TensorLayout {
+            name: format!("layers.{i}.weight"),
+            dtype: DType::BF16,
+            shape: s.clone(),
+            pieces: vec![],
+        })
         .collect();
     for (r, share) in shares.into_iter().enumerate() {
         let mut off = 0u64;
         for (t, boxes) in share {
             for region in boxes {
                 let n = region.volume() * 2;
-                layouts[t].pieces.push(Piece { rank: r as u32, region, loc: Loc { file: r as u32, offset: off, strides: None } });
+                layouts[t].pieces.push(Piece {
+                    rank: r as u32,
+                    region,
+                    loc: Loc {
+                        file: r as u32,
+                        offset: off,
+                        strides: None,
+                    },
+                });
                 off += n;
             }
         }
@@ -43,10 +58,23 @@ fn fsdp_layouts(n: usize, world: u64) -> Vec<TensorLayout> {
                 .map(|(r, region)| {
                     let off = offsets[r as usize];
                     offsets[r as usize] += region.volume() * 2;
-                    Piece { rank: r as u32, region, loc: Loc { file: r as u32, offset: off, strides: None } }
+                    Piece {
+                        rank: r as u32,
+                        region,
+                        loc: Loc {
+                            file: r as u32,
+                            offset: off,
+                            strides: None,
+                        },
+                    }
                 })
                 .collect();
-            TensorLayout { name: format!("t{i}"), dtype: DType::BF16, shape, pieces }
+            TensorLayout {
+                name: format!("t{i}"),
+                dtype: DType::BF16,
+                shape,
+                pieces,
+            }
         })
         .collect()
 }
@@ -56,14 +84,17 @@ fn bench(c: &mut Criterion) {
     g.sample_size(10);
     let src = flat_layouts(100_000, 1024);
     let dst = flat_layouts(100_000, 768);
-    g.bench_function("flat 100k tensors 1024->768 ranks", |b| b.iter(|| black_box(plan(&src, &dst).unwrap())));
+    g.bench_function("flat 100k tensors 1024->768 ranks", |b| {
+        b.iter(|| black_box(plan(&src, &dst).unwrap()))
+    });
     for n in [250usize, 1000] {
         let src = fsdp_layouts(n, 1024);
         let dst = fsdp_layouts(n, 768);
         let chunks = n * (1024 + 768);
-        g.bench_function(format!("Shard(0) {n} tensors 1024->768 ranks ({chunks} chunks)"), |b| {
-            b.iter(|| black_box(plan(&src, &dst).unwrap()))
-        });
+        g.bench_function(
+            format!("Shard(0) {n} tensors 1024->768 ranks ({chunks} chunks)"),
+            |b| b.iter(|| black_box(plan(&src, &dst).unwrap())),
+        );
     }
     g.finish();
 }

@@ -320,18 +320,34 @@ static COPY_FILE_RANGE: std::sync::atomic::AtomicBool = std::sync::atomic::Atomi
 /// Copy `len` bytes between files in the kernel (`copy_file_range`), without mapping or
 /// buffering them in user space. Returns `Ok(false)`, having copied nothing, when the kernel
 /// or filesystem does not support it, so the caller falls back to `pwrite`.
-fn copy_range(src: &File, src_off: u64, dst: &File, dst_off: u64, len: u64) -> std::io::Result<bool> {
+fn copy_range(
+    src: &File,
+    src_off: u64,
+    dst: &File,
+    dst_off: u64,
+    len: u64,
+) -> std::io::Result<bool> {
     use std::os::fd::AsRawFd;
     let (mut off_in, mut off_out) = (src_off as libc::loff_t, dst_off as libc::loff_t);
     let mut left = len;
     while left > 0 {
         // SAFETY: valid descriptors and offset pointers for the duration of the call.
         let n = unsafe {
-            libc::copy_file_range(src.as_raw_fd(), &mut off_in, dst.as_raw_fd(), &mut off_out, left as usize, 0)
+            libc::copy_file_range(
+                src.as_raw_fd(),
+                &mut off_in,
+                dst.as_raw_fd(),
+                &mut off_out,
+                left as usize,
+                0,
+            )
         };
         if n < 0 {
             let e = std::io::Error::last_os_error();
-            let unsupported = matches!(e.raw_os_error(), Some(libc::EXDEV | libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP));
+            let unsupported = matches!(
+                e.raw_os_error(),
+                Some(libc::EXDEV | libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)
+            );
             if unsupported && left == len {
                 COPY_FILE_RANGE.store(false, Ordering::Relaxed);
                 return Ok(false);
@@ -342,7 +358,10 @@ fn copy_range(src: &File, src_off: u64, dst: &File, dst_off: u64, len: u64) -> s
             return Err(e);
         }
         if n == 0 {
-            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "source ended early"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "source ended early",
+            ));
         }
         left -= n as u64;
     }
@@ -354,7 +373,13 @@ thread_local! {
 }
 
 /// Run one window.
-fn run_window(w: &Window, srcs: &[Mmap], src_files: &[File], dst: &File, dst_path: &Path) -> Result<()> {
+fn run_window(
+    w: &Window,
+    srcs: &[Mmap],
+    src_files: &[File],
+    dst: &File,
+    dst_path: &Path,
+) -> Result<()> {
     let write = |bytes: &[u8], at: u64| dst.write_all_at(bytes, at).at(dst_path);
     let slice = |o: &CopyOp, row: u64| -> &[u8] {
         let s = (o.src_offset + row * o.src_stride) as usize;
@@ -364,7 +389,14 @@ fn run_window(w: &Window, srcs: &[Mmap], src_files: &[File], dst: &File, dst_pat
         for f in &w.frags {
             if let Frag::Op(o) = f {
                 let kernel = COPY_FILE_RANGE.load(Ordering::Relaxed)
-                    && copy_range(&src_files[o.src as usize], o.src_offset, dst, o.dst_offset, o.len).at(dst_path)?;
+                    && copy_range(
+                        &src_files[o.src as usize],
+                        o.src_offset,
+                        dst,
+                        o.dst_offset,
+                        o.len,
+                    )
+                    .at(dst_path)?;
                 if !kernel {
                     write(slice(o, 0), o.dst_offset)?;
                 }
@@ -494,7 +526,10 @@ pub fn execute(
     opts: &ExecOptions,
 ) -> Result<ExecStats> {
     let maps = map_sources(sources)?;
-    let src_files: Vec<File> = sources.iter().map(|p| File::open(p).at(p)).collect::<Result<_>>()?;
+    let src_files: Vec<File> = sources
+        .iter()
+        .map(|p| File::open(p).at(p))
+        .collect::<Result<_>>()?;
     check_bounds(plan, sources, &maps, outputs)?;
     let files: Vec<File> = dest_paths
         .iter()
