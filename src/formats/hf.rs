@@ -117,6 +117,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         extras: vec![],
         paths: Default::default(),
         producer: None,
+        scratch: vec![],
     })
 }
 

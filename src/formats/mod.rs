@@ -6,12 +6,16 @@
 //! - [`hf`]: Hugging Face sharded safetensors (`model.safetensors.index.json` + files);
 //! - [`hf_storage`]: the per-rank safetensors shards PyTorch's
 //!   `HuggingFaceStorageWriter(save_distributed=True)` writes, with each chunk's global
-//!   offsets under `DCP_SHARDING_INFO`.
+//!   offsets under `DCP_SHARDING_INFO`;
+//! - [`dcp`]: PyTorch Distributed Checkpoints (`.metadata` + `.distcp` files), read only;
+//!   [`torch_zip`] reads the `torch.save` archives they hold.
 
+pub mod dcp;
 pub mod hf;
 pub mod hf_storage;
 pub mod pickle;
 pub mod safetensors;
+pub mod torch_zip;
 
 use crate::error::{Error, IoContext, Result};
 use crate::exec::OutputFile;
@@ -32,6 +36,8 @@ pub enum Format {
     Hf,
     /// Per-rank safetensors shards with `DCP_SHARDING_INFO` (torch's HF storage layout).
     HfStorage,
+    /// A PyTorch Distributed Checkpoint directory (`.metadata` + `__R_I.distcp`).
+    Dcp,
 }
 
 impl Format {
@@ -41,6 +47,7 @@ impl Format {
             Format::Safetensors => "safetensors",
             Format::Hf => "hf",
             Format::HfStorage => "hf-storage",
+            Format::Dcp => "dcp",
         }
     }
 
@@ -63,8 +70,9 @@ impl FromStr for Format {
             "safetensors" | "st" => Ok(Format::Safetensors),
             "hf" | "hf-sharded" => Ok(Format::Hf),
             "hf-storage" | "hf-distributed" => Ok(Format::HfStorage),
+            "dcp" => Ok(Format::Dcp),
             _ => Err(format!(
-                "unknown format `{s}` (expected safetensors, hf or hf-storage)"
+                "unknown format `{s}` (expected safetensors, hf, hf-storage or dcp)"
             )),
         }
     }
@@ -123,6 +131,10 @@ pub struct Checkpoint {
     /// What wrote the checkpoint, where that can be told (e.g. `torch >= 2.4 (DCP 1.0.0)`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub producer: Option<String>,
+    /// Scratch files the reader created (e.g. decompressed zstd items listed in `files`);
+    /// they are deleted when the last clone of the checkpoint is dropped.
+    #[serde(skip)]
+    pub scratch: Vec<std::sync::Arc<tempfile::TempPath>>,
 }
 
 impl Checkpoint {
@@ -132,6 +144,7 @@ impl Checkpoint {
             Format::Safetensors => safetensors::read(path)?,
             Format::Hf => hf::read(path)?,
             Format::HfStorage => hf_storage::read(path)?,
+            Format::Dcp => dcp::read(path)?,
         };
         ck.validate()?;
         Ok(ck)
@@ -229,19 +242,16 @@ pub fn detect(path: &Path) -> Result<Format> {
     if hf::index_path(path).is_some() {
         return Ok(Format::Hf);
     }
+    if dcp::is_dcp(path)? {
+        return Ok(Format::Dcp);
+    }
     if !safetensors::files_in(path)?.is_empty() {
         return Ok(Format::HfStorage);
-    }
-    if path.join(".metadata").is_file() {
-        return Err(Error::format(
-            path,
-            "is a PyTorch DCP checkpoint (.metadata); reading DCP is not supported by this version",
-        ));
     }
     Err(Error::format(
         path,
         "is not a checkpoint: expected a .safetensors file, or a directory with \
-         model.safetensors.index.json or *.safetensors shards",
+         model.safetensors.index.json, *.safetensors shards or a DCP .metadata",
     ))
 }
 
@@ -311,5 +321,6 @@ pub fn write(
             hf::write(target, opts)
         }
         Format::HfStorage => hf_storage::write(target, world, opts),
+        Format::Dcp => Err(Error::usage("writing DCP is not supported yet")),
     }
 }

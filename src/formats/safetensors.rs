@@ -242,6 +242,7 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
         extras: vec![],
         paths: Default::default(),
         producer: None,
+        scratch: vec![],
     })
 }
 

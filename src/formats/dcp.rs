@@ -1,0 +1,1331 @@
+//! PyTorch Distributed Checkpoints (`torch.distributed.checkpoint`, torch 2.1 … 2.15), read
+//! only (`docs/pytorch-formats.md` §1–3, §5–6).
+//!
+//! A DCP directory holds a `.metadata` pickle and data files `__<R>_<I>.distcp`. The metadata
+//! lists every tensor's global shape and dtype and its chunks (boxes of the global index
+//! space), and maps each chunk (and each non-tensor `BYTE_IO` entry) to a byte range of a data
+//! file. Each range is a complete `torch.save` zip archive ([`super::torch_zip`]), or, for
+//! `FileSystemWriter(serialization_format=SAFETENSORS)`, the start of one safetensors blob per
+//! file. `dcp.save(..., use_collectives=False)` writes no `.metadata` but one
+//! `__<R>.metadata` per rank, which are merged here. Items whose `_StorageInfo` lists
+//! `transform_descriptors = ['stream.zstd/1']` are zstd streams: they are decompressed into a
+//! scratch file that lives as long as the [`Checkpoint`].
+//!
+//! Every tensor becomes a [`TensorLayout`] in `.metadata` order, one [`Piece`] per chunk,
+//! located at the chunk's element 0 inside the data file (strides kept when the saved view
+//! is not row-major). Locating it means reading each item's central directory and
+//! `data.pkl`, which is done over memory maps, in parallel; tensor data is never read here.
+//! `BYTE_IO` items and the keys of a Lightning `meta.pt` become [`Extra`]s (an item's `raw`
+//! location is that of its `torch.save` archive: in the scratch file when it was zstd-compressed;
+//! `meta.pt` keys have none).
+//!
+//! Anything damaged or hostile is an error naming the file: undecodable metadata, unknown
+//! pickle globals, data paths that are absolute, contain `..` or resolve outside the directory,
+//! missing or short data files, corrupt zip records, items whose dtype or shape disagree with
+//! the metadata, chunks outside their tensor or overlapping (layout validation).
+
+use super::pickle::{self, Value};
+use super::torch_zip::{self, short};
+use super::{Checkpoint, Extra, Format, KeyPart};
+use crate::error::{Error, IoContext, Result};
+use crate::layout::{DType, Loc, Piece, Region, TensorLayout};
+use memmap2::Mmap;
+use rayon::prelude::*;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::{Read, Write};
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+
+/// The global metadata file.
+pub const METADATA: &str = ".metadata";
+/// The only stream transform torch registers.
+pub const ZSTD: &str = "stream.zstd/1";
+/// Lightning Fabric's / Trainer's file of non-module, non-optimizer entries.
+pub const META_PT: &str = "meta.pt";
+const SHARDING_INFO: &str = "DCP_SHARDING_INFO";
+
+/// True when `dir` holds a `.metadata` file or per-rank `__<R>.metadata` files.
+pub fn is_dcp(dir: &Path) -> Result<bool> {
+    Ok(dir.join(METADATA).is_file() || !rank_metadata_files(dir)?.is_empty())
+}
+
+/// The rank `R` of a file named `__R_…` or `__R.metadata`.
+pub fn file_rank(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix("__")?;
+    let digits = rest.len() - rest.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+    if digits == 0 || !matches!(rest.as_bytes().get(digits), Some(b'_' | b'.')) {
+        return None;
+    }
+    rest[..digits].parse().ok()
+}
+
+/// `__<R>.metadata` files of `dir` (written by `use_collectives=False`), by rank.
+fn rank_metadata_files(dir: &Path) -> Result<Vec<(u32, PathBuf)>> {
+    let mut v = vec![];
+    for e in std::fs::read_dir(dir).at(dir)? {
+        let e = e.at(dir)?;
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(stem) = name.strip_suffix(".metadata") else {
+            continue;
+        };
+        if let Some(r) = stem
+            .strip_prefix("__")
+            .filter(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|d| d.parse::<u32>().ok())
+        {
+            if e.path().is_file() {
+                v.push((r, e.path()));
+            }
+        }
+    }
+    v.sort();
+    Ok(v)
+}
+
+// ---------------------------------------------------------------------------------------------
+// `.metadata`
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Chunk {
+    offsets: Vec<u64>,
+    sizes: Vec<u64>,
+}
+
+impl Chunk {
+    fn region(&self) -> Region {
+        Region::new(self.offsets.clone(), self.sizes.clone())
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Kind {
+    Tensor {
+        dtype: DType,
+        size: Vec<u64>,
+        chunks: Vec<Chunk>,
+    },
+    Bytes,
+}
+
+#[derive(Clone, Debug)]
+struct Entry {
+    name: String,
+    kind: Kind,
+    /// Index of the metadata file that first listed it.
+    origin: usize,
+}
+
+#[derive(Clone, Debug)]
+struct StorageInfo {
+    relative_path: String,
+    offset: u64,
+    length: u64,
+    transforms: Vec<String>,
+}
+
+/// `MetadataIndex` equality: `(fqn, offset)`; BYTE_IO entries have no offset.
+type IndexKey = (String, Option<Vec<u64>>);
+
+#[derive(Debug, Default)]
+struct Meta {
+    entries: Vec<Entry>,
+    planner: Vec<(String, Vec<KeyPart>)>,
+    storage: HashMap<IndexKey, StorageInfo>,
+    version: Option<String>,
+}
+
+fn dims(v: Option<&Value>) -> Option<Vec<u64>> {
+    v?.as_int_tuple()?
+        .into_iter()
+        .map(|i| u64::try_from(i).ok())
+        .collect()
+}
+
+fn non_negative(v: Option<&Value>) -> Option<u64> {
+    v?.as_int().and_then(|i| u64::try_from(i).ok())
+}
+
+/// Decode one metadata pickle (`origin` is its index in the list of metadata files).
+fn parse_metadata(path: &Path, bytes: &[u8], origin: usize) -> Result<Meta> {
+    let err = |msg: String| Error::format(path, msg);
+    let root = pickle::parse(bytes, &pickle::dcp_metadata_globals())
+        .map_err(|e| err(format!("cannot decode the metadata pickle: {e}")))?;
+    if root.class().map(|c| c.1) != Some("Metadata") {
+        return Err(err(format!(
+            "does not hold a DCP Metadata object (found a {})",
+            root.kind()
+        )));
+    }
+    let sdm = root
+        .get("state_dict_metadata")
+        .and_then(Value::as_dict)
+        .ok_or_else(|| err("Metadata has no state_dict_metadata dict".into()))?;
+    let mut meta = Meta::default();
+    for (k, v) in sdm {
+        let name = k
+            .as_str()
+            .ok_or_else(|| err(format!("state_dict_metadata has a {} key", k.kind())))?;
+        let kind = match v.class() {
+            Some((_, "TensorStorageMetadata")) => tensor_metadata(name, v).map_err(err)?,
+            Some((_, "BytesStorageMetadata")) => Kind::Bytes,
+            _ => {
+                return Err(err(format!(
+                    "`{}` is described by a {}, not by Tensor/BytesStorageMetadata",
+                    short(name),
+                    v.kind()
+                )))
+            }
+        };
+        meta.entries.push(Entry {
+            name: name.to_string(),
+            kind,
+            origin,
+        });
+    }
+    let sd = root
+        .get("storage_data")
+        .and_then(Value::as_dict)
+        .ok_or_else(|| err("Metadata has no storage_data dict".into()))?;
+    for (k, v) in sd {
+        let fqn = k
+            .get("fqn")
+            .and_then(Value::as_str)
+            .ok_or_else(|| err("storage_data has a key without an fqn".into()))?;
+        let offset = match k.get("offset") {
+            None | Some(Value::None) => None,
+            Some(o) => Some(dims(Some(o)).ok_or_else(|| {
+                err(format!(
+                    "storage_data key of `{}` has a bad offset",
+                    short(fqn)
+                ))
+            })?),
+        };
+        let bad = |what: &str| err(format!("storage of `{}` has no valid {what}", short(fqn)));
+        let relative_path = v
+            .get("relative_path")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad("relative_path"))?
+            .to_string();
+        let transforms = match v.get("transform_descriptors") {
+            None | Some(Value::None) => vec![],
+            Some(list) => list
+                .as_list()
+                .and_then(|l| {
+                    l.iter()
+                        .map(|t| t.as_str().map(str::to_string))
+                        .collect::<Option<Vec<_>>>()
+                })
+                .ok_or_else(|| bad("transform_descriptors"))?,
+        };
+        let info = StorageInfo {
+            relative_path,
+            offset: non_negative(v.get("offset")).ok_or_else(|| bad("offset"))?,
+            length: non_negative(v.get("length")).ok_or_else(|| bad("length"))?,
+            transforms,
+        };
+        meta.storage
+            .entry((fqn.to_string(), offset))
+            .or_insert(info);
+    }
+    match root.get("planner_data") {
+        None | Some(Value::None) => {}
+        Some(Value::Dict(pairs)) => {
+            for (k, v) in pairs {
+                let name = k
+                    .as_str()
+                    .ok_or_else(|| err("planner_data has a non-str key".into()))?;
+                let parts = v
+                    .as_list()
+                    .and_then(|l| {
+                        l.iter()
+                            .map(|p| match p {
+                                Value::Str(s) => Some(KeyPart::Key(s.clone())),
+                                Value::Int(i) => Some(KeyPart::Index(*i)),
+                                _ => None,
+                            })
+                            .collect::<Option<Vec<_>>>()
+                    })
+                    .ok_or_else(|| {
+                        err(format!(
+                            "planner_data of `{}` is not a tuple of str and int",
+                            short(name)
+                        ))
+                    })?;
+                meta.planner.push((name.to_string(), parts));
+            }
+        }
+        Some(other) => {
+            return Err(err(format!(
+                "planner_data is a {}, not a dict",
+                other.kind()
+            )))
+        }
+    }
+    meta.version = root
+        .get("version")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    Ok(meta)
+}
+
+fn tensor_metadata(name: &str, v: &Value) -> Result<Kind, String> {
+    let name = short(name);
+    let props = v
+        .get("properties")
+        .ok_or_else(|| format!("tensor `{name}` has no properties"))?;
+    // TensorProperties pickles a tuple state (dtype first); accept a dict state too.
+    let dtype_v = match props.state() {
+        Some(Value::Tuple(t)) => t.first(),
+        Some(d @ Value::Dict(_)) => d.get("dtype"),
+        _ => None,
+    };
+    let dtype = dtype_v
+        .and_then(torch_zip::torch_dtype)
+        .ok_or_else(|| format!("tensor `{name}` has no torch dtype in its properties"))?
+        .map_err(|m| format!("tensor `{name}`: {m}"))?;
+    let size = dims(v.get("size")).ok_or_else(|| format!("tensor `{name}` has no valid size"))?;
+    let list = v
+        .get("chunks")
+        .and_then(Value::as_list)
+        .ok_or_else(|| format!("tensor `{name}` has no list of chunks"))?;
+    let mut chunks = Vec::with_capacity(list.len());
+    for c in list {
+        let offsets = dims(c.get("offsets"));
+        let sizes = dims(c.get("sizes"));
+        match (offsets, sizes) {
+            (Some(offsets), Some(sizes))
+                if offsets.len() == size.len() && sizes.len() == size.len() =>
+            {
+                chunks.push(Chunk { offsets, sizes })
+            }
+            _ => {
+                return Err(format!(
+                    "tensor `{name}` ({} dims) has a chunk without matching offsets and sizes",
+                    size.len()
+                ))
+            }
+        }
+    }
+    Ok(Kind::Tensor {
+        dtype,
+        size,
+        chunks,
+    })
+}
+
+/// Merge per-rank metadata (`use_collectives=False`): union of keys in rank order, identical
+/// chunks de-duplicated, the first storage entry of a chunk kept.
+fn merge(paths: &[PathBuf], metas: Vec<Meta>) -> Result<Meta> {
+    let mut out = Meta::default();
+    let mut index: HashMap<String, usize> = HashMap::new();
+    let mut planned: HashSet<String> = HashSet::new();
+    for m in metas {
+        for e in m.entries {
+            let Some(&i) = index.get(&e.name) else {
+                index.insert(e.name.clone(), out.entries.len());
+                out.entries.push(e);
+                continue;
+            };
+            let path = &paths[e.origin];
+            let first = &paths[out.entries[i].origin];
+            match (&mut out.entries[i].kind, e.kind) {
+                (
+                    Kind::Tensor {
+                        dtype,
+                        size,
+                        chunks,
+                    },
+                    Kind::Tensor {
+                        dtype: d2,
+                        size: s2,
+                        chunks: c2,
+                    },
+                ) => {
+                    if *dtype != d2 || *size != s2 {
+                        return Err(Error::format(
+                            path,
+                            format!(
+                                "tensor `{}` is {d2} {s2:?} here but {dtype} {size:?} in {}",
+                                short(&e.name),
+                                first.display()
+                            ),
+                        ));
+                    }
+                    for c in c2 {
+                        if !chunks.contains(&c) {
+                            chunks.push(c);
+                        }
+                    }
+                }
+                (Kind::Bytes, Kind::Bytes) => {}
+                _ => {
+                    return Err(Error::format(
+                        path,
+                        format!(
+                            "`{}` is a tensor in one rank's metadata and a non-tensor in another",
+                            short(&e.name)
+                        ),
+                    ))
+                }
+            }
+        }
+        for (k, p) in m.planner {
+            if planned.insert(k.clone()) {
+                out.planner.push((k, p));
+            }
+        }
+        for (k, v) in m.storage {
+            out.storage.entry(k).or_insert(v);
+        }
+        if out.version.is_none() {
+            out.version = m.version;
+        }
+    }
+    Ok(out)
+}
+
+/// Read `.metadata`, or merge every `__<R>.metadata`; returns the files read.
+fn load_metadata(dir: &Path) -> Result<(Vec<PathBuf>, Meta)> {
+    let global = dir.join(METADATA);
+    let paths: Vec<PathBuf> = if global.is_file() {
+        vec![global]
+    } else {
+        rank_metadata_files(dir)?
+            .into_iter()
+            .map(|(_, p)| p)
+            .collect()
+    };
+    if paths.is_empty() {
+        return Err(Error::format(
+            dir,
+            "has no .metadata (not a DCP checkpoint)",
+        ));
+    }
+    let mut metas = Vec::with_capacity(paths.len());
+    for (i, p) in paths.iter().enumerate() {
+        let bytes = std::fs::read(p).at(p)?;
+        metas.push(parse_metadata(p, &bytes, i)?);
+    }
+    let meta = if metas.len() == 1 {
+        metas.pop().unwrap_or_default()
+    } else {
+        merge(&paths, metas)?
+    };
+    Ok((paths, meta))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Data files and items
+
+/// A data file (or the scratch file) and its memory map.
+struct Source {
+    path: PathBuf,
+    rank: Option<u32>,
+    len: u64,
+    map: Option<Mmap>,
+}
+
+impl Source {
+    fn open(path: PathBuf, rank: Option<u32>) -> Result<Source> {
+        let f = std::fs::File::open(&path).at(&path)?;
+        let len = f.metadata().at(&path)?.len();
+        let map = if len == 0 {
+            None
+        } else {
+            // SAFETY: read-only mapping of a file reshard never writes; every access is
+            // bounds-checked against the length seen here.
+            Some(unsafe { Mmap::map(&f) }.at(&path)?)
+        };
+        Ok(Source {
+            path,
+            rank,
+            len,
+            map,
+        })
+    }
+
+    fn bytes(&self) -> &[u8] {
+        self.map.as_deref().unwrap_or_default()
+    }
+
+    /// `length` bytes at `offset` (callers checked the range against `len`).
+    fn slice(&self, offset: u64, length: u64) -> &[u8] {
+        let (Ok(a), Ok(n)) = (usize::try_from(offset), usize::try_from(length)) else {
+            return &[];
+        };
+        self.bytes().get(a..a.saturating_add(n)).unwrap_or_default()
+    }
+}
+
+/// Check a `_StorageInfo.relative_path` and resolve it inside `dir`.
+fn resolve(
+    dir: &Path,
+    dir_canon: &Path,
+    meta_path: &Path,
+    rel: &str,
+    key: &str,
+) -> Result<PathBuf> {
+    let p = Path::new(rel);
+    let plain = !rel.is_empty()
+        && p.components()
+            .all(|c| matches!(c, Component::Normal(_) | Component::CurDir));
+    if !plain {
+        return Err(Error::format(
+            meta_path,
+            format!(
+                "data path `{}` of `{}` is absolute or leaves the checkpoint directory",
+                short(rel),
+                short(key)
+            ),
+        ));
+    }
+    let full = dir.join(p);
+    let canon = match std::fs::canonicalize(&full) {
+        Ok(c) => c,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::format(
+                &full,
+                format!("is missing: the metadata stores `{}` in it", short(key)),
+            ))
+        }
+        Err(e) => return Err(e).at(&full),
+    };
+    if !canon.starts_with(dir_canon) {
+        return Err(Error::format(
+            &full,
+            format!(
+                "resolves to {}, outside the checkpoint directory",
+                canon.display()
+            ),
+        ));
+    }
+    if !canon.is_file() {
+        return Err(Error::format(&full, "is not a regular file"));
+    }
+    Ok(full)
+}
+
+/// What an item holds, per the metadata.
+#[derive(Clone, Copy, Debug)]
+enum Want {
+    Chunk { entry: usize, chunk: usize },
+    Bytes { entry: usize },
+}
+
+impl Want {
+    fn entry(self) -> usize {
+        match self {
+            Want::Chunk { entry, .. } | Want::Bytes { entry } => entry,
+        }
+    }
+}
+
+/// One item to read.
+#[derive(Clone, Debug)]
+struct Work {
+    want: Want,
+    /// The data file named by the metadata.
+    file: usize,
+    offset: u64,
+    length: u64,
+    transforms: Vec<String>,
+    /// Where the (decoded) item bytes are: source index, offset, length.
+    at: (usize, u64, u64),
+}
+
+/// Decode every zstd frame of `src` into `out`, refusing to write more than `limit` bytes.
+fn zstd_decode(src: &[u8], out: &mut impl Write, limit: u64) -> std::result::Result<u64, String> {
+    use ruzstd::decoding::errors::{FrameDecoderError, ReadFrameHeaderError};
+    let mut cur = std::io::Cursor::new(src);
+    let mut total = 0u64;
+    let mut frames = 0;
+    while (cur.position() as usize) < src.len() {
+        let start = cur.position();
+        match ruzstd::decoding::StreamingDecoder::new(&mut cur) {
+            Ok(mut dec) => {
+                let room = limit - total;
+                let n = std::io::copy(&mut (&mut dec).take(room + 1), out)
+                    .map_err(|e| format!("zstd stream is corrupt: {e}"))?;
+                total += n;
+                if total > limit {
+                    return Err(format!("zstd stream expands beyond {limit} bytes"));
+                }
+                frames += 1;
+            }
+            Err(FrameDecoderError::ReadFrameHeaderError(ReadFrameHeaderError::SkipFrame {
+                length,
+                ..
+            })) => {
+                let next = cur.position() + length as u64;
+                if next > src.len() as u64 {
+                    return Err("zstd skippable frame is truncated".into());
+                }
+                cur.set_position(next);
+            }
+            Err(e) => return Err(format!("zstd stream is corrupt: {e}")),
+        }
+        if cur.position() <= start {
+            return Err("zstd stream is corrupt: no progress".into());
+        }
+    }
+    if frames == 0 {
+        return Err("zstd stream holds no frame".into());
+    }
+    Ok(total)
+}
+
+/// The tensors of one safetensors blob (`serialization_format=SAFETENSORS`).
+struct Blob {
+    /// name → (dtype, shape, absolute data offset)
+    tensors: HashMap<String, (DType, Vec<u64>, u64)>,
+    sharding: serde_json::Map<String, serde_json::Value>,
+}
+
+/// True when `offset` starts a safetensors header rather than a zip local header.
+fn is_blob(b: &[u8], offset: u64) -> bool {
+    let Some(h) = usize::try_from(offset)
+        .ok()
+        .and_then(|o| b.get(o..o.checked_add(9)?))
+    else {
+        return false;
+    };
+    let mut n = [0u8; 8];
+    n.copy_from_slice(&h[..8]);
+    let n = u64::from_le_bytes(n);
+    h[..4] != *b"PK\x03\x04" && (2..=100_000_000).contains(&n) && h[8] == b'{'
+}
+
+fn parse_blob(src: &Source, offset: u64) -> Result<Blob> {
+    let b = src.bytes();
+    let err =
+        |msg: String| Error::format(&src.path, format!("safetensors blob at {offset}: {msg}"));
+    let n = match src.slice(offset, 8).try_into() {
+        Ok(a) => u64::from_le_bytes(a),
+        Err(_) => return Err(err("no header length".into())),
+    };
+    let start = offset + 8;
+    let data_start = start
+        .checked_add(n)
+        .filter(|&e| e <= src.len)
+        .ok_or_else(|| {
+            err(format!(
+                "header of {n} bytes runs past the end of the file ({} bytes)",
+                src.len
+            ))
+        })?;
+    let header = &b[start as usize..data_start as usize];
+    let meta: ::safetensors::tensor::Metadata =
+        serde_json::from_slice(header).map_err(|e| err(format!("invalid header: {e}")))?;
+    let end = data_start.saturating_add(meta.data_len() as u64);
+    if end > src.len {
+        return Err(Error::format(
+            &src.path,
+            format!(
+                "is truncated: the safetensors blob at {offset} needs bytes up to {end}, the file has {}",
+                src.len
+            ),
+        ));
+    }
+    let mut tensors = HashMap::new();
+    for (name, info) in meta.tensors() {
+        let dtype: DType = info.dtype.to_string().parse().map_err(|_| {
+            err(format!(
+                "tensor `{}` has dtype {}, which reshard does not support",
+                short(&name),
+                info.dtype
+            ))
+        })?;
+        let shape = info.shape.iter().map(|&s| s as u64).collect();
+        tensors.insert(
+            name,
+            (dtype, shape, data_start + info.data_offsets.0 as u64),
+        );
+    }
+    let sharding = match meta.metadata().as_ref().and_then(|m| m.get(SHARDING_INFO)) {
+        None => Default::default(),
+        Some(s) => match serde_json::from_str(s) {
+            Ok(serde_json::Value::Object(m)) => m,
+            _ => return Err(err(format!("`{SHARDING_INFO}` is not a JSON object"))),
+        },
+    };
+    Ok(Blob { tensors, sharding })
+}
+
+/// What reading one item gave.
+enum Got {
+    Piece { entry: usize, piece: Piece },
+    Extra { entry: usize, extra: Extra },
+}
+
+/// Read a DCP checkpoint directory.
+pub fn read(dir: &Path) -> Result<Checkpoint> {
+    let (meta_paths, meta) = load_metadata(dir)?;
+    let dir_canon = std::fs::canonicalize(dir).at(dir)?;
+
+    // Locate every item in the metadata.
+    let mut rels: Vec<String> = vec![];
+    let mut rel_index: HashMap<String, usize> = HashMap::new();
+    let mut works: Vec<(Want, usize, StorageInfo)> = vec![];
+    for (ei, e) in meta.entries.iter().enumerate() {
+        let meta_path = &meta_paths[e.origin];
+        let mut add = |want: Want, key: IndexKey, what: String| -> Result<()> {
+            let info = meta.storage.get(&key).ok_or_else(|| {
+                Error::format(meta_path, format!("no storage_data entry for {what}"))
+            })?;
+            let ri = match rel_index.get(&info.relative_path) {
+                Some(&i) => i,
+                None => {
+                    resolve(dir, &dir_canon, meta_path, &info.relative_path, &e.name)?;
+                    rel_index.insert(info.relative_path.clone(), rels.len());
+                    rels.push(info.relative_path.clone());
+                    rels.len() - 1
+                }
+            };
+            works.push((want, ri, info.clone()));
+            Ok(())
+        };
+        match &e.kind {
+            Kind::Tensor { chunks, .. } => {
+                for (ci, c) in chunks.iter().enumerate() {
+                    add(
+                        Want::Chunk {
+                            entry: ei,
+                            chunk: ci,
+                        },
+                        (e.name.clone(), Some(c.offsets.clone())),
+                        format!("chunk {} of `{}`", c.region(), short(&e.name)),
+                    )?;
+                }
+            }
+            Kind::Bytes => add(
+                Want::Bytes { entry: ei },
+                (e.name.clone(), None),
+                format!("`{}`", short(&e.name)),
+            )?,
+        }
+    }
+
+    // Data files in (rank, name) order.
+    let mut order: Vec<usize> = (0..rels.len()).collect();
+    let rank_of = |rel: &str| Path::new(rel).file_name()?.to_str().and_then(file_rank);
+    order.sort_by_key(|&i| (rank_of(&rels[i]).unwrap_or(u32::MAX), rels[i].clone()));
+    let mut new_index = vec![0usize; rels.len()];
+    let mut sources = Vec::with_capacity(rels.len() + 1);
+    for (fi, &ri) in order.iter().enumerate() {
+        new_index[ri] = fi;
+        sources.push(Source::open(dir.join(&rels[ri]), rank_of(&rels[ri]))?);
+    }
+    let mut works: Vec<Work> = works
+        .into_iter()
+        .map(|(want, ri, info)| {
+            let file = new_index[ri];
+            Work {
+                want,
+                file,
+                offset: info.offset,
+                length: info.length,
+                transforms: info.transforms,
+                at: (file, info.offset, info.length),
+            }
+        })
+        .collect();
+    let name_of = |w: &Work| -> &str { &meta.entries[w.want.entry()].name };
+    for w in &works {
+        let src = &sources[w.file];
+        let end = w.offset.checked_add(w.length);
+        if end.is_none_or(|e| e > src.len) {
+            return Err(Error::format(
+                &src.path,
+                format!(
+                    "is truncated: item `{}` needs bytes {}..{}, the file has {}",
+                    short(name_of(w)),
+                    w.offset,
+                    end.map_or_else(|| "overflow".to_string(), |e| e.to_string()),
+                    src.len
+                ),
+            ));
+        }
+    }
+
+    // Stream transforms: decode zstd items into one scratch file.
+    let mut scratch = vec![];
+    if let Some((src, path)) = decode_transforms(&mut works, &meta, &meta_paths, &sources)? {
+        sources.push(src);
+        scratch.push(Arc::new(path));
+    }
+
+    // Safetensors blobs: parse each blob header once.
+    let mut blobs: HashMap<(usize, u64), Blob> = HashMap::new();
+    let mut blob_of = vec![false; works.len()];
+    for (i, w) in works.iter().enumerate() {
+        if matches!(w.want, Want::Chunk { .. })
+            && w.transforms.is_empty()
+            && is_blob(sources[w.file].bytes(), w.offset)
+        {
+            blob_of[i] = true;
+            if let std::collections::hash_map::Entry::Vacant(v) = blobs.entry((w.file, w.offset)) {
+                v.insert(parse_blob(&sources[w.file], w.offset)?);
+            }
+        }
+    }
+
+    // Parse every item (in parallel) and check it against the metadata.
+    let got: Vec<Got> = works
+        .par_iter()
+        .zip(blob_of.par_iter())
+        .map(|(w, &blob)| read_item(w, blob, &meta, &sources, &blobs))
+        .collect::<Result<_>>()?;
+
+    let mut pieces: Vec<Vec<Piece>> = vec![vec![]; meta.entries.len()];
+    let mut extras_by_entry: Vec<Option<Extra>> = vec![None; meta.entries.len()];
+    for g in got {
+        match g {
+            Got::Piece { entry, piece } => pieces[entry].push(piece),
+            Got::Extra { entry, extra } => extras_by_entry[entry] = Some(extra),
+        }
+    }
+    let mut tensors = vec![];
+    let mut extras = vec![];
+    for ((e, ps), x) in meta.entries.iter().zip(pieces).zip(extras_by_entry) {
+        match &e.kind {
+            Kind::Tensor { dtype, size, .. } => {
+                let t = TensorLayout {
+                    name: e.name.clone(),
+                    dtype: *dtype,
+                    shape: size.clone(),
+                    pieces: ps,
+                };
+                t.validate()
+                    .map_err(|err| Error::format(&meta_paths[e.origin], err.to_string()))?;
+                tensors.push(t);
+            }
+            Kind::Bytes => extras.extend(x),
+        }
+    }
+
+    let meta_pt = dir.join(META_PT);
+    let fabric = meta_pt.is_file();
+    if fabric {
+        extras.extend(read_meta_pt(&meta_pt)?);
+    }
+
+    // Ranks: every `__R_*` data file and `__R.metadata` (a rank may have written nothing the
+    // metadata references).
+    let listed: Vec<u32> = std::fs::read_dir(dir)
+        .at(dir)?
+        .filter_map(|e| {
+            let name = e.ok()?.file_name();
+            let name = name.to_str()?;
+            (name.ends_with(".distcp") || name.ends_with(".metadata"))
+                .then(|| file_rank(name))
+                .flatten()
+        })
+        .collect();
+    let ranks = sources
+        .iter()
+        .filter_map(|s| s.rank)
+        .chain(listed)
+        .max()
+        .map_or(1, |r| r + 1);
+    let producer = Some(match &meta.version {
+        None => "torch 2.1–2.3 (no DCP version)".to_string(),
+        Some(v) => format!("torch >= 2.4 (DCP {v})"),
+    });
+    Ok(Checkpoint {
+        format: Format::Dcp,
+        path: dir.to_path_buf(),
+        files: sources.into_iter().map(|s| s.path).collect(),
+        ranks,
+        tensors,
+        metadata: BTreeMap::new(),
+        extras,
+        paths: meta.planner.into_iter().collect(),
+        producer,
+        scratch,
+    })
+}
+
+/// Decode the items that have stream transforms into one scratch file, pointing their
+/// `at` there; returns the scratch file (as a source) and its handle.
+fn decode_transforms(
+    works: &mut [Work],
+    meta: &Meta,
+    meta_paths: &[PathBuf],
+    sources: &[Source],
+) -> Result<Option<(Source, tempfile::TempPath)>> {
+    if works.iter().all(|w| w.transforms.is_empty()) {
+        return Ok(None);
+    }
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".reshard-dcp-")
+        .suffix(".zst-decoded")
+        .tempfile()
+        .at(std::env::temp_dir())?;
+    let tmp_path = tmp.path().to_path_buf();
+    let scratch_index = sources.len();
+    let mut pos = 0u64;
+    let mut out = std::io::BufWriter::new(tmp.as_file_mut());
+    for w in works.iter_mut().filter(|w| !w.transforms.is_empty()) {
+        let e = &meta.entries[w.want.entry()];
+        let meta_path = &meta_paths[e.origin];
+        if let Some(t) = w.transforms.iter().find(|t| t.as_str() != ZSTD) {
+            return Err(Error::format(
+                meta_path,
+                format!(
+                    "`{}` uses stream transform `{}`, which reshard does not support (only {ZSTD})",
+                    short(&e.name),
+                    short(t)
+                ),
+            ));
+        }
+        if w.transforms.len() != 1 {
+            return Err(Error::format(
+                meta_path,
+                format!(
+                    "`{}` lists {} stream transforms; only a single {ZSTD} is supported",
+                    short(&e.name),
+                    w.transforms.len()
+                ),
+            ));
+        }
+        // A decompression bomb is refused: a tensor item is its chunk's bytes plus a few
+        // KiB of zip and pickle.
+        let expected = match (w.want, &e.kind) {
+            (Want::Chunk { chunk, .. }, Kind::Tensor { dtype, chunks, .. }) => chunks[chunk]
+                .region()
+                .volume()
+                .saturating_mul(dtype.size() as u64),
+            _ => 0,
+        };
+        let limit = expected
+            .saturating_add(64 << 20)
+            .saturating_add(w.length.saturating_mul(16));
+        let src = &sources[w.file];
+        let n = zstd_decode(src.slice(w.offset, w.length), &mut out, limit).map_err(|m| {
+            Error::format(
+                &src.path,
+                format!("item `{}` at offset {}: {m}", short(&e.name), w.offset),
+            )
+        })?;
+        w.at = (scratch_index, pos, n);
+        pos += n;
+    }
+    out.flush().at(&tmp_path)?;
+    drop(out);
+    let path = tmp.into_temp_path();
+    let src = Source::open(path.to_path_buf(), None)?;
+    Ok(Some((src, path)))
+}
+
+/// Parse one item and check it against what the metadata says it holds.
+fn read_item(
+    w: &Work,
+    blob: bool,
+    meta: &Meta,
+    sources: &[Source],
+    blobs: &HashMap<(usize, u64), Blob>,
+) -> Result<Got> {
+    let origin = &sources[w.file];
+    let rank = origin.rank.unwrap_or(0);
+    let (entry, chunk) = match w.want {
+        Want::Chunk { entry, chunk } => (entry, Some(chunk)),
+        Want::Bytes { entry } => (entry, None),
+    };
+    let e = &meta.entries[entry];
+    let zst = if w.at.0 != w.file {
+        " (zstd-decoded)"
+    } else {
+        ""
+    };
+    let err = |msg: String| {
+        Error::format(
+            &origin.path,
+            format!(
+                "item `{}` at offset {}{zst}: {msg}",
+                short(&e.name),
+                w.offset
+            ),
+        )
+    };
+    let (want_dtype, c) = match (&e.kind, chunk) {
+        (Kind::Tensor { dtype, chunks, .. }, Some(ci)) => (*dtype, &chunks[ci]),
+        _ => {
+            // A BYTE_IO item: decode the value.
+            let (si, off, len) = w.at;
+            let item =
+                torch_zip::parse(sources[si].slice(off, len)).map_err(|e| err(e.to_string()))?;
+            return Ok(Got::Extra {
+                entry,
+                extra: Extra {
+                    name: e.name.clone(),
+                    value: to_json(&item.value),
+                    pickle: Some(item.value),
+                    raw: Some((si as u32, off, len)),
+                    origin: "dcp",
+                },
+            });
+        }
+    };
+    let loc = if blob {
+        let b = &blobs[&(w.file, w.offset)];
+        let (dtype, shape, abs) = b
+            .tensors
+            .get(&e.name)
+            .ok_or_else(|| err("the safetensors blob there has no such tensor".into()))?;
+        if *dtype != want_dtype {
+            return Err(err(format!(
+                "holds {dtype} but the metadata says {want_dtype}"
+            )));
+        }
+        if *shape != c.sizes {
+            return Err(err(format!(
+                "has shape {shape:?} but its chunk {} has sizes {:?}",
+                c.region(),
+                c.sizes
+            )));
+        }
+        if let Some(saved) = b.sharding.get(&e.name).and_then(|v| v.get("saved_offsets")) {
+            let saved: Option<Vec<u64>> = saved
+                .as_array()
+                .and_then(|a| a.iter().map(|x| x.as_u64()).collect());
+            if saved.as_ref() != Some(&c.offsets) {
+                return Err(err(format!(
+                    "`{SHARDING_INFO}` offsets {saved:?} disagree with the chunk {}",
+                    c.region()
+                )));
+            }
+        }
+        Loc {
+            file: w.file as u32,
+            offset: *abs,
+            strides: None,
+        }
+    } else {
+        let (si, off, len) = w.at;
+        let item = torch_zip::parse(sources[si].slice(off, len)).map_err(|e| err(e.to_string()))?;
+        let t = item.tensor.ok_or_else(|| {
+            err(format!(
+                "holds a pickled {}, not a tensor",
+                item.value.kind()
+            ))
+        })?;
+        if t.dtype != want_dtype {
+            return Err(err(format!(
+                "holds {} but the metadata says {want_dtype}",
+                t.dtype
+            )));
+        }
+        if t.shape != c.sizes {
+            return Err(err(format!(
+                "has shape {:?} but its chunk {} has sizes {:?}",
+                t.shape,
+                c.region(),
+                c.sizes
+            )));
+        }
+        Loc {
+            file: si as u32,
+            offset: off + t.data_offset(),
+            strides: (!t.is_row_major()).then(|| t.strides.clone()),
+        }
+    };
+    Ok(Got::Piece {
+        entry,
+        piece: Piece {
+            rank,
+            region: c.region(),
+            loc,
+        },
+    })
+}
+
+/// The top-level keys of a Lightning `meta.pt` as extras.
+fn read_meta_pt(path: &Path) -> Result<Vec<Extra>> {
+    let src = Source::open(path.to_path_buf(), None)?;
+    let item = torch_zip::parse(src.bytes()).map_err(|e| Error::format(path, e.to_string()))?;
+    let pairs = item.value.as_dict().ok_or_else(|| {
+        Error::format(
+            path,
+            format!("holds a pickled {}, not a dict", item.value.kind()),
+        )
+    })?;
+    pairs
+        .iter()
+        .map(|(k, v)| {
+            let name = match k {
+                Value::Str(s) => s.clone(),
+                Value::Int(i) => i.to_string(),
+                other => {
+                    return Err(Error::format(
+                        path,
+                        format!(
+                            "has a {} key; only str and int keys are supported",
+                            other.kind()
+                        ),
+                    ))
+                }
+            };
+            Ok(Extra {
+                name,
+                value: to_json(v),
+                pickle: Some(v.clone()),
+                raw: None,
+                origin: "meta.pt",
+            })
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// JSON
+
+/// A decoded pickle value as JSON, for display and comparison: tuples, lists and sets become
+/// arrays; dicts with str/int/bool/None keys objects (other dicts arrays of `[key, value]`);
+/// None null; NaN and infinities the strings `nan`, `inf`, `-inf`; globals (torch dtypes)
+/// their dotted name; `torch.Size` an array; `torch.device` its string; bytes
+/// `"<bytes: N>"`; other objects `"<module.name>"`.
+pub fn to_json(v: &Value) -> serde_json::Value {
+    use serde_json::Value as J;
+    match v {
+        Value::None => J::Null,
+        Value::Bool(b) => J::Bool(*b),
+        Value::Int(i) => J::from(*i),
+        Value::BigInt(b) => big_int(b),
+        Value::Float(f) => float(*f),
+        Value::Str(s) => J::String(s.clone()),
+        Value::Bytes(b) => J::String(format!("<bytes: {}>", b.len())),
+        Value::List(items) | Value::Tuple(items) | Value::Set(items) => {
+            J::Array(items.iter().map(to_json).collect())
+        }
+        Value::Dict(pairs) => {
+            let keys: Option<Vec<String>> = pairs
+                .iter()
+                .map(|(k, _)| match k {
+                    Value::Str(s) => Some(s.clone()),
+                    Value::Int(i) => Some(i.to_string()),
+                    Value::Bool(b) => Some(b.to_string()),
+                    Value::None => Some("null".into()),
+                    _ => None,
+                })
+                .collect();
+            match keys {
+                Some(keys) => J::Object(
+                    keys.into_iter()
+                        .zip(pairs)
+                        .map(|(k, (_, v))| (k, to_json(v)))
+                        .collect(),
+                ),
+                None => J::Array(
+                    pairs
+                        .iter()
+                        .map(|(k, v)| J::Array(vec![to_json(k), to_json(v)]))
+                        .collect(),
+                ),
+            }
+        }
+        Value::Global { module, name } => J::String(format!("{module}.{name}")),
+        Value::Object {
+            module, name, args, ..
+        } => match (module.as_str(), name.as_str(), args.as_slice()) {
+            ("torch", "Size", [inner]) => to_json(inner),
+            ("torch", "device", [Value::Str(t)]) => J::String(t.clone()),
+            ("torch", "device", [Value::Str(t), Value::Int(i)]) => J::String(format!("{t}:{i}")),
+            _ => J::String(format!("<{module}.{name}>")),
+        },
+        Value::PersistentId(_) => J::String("<persistent id>".into()),
+    }
+}
+
+fn float(f: f64) -> serde_json::Value {
+    match serde_json::Number::from_f64(f) {
+        Some(n) => serde_json::Value::Number(n),
+        None if f.is_nan() => "nan".into(),
+        None if f > 0.0 => "inf".into(),
+        None => "-inf".into(),
+    }
+}
+
+/// A little-endian two's complement int (pickle `LONG1`) that does not fit `i64`.
+fn big_int(b: &[u8]) -> serde_json::Value {
+    if b.is_empty() || b.len() > 16 {
+        return if b.is_empty() {
+            0.into()
+        } else {
+            format!("<int: {} bytes>", b.len()).into()
+        };
+    }
+    let neg = b[b.len() - 1] & 0x80 != 0;
+    let mut a = [if neg { 0xFF } else { 0 }; 16];
+    a[..b.len()].copy_from_slice(b);
+    let v = i128::from_le_bytes(a);
+    if let Ok(u) = u64::try_from(v) {
+        u.into()
+    } else if let Ok(i) = i64::try_from(v) {
+        i.into()
+    } else {
+        v.to_string().into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn fixture(case: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(case)
+            .join("checkpoint")
+    }
+
+    #[test]
+    fn file_ranks() {
+        assert_eq!(file_rank("__0_0.distcp"), Some(0));
+        assert_eq!(file_rank("__12_3.distcp"), Some(12));
+        assert_eq!(file_rank("__3.metadata"), Some(3));
+        assert_eq!(file_rank("__x_0.distcp"), None);
+        assert_eq!(file_rank("__3"), None);
+        assert_eq!(file_rank("shard-00001.safetensors"), None);
+    }
+
+    #[test]
+    fn json_of_pickle_values() {
+        let v = Value::Dict(vec![
+            (Value::Str("lr".into()), Value::Float(0.5)),
+            (
+                Value::Str("betas".into()),
+                Value::Tuple(vec![Value::Float(0.9), Value::Float(0.95)]),
+            ),
+            (Value::Int(3), Value::None),
+            (Value::Str("nan".into()), Value::Float(f64::NAN)),
+            (Value::Str("inf".into()), Value::Float(f64::NEG_INFINITY)),
+            (Value::Str("b".into()), Value::Bytes(vec![1, 2, 3])),
+            (
+                Value::Str("dt".into()),
+                Value::Global {
+                    module: "torch".into(),
+                    name: "bfloat16".into(),
+                },
+            ),
+            (
+                Value::Str("obj".into()),
+                Value::Object {
+                    module: "my.mod".into(),
+                    name: "Thing".into(),
+                    args: vec![],
+                    state: None,
+                },
+            ),
+            (
+                Value::Str("big".into()),
+                Value::BigInt(vec![0, 0, 0, 0, 0, 0, 0, 0, 1]),
+            ),
+            (
+                Value::Str("neg".into()),
+                Value::BigInt(vec![0, 0, 0, 0, 0, 0, 0, 0x7f, 0xff]),
+            ),
+        ]);
+        assert_eq!(
+            to_json(&v),
+            json!({"lr": 0.5, "betas": [0.9, 0.95], "3": null, "nan": "nan", "inf": "-inf",
+                   "b": "<bytes: 3>", "dt": "torch.bfloat16", "obj": "<my.mod.Thing>",
+                   "big": "18446744073709551616", "neg": "-9295429630892703744"})
+        );
+        let odd = Value::Dict(vec![(Value::Tuple(vec![]), Value::Int(1))]);
+        assert_eq!(to_json(&odd), json!([[[], 1]]));
+    }
+
+    #[test]
+    fn reads_fsdp2_metadata_and_item_offsets() {
+        let ck = read(&fixture("fsdp2_w4_f32")).unwrap();
+        assert_eq!(ck.ranks, 4);
+        assert_eq!(ck.files.len(), 4);
+        assert_eq!(ck.producer.as_deref(), Some("torch >= 2.4 (DCP 1.0.0)"));
+        let cls = ck.tensor("model.cls").unwrap();
+        assert_eq!(cls.shape, vec![3, 12]);
+        assert_eq!(cls.pieces.len(), 4);
+        // chunk 0: __0_0.distcp offset 0, data record at 704 (docs §3.2)
+        assert_eq!(cls.pieces[0].loc.offset, 704);
+        assert_eq!(cls.pieces[0].rank, 0);
+        assert_eq!(cls.pieces[3].region, Region::new(vec![3, 0], vec![0, 12]));
+        let tr = ck.tensor("extra.transposed").unwrap();
+        assert_eq!(tr.pieces[0].loc.strides, Some(vec![1, 3]));
+        assert_eq!(
+            ck.paths["optimizer.state.blocks.0.fc1.weight.exp_avg"],
+            vec![
+                KeyPart::Key("optimizer".into()),
+                KeyPart::Key("state".into()),
+                KeyPart::Key("blocks.0.fc1.weight".into()),
+                KeyPart::Key("exp_avg".into())
+            ]
+        );
+        assert_eq!(
+            ck.paths["extra.hist.0"][2],
+            KeyPart::Index(0),
+            "int path parts are list indices"
+        );
+        let note = ck.extras.iter().find(|x| x.name == "extra.note").unwrap();
+        assert_eq!(note.value, json!("fixture"));
+        assert_eq!(note.origin, "dcp");
+        assert!(ck.scratch.is_empty());
+    }
+
+    #[test]
+    fn reads_torch21_and_fabric_meta_pt() {
+        let ck = read(&fixture("fabric_fsdp1_w4_f32_torch21")).unwrap();
+        assert_eq!(
+            ck.producer.as_deref(),
+            Some("torch 2.1–2.3 (no DCP version)")
+        );
+        let step = ck.extras.iter().find(|x| x.origin == "meta.pt").unwrap();
+        assert_eq!((step.name.as_str(), &step.value), ("step", &json!(1)));
+        let pg = ck
+            .extras
+            .iter()
+            .find(|x| x.name == "optimizer.param_groups")
+            .unwrap();
+        assert_eq!(pg.value[0]["betas"], json!([0.9, 0.95]));
+    }
+
+    #[test]
+    fn zstd_items_live_in_a_scratch_file_that_goes_with_the_checkpoint() {
+        let ck = read(&fixture("fsdp2_w2_f32_zstd")).unwrap();
+        assert_eq!(ck.scratch.len(), 1);
+        let scratch = ck.files.last().unwrap().clone();
+        assert!(scratch.is_file());
+        assert!(ck.tensors.iter().all(|t| t
+            .pieces
+            .iter()
+            .all(|p| p.loc.file as usize == ck.files.len() - 1)));
+        let copy = ck.clone();
+        drop(ck);
+        assert!(scratch.is_file(), "a clone keeps the scratch file");
+        drop(copy);
+        assert!(!scratch.exists(), "the last clone removes it");
+    }
+
+    #[test]
+    fn zstd_decoder_handles_frames_and_refuses_bombs() {
+        // A raw-block frame without content size: magic, FHD=0 (window descriptor follows),
+        // window descriptor, one last raw block of 5 bytes.
+        let mut frame = vec![0x28, 0xB5, 0x2F, 0xFD, 0x00, 0x00];
+        frame.extend_from_slice(&[(5 << 3) | 1, 0, 0]);
+        frame.extend_from_slice(b"hello");
+        let mut two = frame.clone();
+        // a skippable frame between the two
+        two.extend_from_slice(&[0x50, 0x2A, 0x4D, 0x18, 3, 0, 0, 0, 1, 2, 3]);
+        two.extend_from_slice(&frame);
+        let mut out = vec![];
+        assert_eq!(zstd_decode(&two, &mut out, 100), Ok(10));
+        assert_eq!(out, b"hellohello");
+        let mut out = vec![];
+        assert!(zstd_decode(&two, &mut out, 7)
+            .unwrap_err()
+            .contains("beyond 7"));
+        assert!(zstd_decode(b"\x28\xb5\x2f", &mut vec![], 100).is_err());
+        assert!(zstd_decode(&frame[..8], &mut vec![], 100).is_err());
+        assert!(zstd_decode(b"", &mut vec![], 100).is_err());
+    }
+}
