@@ -109,9 +109,7 @@ pub struct Job {
     pub extras: usize,
 }
 
-/// The safetensors `__metadata__` key under which non-tensor entries (DCP `BYTE_IO` items,
-/// Lightning `meta.pt` keys) are kept, as one JSON object `{flat key: value}`.
-pub const EXTRAS_KEY: &str = "reshard.extras";
+pub use crate::formats::EXTRAS_KEY;
 
 /// The output format for `dst` at world size `world` when none is given: a `.safetensors`
 /// file for one rank, a Hugging Face sharded directory for one rank otherwise, per-rank

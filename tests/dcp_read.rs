@@ -272,13 +272,7 @@ fn cli_consolidates_every_fixture_byte_for_byte() {
 #[test]
 fn cli_reshards_n_to_m_to_one() {
     let tmp = tempfile::tempdir().unwrap();
-    for case in [
-        "fsdp2_w4_f32",
-        "dtensor2d_w4",
-        "fabric_fsdp1_w4_f32_torch21",
-        "fsdp2_w2_f32_zstd",
-        "fmt_fs_safetensors_w2",
-    ] {
+    for &case in CASES {
         let want = oracle(case);
         for m in [1, 2, 3, 5, 8] {
             let mid = tmp.path().join(format!("{case}-{m}"));
@@ -624,4 +618,31 @@ fn items_disagreeing_with_the_metadata_are_refused() {
         &ck,
         &["__0_0.distcp", "has shape [5, 4] but its chunk [0:4, 0:4]"],
     );
+}
+
+#[test]
+fn non_tensor_entries_survive_n_to_m_to_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let case = "fabric_fsdp1_w4_f32_torch21";
+    let mid = tmp.path().join("m2");
+    let stdout = |args: &[&str]| -> String {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_reshard"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let out = stdout(&["convert", s(&checkpoint(case)), s(&mid), "--to", "2"]);
+    assert!(out.contains("kept 2 non-tensor entries as JSON"), "{out}");
+    let back = tmp.path().join("one.safetensors");
+    ok(&["convert", s(&mid), s(&back), "--to", "1"]);
+    let ck = reshard::formats::Checkpoint::open(&back).unwrap();
+    let names: Vec<&str> = ck.extras.iter().map(|e| e.name.as_str()).collect();
+    assert_eq!(names, vec!["optimizer.param_groups", "step"]);
+    assert_eq!(ck.extras[1].value, serde_json::json!(1));
+    let groups = &ck.extras[0].value;
+    assert_eq!(groups[0]["betas"], serde_json::json!([0.9, 0.95]));
+    let insp = stdout(&["inspect", s(&back)]);
+    assert!(insp.contains("step [reshard.extras] = 1"), "{insp}");
 }

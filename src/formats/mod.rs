@@ -108,6 +108,36 @@ pub struct Extra {
     pub origin: &'static str,
 }
 
+/// The safetensors `__metadata__` key under which reshard keeps non-tensor entries (DCP
+/// `BYTE_IO` items, Lightning `meta.pt` keys), as one JSON object `{flat key: value}`.
+pub const EXTRAS_KEY: &str = "reshard.extras";
+
+/// Take the non-tensor entries reshard stored in a safetensors `__metadata__` map.
+pub fn extras_from_metadata(
+    path: &Path,
+    metadata: &mut BTreeMap<String, String>,
+) -> Result<Vec<Extra>> {
+    let Some(text) = metadata.remove(EXTRAS_KEY) else {
+        return Ok(vec![]);
+    };
+    match serde_json::from_str(&text) {
+        Ok(serde_json::Value::Object(m)) => Ok(m
+            .into_iter()
+            .map(|(name, value)| Extra {
+                name,
+                value,
+                pickle: None,
+                raw: None,
+                origin: "reshard.extras",
+            })
+            .collect()),
+        _ => Err(Error::format(
+            path,
+            format!("`{EXTRAS_KEY}` in the header is not a JSON object"),
+        )),
+    }
+}
+
 /// A checkpoint as a reader sees it: its files, and every tensor's layout over them.
 #[derive(Clone, Debug, Serialize)]
 pub struct Checkpoint {
@@ -140,13 +170,19 @@ pub struct Checkpoint {
 impl Checkpoint {
     /// Open a checkpoint of any supported format, detected from `path`, and validate it.
     pub fn open(path: &Path) -> Result<Checkpoint> {
-        let ck = match detect(path)? {
+        let mut ck = match detect(path)? {
             Format::Safetensors => safetensors::read(path)?,
             Format::Hf => hf::read(path)?,
             Format::HfStorage => hf_storage::read(path)?,
             Format::Dcp => dcp::read(path)?,
         };
-        ck.validate()?;
+        if ck.extras.is_empty() {
+            ck.extras = extras_from_metadata(path, &mut ck.metadata)?;
+        }
+        ck.validate().map_err(|e| match e {
+            Error::Layout { .. } => Error::format(path, e.to_string()),
+            e => e,
+        })?;
         Ok(ck)
     }
 
