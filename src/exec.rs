@@ -31,6 +31,32 @@ pub struct OutputFile {
     pub size: u64,
     /// `(offset, bytes)` written verbatim.
     pub literals: Vec<(u64, Vec<u8>)>,
+    /// CRC-32s to compute over the finished file and write in place (zip records).
+    pub checksums: Vec<Checksum>,
+}
+
+/// The CRC-32 of bytes `range` of an output file, computed once every copy and literal is in
+/// place and written little-endian at each offset of `at` (which must lie outside `range`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Checksum {
+    /// First and past-the-last byte covered.
+    pub range: (u64, u64),
+    /// Where to write the 4-byte little-endian CRC.
+    pub at: Vec<u64>,
+}
+
+/// CRC-32 of bytes `a..b` of `file`, read back through the page cache in `buf`-sized blocks.
+fn crc_of(file: &File, path: &Path, (a, b): (u64, u64), buf: &mut Vec<u8>) -> Result<u32> {
+    let mut h = crc32fast::Hasher::new();
+    let mut off = a;
+    buf.resize((b - a).min(4 << 20) as usize, 0);
+    while off < b {
+        let n = ((b - off) as usize).min(buf.len());
+        file.read_exact_at(&mut buf[..n], off).at(path)?;
+        h.update(&buf[..n]);
+        off += n as u64;
+    }
+    Ok(h.finalize())
 }
 
 /// Executor settings.
@@ -535,7 +561,11 @@ pub fn execute(
         .iter()
         .zip(outputs)
         .map(|(p, o)| {
-            let f = std::fs::OpenOptions::new().write(true).open(p).at(p)?;
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(p)
+                .at(p)?;
             f.set_len(o.size).at(p)?;
             Ok(f)
         })
@@ -573,6 +603,24 @@ pub fn execute(
             )?;
             bar.inc(w.end - w.start);
             done.fetch_add(1, Ordering::Relaxed);
+            Ok::<(), Error>(())
+        })
+    })?;
+    // Checksums over the finished data, then written in place.
+    let jobs: Vec<(usize, &Checksum)> = outputs
+        .iter()
+        .enumerate()
+        .flat_map(|(f, o)| o.checksums.iter().map(move |c| (f, c)))
+        .collect();
+    pool.install(|| {
+        jobs.par_iter().try_for_each(|&(f, c)| {
+            let crc =
+                BUF.with(|buf| crc_of(&files[f], &dest_paths[f], c.range, &mut buf.borrow_mut()))?;
+            for &at in &c.at {
+                files[f]
+                    .write_all_at(&crc.to_le_bytes(), at)
+                    .at(&dest_paths[f])?;
+            }
             Ok::<(), Error>(())
         })
     })?;
@@ -656,6 +704,52 @@ mod tests {
             }
         }
         assert_eq!(seen.iter().map(|&x| x as u64).sum::<u64>(), 60);
+    }
+
+    #[test]
+    fn checksums_cover_the_finished_bytes() {
+        let d = tempfile::tempdir().unwrap();
+        let src = d.path().join("src");
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        std::fs::write(&src, &data).unwrap();
+        let dst = d.path().join("dst");
+        std::fs::File::create(&dst).unwrap();
+        // header literal, 10 kB copied in, CRC of (literal tail + data) written at offset 0
+        let out = OutputFile {
+            path: "dst".into(),
+            size: 16 + 10_000,
+            literals: vec![(0, vec![0xAA; 16])],
+            checksums: vec![Checksum {
+                range: (8, 16 + 10_000),
+                at: vec![0, 4],
+            }],
+        };
+        let op = CopyOp {
+            src: 0,
+            src_offset: 0,
+            dst: 0,
+            dst_offset: 16,
+            len: 10_000,
+            count: 1,
+            src_stride: 0,
+            dst_stride: 0,
+            cast: None,
+        };
+        let plan = Plan {
+            ops: vec![op],
+            tensors: vec![],
+        };
+        let opts = ExecOptions {
+            window: 4096,
+            sync: false,
+            ..Default::default()
+        };
+        execute(&plan, &[src], &[out], std::slice::from_ref(&dst), &opts).unwrap();
+        let got = std::fs::read(&dst).unwrap();
+        let want = crc32fast::hash(&got[8..]);
+        assert_eq!(&got[0..4], &want.to_le_bytes());
+        assert_eq!(&got[4..8], &want.to_le_bytes());
+        assert_eq!(&got[16..], &data[..]);
     }
 
     #[test]

@@ -176,6 +176,7 @@ fn run(plan: &Plan, srcs: &[Vec<u8>], dst_sizes: &[usize]) -> Vec<Vec<u8>> {
             path: format!("dst{i}").into(),
             size: n as u64,
             literals: vec![],
+            checksums: vec![],
         })
         .collect();
     let dst_paths: Vec<PathBuf> = outputs

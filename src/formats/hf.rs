@@ -180,6 +180,7 @@ pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
         path: PathBuf::from(INDEX),
         size: bytes.len() as u64,
         literals: vec![(0, bytes)],
+        checksums: vec![],
     });
     Ok(Output { files, tensors })
 }

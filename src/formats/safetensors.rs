@@ -206,6 +206,7 @@ pub fn output_file(
             path,
             size,
             literals: vec![(0, header)],
+            checksums: vec![],
         },
         offsets,
     ))
