@@ -1,6 +1,7 @@
 //! The slices rank `r` of `M` would load: for every tensor, the region FSDP2's `Shard(0)` over
-//! M ranks gives rank r, which source files and bytes hold it, and the data itself — read
-//! straight from the files, touching only what the rank needs.
+//! M ranks gives rank r and which source files and bytes hold it; then the data itself, read
+//! with the trainer-side loader (`reshard::load::local_shards`) straight from the files,
+//! touching only what the rank needs — no process group.
 //!
 //! ```text
 //! cargo run --release --example rank_slices -- examples/data/hf_storage_w4 3 1
@@ -68,8 +69,8 @@ fn main() -> reshard::Result<()> {
                     )
                 })
                 .collect();
-            let data = ck.read_region(&t.name, region, None)?;
-            total += data.len() as u64;
+            let data_len = region.volume() * t.dtype.size() as u64;
+            total += data_len;
             println!(
                 "  {:32} {:5} {} <- {}",
                 t.name,
@@ -79,6 +80,11 @@ fn main() -> reshard::Result<()> {
             );
         }
     }
-    println!("{total} bytes read for rank {r}");
+    // The trainer-side loader does the same and returns the bytes, touching only these ranges.
+    let shards =
+        reshard::load::local_shards(&ck, &LayoutSpec::fsdp(m), r, &Default::default(), None)?;
+    let loaded: u64 = shards.iter().map(|s| s.data.len() as u64).sum();
+    assert_eq!(loaded, total);
+    println!("{loaded} bytes loaded for rank {r} by reshard::load::local_shards");
     Ok(())
 }

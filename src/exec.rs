@@ -317,7 +317,22 @@ fn apply(o: &CopyOp, srcs: &[Mmap], buf: &mut [u8], lo: u64) {
 /// Run `ops` whose destination is a single buffer `out` (destination file index ignored,
 /// offsets relative to `out`), reading `sources`. For reading a region into memory.
 pub fn read_into(ops: &[CopyOp], sources: &[PathBuf], out: &mut [u8]) -> Result<()> {
-    let maps = map_sources(sources)?;
+    let maps = map_sources_with(sources, memmap2::Advice::Random)?;
+    read_with(ops, sources, &maps, out)
+}
+
+/// Like [`read_into`] for several buffers at once, mapping the sources once: `jobs[i]` fills
+/// `outs[i]`. Sources are advised for random access, so only the pages the ops touch (and
+/// the kernel's fault-around) are read.
+pub fn read_many(jobs: &[Vec<CopyOp>], sources: &[PathBuf], outs: &mut [Vec<u8>]) -> Result<()> {
+    let maps = map_sources_with(sources, memmap2::Advice::Random)?;
+    for (ops, out) in jobs.iter().zip(outs.iter_mut()) {
+        read_with(ops, sources, &maps, out)?;
+    }
+    Ok(())
+}
+
+fn read_with(ops: &[CopyOp], sources: &[PathBuf], maps: &[Mmap], out: &mut [u8]) -> Result<()> {
     for o in ops {
         let m = maps
             .get(o.src as usize)
@@ -335,7 +350,7 @@ pub fn read_into(ops: &[CopyOp], sources: &[PathBuf], out: &mut [u8]) -> Result<
         if o.dst_span().1 > out.len() as u64 {
             return Err(Error::usage("copy op past the end of the buffer"));
         }
-        apply(o, &maps, out, 0);
+        apply(o, maps, out, 0);
     }
     Ok(())
 }
@@ -528,6 +543,11 @@ fn check_bounds(
 
 /// Map `sources` read-only.
 pub fn map_sources(sources: &[PathBuf]) -> Result<Vec<Mmap>> {
+    map_sources_with(sources, memmap2::Advice::Sequential)
+}
+
+/// Map `sources` read-only with an access-pattern hint.
+fn map_sources_with(sources: &[PathBuf], advice: memmap2::Advice) -> Result<Vec<Mmap>> {
     sources
         .iter()
         .map(|p| {
@@ -536,7 +556,7 @@ pub fn map_sources(sources: &[PathBuf]) -> Result<Vec<Mmap>> {
             // process truncating the file while it is mapped would be undefined behaviour in
             // any mmap-based reader; sizes are checked against the metadata before copying.
             let m = unsafe { Mmap::map(&f) }.at(p)?;
-            let _ = m.advise(memmap2::Advice::Sequential);
+            let _ = m.advise(advice);
             Ok(m)
         })
         .collect()

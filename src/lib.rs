@@ -16,6 +16,7 @@ pub mod error;
 pub mod exec;
 pub mod formats;
 pub mod layout;
+pub mod load;
 pub mod plan;
 pub mod target;
 

@@ -1,0 +1,155 @@
+//! The trainer-side loader: every rank of several world sizes reads its own shards straight
+//! from the files; the union over ranks is the whole tensor, and (checked through the OS
+//! page cache) one rank reads about 1/M of the data, not all of it.
+
+mod common;
+use common::*;
+use reshard::convert::Selection;
+use reshard::formats::Checkpoint;
+use reshard::layout::Region;
+use reshard::load::local_shards;
+use reshard::target::LayoutSpec;
+use std::os::fd::AsRawFd;
+use std::path::Path;
+
+/// Bytes of `region` of a full row-major tensor.
+fn slice(t: &Full, region: &Region) -> Vec<u8> {
+    let e = elem(t.dtype);
+    let n = t.shape.len();
+    let mut out = vec![];
+    if n == 0 {
+        return t.data.clone();
+    }
+    let strides: Vec<usize> = (0..n).map(|d| t.shape[d + 1..].iter().product()).collect();
+    let total: u64 = region.sizes[..n - 1].iter().product();
+    for k in 0..total {
+        // odometer over the outer dims
+        let mut rem = k;
+        let mut base = 0usize;
+        for d in (0..n - 1).rev() {
+            let i = rem % region.sizes[d];
+            rem /= region.sizes[d];
+            base += (region.offsets[d] + i) as usize * strides[d];
+        }
+        let a = (base + region.offsets[n - 1] as usize) * e;
+        out.extend_from_slice(&t.data[a..a + region.sizes[n - 1] as usize * e]);
+    }
+    out
+}
+
+fn fixture(name: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+#[test]
+fn every_rank_of_every_world_size_gets_exactly_its_shards() {
+    for case in [
+        "fsdp2_w4_f32",
+        "fabric_fsdp1_w4_f32_torch21",
+        "dtensor2d_w4",
+        "hf_storage_w3_bf16",
+    ] {
+        let ck = Checkpoint::open(&fixture(case).join("checkpoint")).unwrap();
+        let oracle = read_safetensors(&fixture(case).join("oracle/full.safetensors"));
+        for m in [1u64, 2, 3, 5, 8] {
+            let mut covered: std::collections::BTreeMap<String, u64> = Default::default();
+            for r in 0..m {
+                let shards =
+                    local_shards(&ck, &LayoutSpec::fsdp(m), r, &Selection::default(), None)
+                        .unwrap();
+                for s in shards {
+                    let t = &oracle[&s.name];
+                    assert_eq!(
+                        s.data,
+                        slice(t, &s.region),
+                        "{case} M={m} r={r} {} {}",
+                        s.name,
+                        s.region
+                    );
+                    *covered.entry(s.name).or_default() += s.region.volume();
+                }
+            }
+            for (name, t) in &oracle {
+                // Shard(0) replicates scalars: every rank loads them whole
+                let copies = if t.shape.is_empty() { m } else { 1 };
+                let vol: u64 = t.shape.iter().product::<usize>() as u64 * copies;
+                assert_eq!(
+                    covered.get(name).copied().unwrap_or(0),
+                    vol,
+                    "{case} M={m}: {name} not covered exactly once"
+                );
+            }
+        }
+    }
+}
+
+/// Bytes of `path` resident in the page cache.
+fn resident(path: &Path) -> u64 {
+    let f = std::fs::File::open(path).unwrap();
+    let len = f.metadata().unwrap().len() as usize;
+    if len == 0 {
+        return 0;
+    }
+    let m = unsafe { memmap2::Mmap::map(&f) }.unwrap();
+    let pages = len.div_ceil(4096);
+    let mut v = vec![0u8; pages];
+    let rc = unsafe { libc::mincore(m.as_ptr() as *mut libc::c_void, len, v.as_mut_ptr()) };
+    assert_eq!(rc, 0);
+    v.iter().filter(|&&b| b & 1 == 1).count() as u64 * 4096
+}
+
+fn evict(path: &Path) {
+    let f = std::fs::File::open(path).unwrap();
+    f.sync_all().unwrap();
+    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+}
+
+#[test]
+fn one_rank_reads_about_one_mth_of_the_data() {
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    // 8 tensors of 1024 x 1024 f32 (32 MiB), Shard(0) over 4 ranks
+    let mut model = std::collections::BTreeMap::new();
+    for i in 0..8 {
+        let data: Vec<u8> = (0..1024 * 1024 * 4).map(|k| (k * 31 + i) as u8).collect();
+        model.insert(
+            format!("w{i}"),
+            Full {
+                dtype: safetensors::Dtype::F32,
+                shape: vec![1024, 1024],
+                data,
+            },
+        );
+    }
+    write_hf_storage(&ck, &fsdp_shards(&model, 4));
+    let c = Checkpoint::open(&ck).unwrap();
+    let total: u64 = 8 * 1024 * 1024 * 4;
+    for m in [3u64, 8] {
+        for f in &c.files {
+            evict(f);
+        }
+        let before: u64 = c.files.iter().map(|f| resident(f)).sum();
+        if before > total / 16 {
+            eprintln!("skipped: this filesystem keeps evicted pages resident ({before} bytes), cannot measure");
+            return;
+        }
+        let shards =
+            local_shards(&c, &LayoutSpec::fsdp(m), 1, &Selection::default(), None).unwrap();
+        let got: u64 = shards.iter().map(|s| s.data.len() as u64).sum();
+        assert!(
+            got >= total / m && got <= total / m + 8 * 4096 * 4,
+            "M={m}: {got} bytes"
+        );
+        let after: u64 = c.files.iter().map(|f| resident(f)).sum();
+        let read = after - before;
+        // the rank's share, plus the kernel's fault-around (64 KiB) at the edges of each run
+        assert!(read >= total / m, "M={m}: only {read} bytes resident");
+        assert!(
+            read <= total / m + 8 * 2 * 256 * 1024,
+            "M={m}: rank 1 read {read} bytes of {total}, more than 1/{m}"
+        );
+        eprintln!("M={m}: rank 1 needed {got} bytes, page cache shows {read} read, of {total}");
+    }
+}
