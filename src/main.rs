@@ -180,6 +180,20 @@ impl TargetArgs {
     }
 }
 
+/// Width of a name column: the longest name, at least 6.
+fn name_width<'a>(names: impl Iterator<Item = &'a str>) -> usize {
+    names.map(str::len).max().unwrap_or(6).max(6)
+}
+
+/// `s` cut to `n` characters, with an ellipsis when cut.
+fn clip(s: &str, n: usize) -> String {
+    if s.chars().count() > n {
+        format!("{}…", s.chars().take(n).collect::<String>())
+    } else {
+        s.to_string()
+    }
+}
+
 fn human(n: u64) -> String {
     const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = n as f64;
@@ -255,23 +269,12 @@ fn inspect(path: &std::path::Path, json: bool) -> Result<()> {
         human(ck.nbytes())
     );
     for (k, v) in &ck.metadata {
-        let v: String = if v.chars().count() > 60 {
-            format!("{}…", v.chars().take(60).collect::<String>())
-        } else {
-            v.clone()
-        };
-        let _ = writeln!(out, "  metadata {k} = {v}");
+        let _ = writeln!(out, "  metadata {k} = {}", clip(v, 60));
     }
     if let Some(p) = &ck.producer {
         let _ = writeln!(out, "  written by {p}");
     }
-    let w = ck
-        .tensors
-        .iter()
-        .map(|t| t.name.len())
-        .max()
-        .unwrap_or(6)
-        .max(6);
+    let w = name_width(ck.tensors.iter().map(|t| t.name.as_str()));
     let _ = writeln!(
         out,
         "{:w$}  {:7} {:16} {:>10}  LAYOUT",
@@ -291,13 +294,13 @@ fn inspect(path: &std::path::Path, json: bool) -> Result<()> {
     if !ck.extras.is_empty() {
         let _ = writeln!(out, "NON-TENSOR ENTRIES ({})", ck.extras.len());
         for e in &ck.extras {
-            let v = e.value.to_string();
-            let v: String = if v.chars().count() > 100 {
-                format!("{}…", v.chars().take(100).collect::<String>())
-            } else {
-                v
-            };
-            let _ = writeln!(out, "  {} [{}] = {v}", e.name, e.origin);
+            let _ = writeln!(
+                out,
+                "  {} [{}] = {}",
+                e.name,
+                e.origin,
+                clip(&e.value.to_string(), 100)
+            );
         }
     }
     Ok(())
@@ -349,13 +352,7 @@ fn print_plan(job: &Job, opts: &ConvertOptions, ops: bool, json: bool) -> Result
     for f in &job.output.files {
         let _ = writeln!(out, "  -> {} ({})", f.path.display(), human(f.size));
     }
-    let w = p
-        .tensors
-        .iter()
-        .map(|t| t.name.len())
-        .max()
-        .unwrap_or(6)
-        .max(6);
+    let w = name_width(p.tensors.iter().map(|t| t.name.as_str()));
     let _ = writeln!(
         out,
         "{:w$}  {:11} {:16} {:>13} {:>5} {:>10}",
