@@ -5,20 +5,25 @@ use crate::commit::Staging;
 use crate::error::{Error, Result};
 use crate::exec::{execute, ExecOptions, ExecStats};
 use crate::formats::{self, Checkpoint, Format, Output, WriteOptions};
-use crate::layout::DType;
+use crate::layout::{DType, TensorLayout};
 use crate::plan::{plan, Plan};
 use crate::target::LayoutSpec;
 use globset::{Glob, GlobSet, GlobSetBuilder};
 use std::path::{Path, PathBuf};
 
 /// Which tensors to keep: names matching any `include` glob (all when empty) and no
-/// `exclude` glob. `*` matches across dots.
+/// `exclude` glob (`*` matches across dots); and how kept names are renamed: `strip_prefix`
+/// is removed where a name starts with it, then `add_prefix` is put in front.
 #[derive(Clone, Debug, Default)]
 pub struct Selection {
     /// Globs of names to keep.
     pub include: Vec<String>,
     /// Globs of names to drop.
     pub exclude: Vec<String>,
+    /// Prefix removed from names that start with it.
+    pub strip_prefix: Option<String>,
+    /// Prefix added to every name.
+    pub add_prefix: Option<String>,
 }
 
 fn globset(globs: &[String]) -> Result<GlobSet> {
@@ -30,6 +35,36 @@ fn globset(globs: &[String]) -> Result<GlobSet> {
 }
 
 impl Selection {
+    /// The output name of `name`.
+    pub fn rename(&self, name: &str) -> String {
+        let stripped = match &self.strip_prefix {
+            Some(p) => name.strip_prefix(p.as_str()).unwrap_or(name),
+            None => name,
+        };
+        format!("{}{stripped}", self.add_prefix.as_deref().unwrap_or(""))
+    }
+
+    /// Rename `names`, refusing two names that would become one.
+    pub fn rename_all<'a>(&self, names: impl Iterator<Item = &'a str>) -> Result<Vec<String>> {
+        let mut seen: std::collections::HashMap<String, &str> = Default::default();
+        let mut out = vec![];
+        for n in names {
+            let r = self.rename(n);
+            if r.is_empty() {
+                return Err(Error::usage(format!(
+                    "`{n}` would be renamed to an empty name"
+                )));
+            }
+            if let Some(prev) = seen.insert(r.clone(), n) {
+                return Err(Error::usage(format!(
+                    "`{prev}` and `{n}` would both be named `{r}`"
+                )));
+            }
+            out.push(r);
+        }
+        Ok(out)
+    }
+
     /// True when `name` passes the include and exclude globs.
     pub fn keeps(&self, name: &str) -> bool {
         let inc = self.include.is_empty() || globset(&self.include).is_ok_and(|g| g.is_match(name));
@@ -131,14 +166,27 @@ pub fn prepare(src: &Path, dst: Option<&Path>, opts: &ConvertOptions) -> Result<
     let world = opts.layout.world();
     let format = opts.format.unwrap_or_else(|| infer_format(dst, world));
     let selected = opts.select.apply(&source)?;
+    let kept_extras: Vec<_> = source
+        .extras
+        .iter()
+        .filter(|e| opts.select.keeps(&e.name))
+        .collect();
+    let names = opts.select.rename_all(
+        selected
+            .iter()
+            .map(|t| t.name.as_str())
+            .chain(kept_extras.iter().map(|e| e.name.as_str())),
+    )?;
+    let (tensor_names, extra_names) = names.split_at(selected.len());
     let wanted: Vec<(String, DType, Vec<u64>)> = selected
         .iter()
-        .map(|t| {
+        .zip(tensor_names)
+        .map(|(t, name)| {
             let dtype = match opts.dtype {
                 Some(d) if t.dtype.is_castable_float() => d,
                 _ => t.dtype,
             };
-            (t.name.clone(), dtype, t.shape.clone())
+            (name.clone(), dtype, t.shape.clone())
         })
         .collect();
     if let Some(d) = opts.dtype {
@@ -157,11 +205,10 @@ pub fn prepare(src: &Path, dst: Option<&Path>, opts: &ConvertOptions) -> Result<
         .metadata
         .entry("format".into())
         .or_insert_with(|| "pt".into());
-    let extras: serde_json::Map<String, serde_json::Value> = source
-        .extras
+    let extras: serde_json::Map<String, serde_json::Value> = kept_extras
         .iter()
-        .filter(|e| opts.select.keeps(&e.name))
-        .map(|e| (e.name.clone(), e.value.clone()))
+        .zip(extra_names)
+        .map(|(e, name)| (name.clone(), e.value.clone()))
         .collect();
     if !extras.is_empty() {
         wopts.metadata.insert(
@@ -170,7 +217,14 @@ pub fn prepare(src: &Path, dst: Option<&Path>, opts: &ConvertOptions) -> Result<
         );
     }
     let output = formats::write(format, &target, world as u32, &wopts)?;
-    let src_tensors: Vec<_> = selected.into_iter().cloned().collect();
+    let src_tensors: Vec<_> = selected
+        .into_iter()
+        .zip(tensor_names)
+        .map(|(t, name)| TensorLayout {
+            name: name.clone(),
+            ..t.clone()
+        })
+        .collect();
     let plan = plan(&src_tensors, &output.tensors)?;
     Ok(Job {
         source,
@@ -237,4 +291,29 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<(Job, Ex
     let job = prepare(src, Some(dst), opts)?;
     let stats = run(&job, dst, opts)?;
     Ok((job, stats))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renaming_strips_adds_and_refuses_collisions() {
+        let sel = Selection {
+            strip_prefix: Some("model.".into()),
+            add_prefix: Some("s.".into()),
+            ..Default::default()
+        };
+        assert_eq!(sel.rename("model.w"), "s.w");
+        assert_eq!(sel.rename("opt.w"), "s.opt.w");
+        let sel = Selection {
+            strip_prefix: Some("a.".into()),
+            ..Default::default()
+        };
+        let e = sel
+            .rename_all(["a.x", "x"].into_iter())
+            .unwrap_err()
+            .to_string();
+        assert_eq!(e, "`a.x` and `x` would both be named `x`");
+    }
 }

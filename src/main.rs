@@ -93,6 +93,12 @@ struct TargetArgs {
     /// Drop tensors whose name matches this glob (repeatable).
     #[arg(long, value_name = "GLOB")]
     exclude: Vec<String>,
+    /// Remove this prefix from names that start with it (e.g. `model.`).
+    #[arg(long, value_name = "PREFIX")]
+    strip_prefix: Option<String>,
+    /// Put this prefix in front of every name.
+    #[arg(long, value_name = "PREFIX")]
+    add_prefix: Option<String>,
     /// Cast floating tensors (f16, bf16, f32, f64) to this dtype.
     #[arg(long, value_name = "DTYPE")]
     dtype: Option<DType>,
@@ -164,6 +170,8 @@ impl TargetArgs {
             select: Selection {
                 include: self.include.clone(),
                 exclude: self.exclude.clone(),
+                strip_prefix: self.strip_prefix.clone(),
+                add_prefix: self.add_prefix.clone(),
             },
             dtype: self.dtype,
             write: WriteOptions {

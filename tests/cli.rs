@@ -447,3 +447,46 @@ fn refuses_to_write_into_or_over_the_source() {
         "directory does not exist",
     );
 }
+
+#[test]
+fn strip_and_add_prefixes_rename_tensors() {
+    let (d, ck) = setup(2);
+    let out = d.path().join("m.safetensors");
+    ok(&[
+        "convert",
+        s(&ck),
+        s(&out),
+        "--to",
+        "1",
+        "--include",
+        "model.*",
+        "--strip-prefix",
+        "model.",
+        "--add-prefix",
+        "student.",
+    ]);
+    let got = read_safetensors(&out);
+    let want = model();
+    assert_eq!(
+        got.len(),
+        want.keys().filter(|k| k.starts_with("model.")).count()
+    );
+    for (n, t) in &want {
+        if let Some(rest) = n.strip_prefix("model.") {
+            assert_eq!(&got[&format!("student.{rest}")], t);
+        }
+    }
+    fails(
+        &[
+            "convert",
+            s(&ck),
+            s(&d.path().join("y.safetensors")),
+            "--to",
+            "1",
+            "--strip-prefix",
+            "model.cls",
+        ],
+        "`model.cls` would be renamed to an empty name",
+    );
+    assert!(!d.path().join("y.safetensors").exists());
+}
