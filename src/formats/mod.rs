@@ -15,6 +15,7 @@ pub mod hf;
 pub mod hf_storage;
 pub mod pickle;
 pub mod safetensors;
+pub mod torch_save;
 pub mod torch_zip;
 
 use crate::error::{Error, IoContext, Result};
