@@ -770,12 +770,14 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         }
     }
 
-    // Parse every item (in parallel) and check it against the metadata.
-    let got: Vec<Got> = works
+    // Parse every item (in parallel) and check it against the metadata. The first error in
+    // metadata order is reported, whichever thread met it first, so messages are stable.
+    let got: Vec<Result<Got>> = works
         .par_iter()
         .zip(blob_of.par_iter())
         .map(|(w, &blob)| read_item(w, blob, &meta, &sources, &blobs))
-        .collect::<Result<_>>()?;
+        .collect();
+    let got: Vec<Got> = got.into_iter().collect::<Result<_>>()?;
 
     let mut pieces: Vec<Vec<Piece>> = vec![vec![]; meta.entries.len()];
     let mut extras_by_entry: Vec<Option<Extra>> = vec![None; meta.entries.len()];
