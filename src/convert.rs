@@ -146,16 +146,18 @@ pub struct Job {
 
 pub use crate::formats::EXTRAS_KEY;
 
-/// The output format for `dst` at world size `world` when none is given: a `.safetensors`
-/// file for one rank, a Hugging Face sharded directory for one rank otherwise, per-rank
-/// shards for more.
+/// The output format for `dst` at world size `world` when none is given: for one rank a
+/// `.safetensors` or `.pt`/`.pth` file as named, a Hugging Face sharded directory otherwise;
+/// per-rank shards for more.
 pub fn infer_format(dst: Option<&Path>, world: u64) -> Format {
-    let st = dst
+    let ext = dst
         .and_then(|d| d.extension())
-        .is_some_and(|e| e == "safetensors");
-    match (world, st) {
-        (1, true) => Format::Safetensors,
-        (1, false) => Format::Hf,
+        .and_then(|e| e.to_str())
+        .unwrap_or("");
+    match (world, ext) {
+        (1, "safetensors") => Format::Safetensors,
+        (1, "pt" | "pth") => Format::Pt,
+        (1, _) => Format::Hf,
         _ => Format::HfStorage,
     }
 }
@@ -210,7 +212,20 @@ pub fn prepare(src: &Path, dst: Option<&Path>, opts: &ConvertOptions) -> Result<
         .zip(extra_names)
         .map(|(e, name)| (name.clone(), e.value.clone()))
         .collect();
-    if !extras.is_empty() {
+    // Formats that hold Python values get the entries themselves, and the nesting when names
+    // are unchanged (renamed names are written flat).
+    wopts.extras = kept_extras
+        .iter()
+        .zip(extra_names)
+        .map(|(e, name)| crate::formats::Extra {
+            name: name.clone(),
+            ..(*e).clone()
+        })
+        .collect();
+    if opts.select.strip_prefix.is_none() && opts.select.add_prefix.is_none() {
+        wopts.paths = source.paths.clone();
+    }
+    if !extras.is_empty() && format != Format::Pt {
         wopts.metadata.insert(
             EXTRAS_KEY.into(),
             serde_json::Value::Object(extras.clone()).to_string(),

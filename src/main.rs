@@ -449,12 +449,16 @@ fn run(cli: Cli) -> Result<()> {
                     human((stats.bytes_written as f64 / secs.max(1e-9)) as u64)
                 );
                 if job.extras > 0 {
-                    println!(
-                        "kept {} non-tensor entr{} as JSON in the safetensors __metadata__ key `{}`",
-                        job.extras,
-                        if job.extras == 1 { "y" } else { "ies" },
-                        convert::EXTRAS_KEY
-                    );
+                    let n = job.extras;
+                    let entries = if n == 1 { "entry" } else { "entries" };
+                    if job.format == Format::Pt {
+                        println!("kept {n} non-tensor {entries} as Python values");
+                    } else {
+                        println!(
+                            "kept {n} non-tensor {entries} as JSON in the safetensors __metadata__ key `{}`",
+                            convert::EXTRAS_KEY
+                        );
+                    }
                 }
             }
             Ok(())

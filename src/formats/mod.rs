@@ -14,6 +14,7 @@ pub mod dcp;
 pub mod hf;
 pub mod hf_storage;
 pub mod pickle;
+pub mod pt;
 pub mod safetensors;
 pub mod torch_save;
 pub mod torch_zip;
@@ -39,6 +40,8 @@ pub enum Format {
     HfStorage,
     /// A PyTorch Distributed Checkpoint directory (`.metadata` + `__R_I.distcp`).
     Dcp,
+    /// One `torch.save` file that `torch.load(weights_only=True)` opens (written only).
+    Pt,
 }
 
 impl Format {
@@ -49,12 +52,13 @@ impl Format {
             Format::Hf => "hf",
             Format::HfStorage => "hf-storage",
             Format::Dcp => "dcp",
+            Format::Pt => "pt",
         }
     }
 
     /// True when the format's output is a directory.
     pub fn is_dir(self) -> bool {
-        !matches!(self, Format::Safetensors)
+        !matches!(self, Format::Safetensors | Format::Pt)
     }
 }
 
@@ -72,8 +76,9 @@ impl FromStr for Format {
             "hf" | "hf-sharded" => Ok(Format::Hf),
             "hf-storage" | "hf-distributed" => Ok(Format::HfStorage),
             "dcp" => Ok(Format::Dcp),
+            "pt" | "torch" => Ok(Format::Pt),
             _ => Err(format!(
-                "unknown format `{s}` (expected safetensors, hf, hf-storage or dcp)"
+                "unknown format `{s}` (expected safetensors, hf, hf-storage, dcp or pt)"
             )),
         }
     }
@@ -176,6 +181,12 @@ impl Checkpoint {
             Format::Hf => hf::read(path)?,
             Format::HfStorage => hf_storage::read(path)?,
             Format::Dcp => dcp::read(path)?,
+            Format::Pt => {
+                return Err(Error::format(
+                    path,
+                    "is a torch.save (.pt) file; reshard writes .pt but does not read it yet",
+                ))
+            }
         };
         if ck.extras.is_empty() {
             ck.extras = extras_from_metadata(path, &mut ck.metadata)?;
@@ -274,7 +285,12 @@ impl Checkpoint {
 pub fn detect(path: &Path) -> Result<Format> {
     let meta = std::fs::metadata(path).at(path)?;
     if meta.is_file() {
-        return Ok(Format::Safetensors);
+        let mut magic = [0u8; 4];
+        let zip = std::fs::File::open(path)
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+            .is_ok()
+            && &magic == b"PK\x03\x04";
+        return Ok(if zip { Format::Pt } else { Format::Safetensors });
     }
     if hf::index_path(path).is_some() {
         return Ok(Format::Hf);
@@ -313,6 +329,11 @@ pub struct WriteOptions {
     pub max_shard_size: u64,
     /// String metadata to carry into safetensors headers.
     pub metadata: BTreeMap<String, String>,
+    /// Non-tensor entries, for formats that hold Python values (`.pt`).
+    pub extras: Vec<Extra>,
+    /// Nesting of flat names, for formats that rebuild the nested state dict (`.pt`); names
+    /// absent here are top-level keys.
+    pub paths: BTreeMap<String, Vec<KeyPart>>,
 }
 
 impl Default for WriteOptions {
@@ -320,6 +341,8 @@ impl Default for WriteOptions {
         WriteOptions {
             max_shard_size: 5_000_000_000,
             metadata: BTreeMap::new(),
+            extras: vec![],
+            paths: BTreeMap::new(),
         }
     }
 }
@@ -359,5 +382,13 @@ pub fn write(
         }
         Format::HfStorage => hf_storage::write(target, world, opts),
         Format::Dcp => Err(Error::usage("writing DCP is not supported yet")),
+        Format::Pt => {
+            if world != 1 {
+                return Err(Error::usage(format!(
+                    "a .pt file holds a consolidated state dict (one rank), not {world}: use --to 1"
+                )));
+            }
+            pt::write(target, opts)
+        }
     }
 }

@@ -1,0 +1,214 @@
+//! A `torch.save` file (`.pt`) holding a consolidated state dict that
+//! `torch.load(path, weights_only=True)` opens: the nested dict the flat keys describe
+//! (DCP `planner_data`), non-tensor values restored as Python values, Lightning's `meta.pt`
+//! keys merged at the top level as `fabric consolidate` does. Tensor data records are laid out
+//! (64-byte aligned, as torch aligns them) before any data exists, filled in place by the
+//! executor, and their CRC-32s computed over the finished records.
+
+use super::torch_save::{
+    layout_archive, output_parts, pickle, standard_records, PyValue, TensorRef,
+};
+use super::{Extra, KeyPart, Output, TargetTensor, WriteOptions};
+use crate::error::{Error, Result};
+use crate::exec::OutputFile;
+use crate::layout::{Loc, Piece, Region, TensorLayout};
+use std::path::PathBuf;
+
+/// A node of the state dict being rebuilt.
+enum Node {
+    /// A tensor (index into the target list) or a Python value.
+    Tensor(usize),
+    Value(PyValue),
+    Map(Vec<(String, Node)>),
+    Seq(Vec<(i64, Node)>),
+}
+
+fn container_for(next: &KeyPart) -> Node {
+    match next {
+        KeyPart::Key(_) => Node::Map(vec![]),
+        KeyPart::Index(_) => Node::Seq(vec![]),
+    }
+}
+
+/// Put `leaf` at `path` under `node`.
+fn insert(node: &mut Node, path: &[KeyPart], leaf: Node, name: &str) -> Result<()> {
+    let clash = || {
+        Error::usage(format!(
+            "`{name}`: its place in the nested state dict is taken by another key"
+        ))
+    };
+    let Some((first, rest)) = path.split_first() else {
+        return Err(clash());
+    };
+    let slot: &mut Node = match (node, first) {
+        (Node::Map(items), KeyPart::Key(k)) => {
+            if let Some(i) = items.iter().position(|(x, _)| x == k) {
+                &mut items[i].1
+            } else {
+                let fresh = match rest.first() {
+                    None => {
+                        return {
+                            items.push((k.clone(), leaf));
+                            Ok(())
+                        }
+                    }
+                    Some(next) => container_for(next),
+                };
+                items.push((k.clone(), fresh));
+                &mut items.last_mut().expect("just pushed").1
+            }
+        }
+        (Node::Seq(items), KeyPart::Index(i)) => {
+            if let Some(p) = items.iter().position(|(x, _)| x == i) {
+                &mut items[p].1
+            } else {
+                let fresh = match rest.first() {
+                    None => {
+                        return {
+                            items.push((*i, leaf));
+                            Ok(())
+                        }
+                    }
+                    Some(next) => container_for(next),
+                };
+                items.push((*i, fresh));
+                &mut items.last_mut().expect("just pushed").1
+            }
+        }
+        _ => return Err(clash()),
+    };
+    if rest.is_empty() {
+        return Err(clash());
+    }
+    insert(slot, rest, leaf, name)
+}
+
+/// A JSON value (non-tensor entries kept by reshard in safetensors metadata) as Python.
+fn from_json(v: &serde_json::Value) -> PyValue {
+    match v {
+        serde_json::Value::Null => PyValue::None,
+        serde_json::Value::Bool(b) => PyValue::Bool(*b),
+        serde_json::Value::Number(n) => match n.as_i64() {
+            Some(i) => PyValue::Int(i),
+            None => PyValue::Float(n.as_f64().unwrap_or(f64::NAN)),
+        },
+        serde_json::Value::String(s) => PyValue::Str(s.clone()),
+        serde_json::Value::Array(a) => PyValue::List(a.iter().map(from_json).collect()),
+        serde_json::Value::Object(m) => PyValue::Dict(
+            m.iter()
+                .map(|(k, v)| (PyValue::Str(k.clone()), from_json(v)))
+                .collect(),
+        ),
+    }
+}
+
+fn extra_value(e: &Extra) -> PyValue {
+    e.pickle
+        .as_ref()
+        .and_then(super::torch_save::from_pickle)
+        .unwrap_or_else(|| from_json(&e.value))
+}
+
+/// Turn the tree into a Python value; storage keys are numbered in pickle order.
+fn to_py(node: Node, target: &[TargetTensor], order: &mut Vec<usize>) -> Result<PyValue> {
+    Ok(match node {
+        Node::Tensor(i) => {
+            let key = order.len().to_string();
+            order.push(i);
+            PyValue::Tensor(TensorRef::new(
+                key,
+                target[i].dtype,
+                target[i].shape.clone(),
+            ))
+        }
+        Node::Value(v) => v,
+        Node::Map(items) => PyValue::Dict(
+            items
+                .into_iter()
+                .map(|(k, n)| Ok((PyValue::Str(k), to_py(n, target, order)?)))
+                .collect::<Result<_>>()?,
+        ),
+        Node::Seq(mut items) => {
+            items.sort_by_key(|(i, _)| *i);
+            if items.iter().enumerate().any(|(k, (i, _))| *i != k as i64) {
+                return Err(Error::usage("a list in the state dict has missing indices"));
+            }
+            PyValue::List(
+                items
+                    .into_iter()
+                    .map(|(_, n)| to_py(n, target, order))
+                    .collect::<Result<_>>()?,
+            )
+        }
+    })
+}
+
+/// Lay out a consolidated target (and the non-tensor entries of `opts`) as one `.pt` file.
+pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
+    let path_of = |name: &str| -> Vec<KeyPart> {
+        opts.paths
+            .get(name)
+            .cloned()
+            .unwrap_or_else(|| vec![KeyPart::Key(name.to_string())])
+    };
+    let mut root = Node::Map(vec![]);
+    for (i, t) in target.iter().enumerate() {
+        insert(&mut root, &path_of(&t.name), Node::Tensor(i), &t.name)?;
+    }
+    for e in &opts.extras {
+        insert(
+            &mut root,
+            &path_of(&e.name),
+            Node::Value(extra_value(e)),
+            &e.name,
+        )?;
+    }
+    let mut order = vec![];
+    let value = to_py(root, target, &mut order)?;
+    let storages: Vec<(String, u64)> = order
+        .iter()
+        .enumerate()
+        .map(|(k, &i)| {
+            (
+                k.to_string(),
+                Region::full(&target[i].shape).volume() * target[i].dtype.size() as u64,
+            )
+        })
+        .collect();
+    let records = standard_records(pickle(&value), &storages);
+    let layout = layout_archive("archive", &records);
+    let (literals, checksums) = output_parts(&layout, &records, 0);
+    let mut tensors = vec![];
+    for (k, &i) in order.iter().enumerate() {
+        let name = format!("data/{k}");
+        let r = records
+            .iter()
+            .position(|r| r.name == name)
+            .ok_or_else(|| Error::usage(format!("internal error: no record {name}")))?;
+        let t = &target[i];
+        tensors.push(TensorLayout {
+            name: t.name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            pieces: vec![Piece {
+                rank: 0,
+                region: Region::full(&t.shape),
+                loc: Loc {
+                    file: 0,
+                    offset: layout.data_offsets[r],
+                    strides: None,
+                },
+            }],
+        });
+    }
+    let file = OutputFile {
+        path: PathBuf::from("model.pt"),
+        size: layout.len,
+        literals,
+        checksums,
+    };
+    Ok(Output {
+        files: vec![file],
+        tensors,
+    })
+}
