@@ -225,7 +225,7 @@ pub fn prepare(src: &Path, dst: Option<&Path>, opts: &ConvertOptions) -> Result<
     if opts.select.strip_prefix.is_none() && opts.select.add_prefix.is_none() {
         wopts.paths = source.paths.clone();
     }
-    if !extras.is_empty() && format != Format::Pt {
+    if !extras.is_empty() && !matches!(format, Format::Pt | Format::Dcp) {
         wopts.metadata.insert(
             EXTRAS_KEY.into(),
             serde_json::Value::Object(extras.clone()).to_string(),

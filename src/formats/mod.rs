@@ -11,6 +11,7 @@
 //!   [`torch_zip`] reads the `torch.save` archives they hold.
 
 pub mod dcp;
+pub mod dcp_write;
 pub mod hf;
 pub mod hf_storage;
 pub mod pickle;
@@ -381,7 +382,7 @@ pub fn write(
             hf::write(target, opts)
         }
         Format::HfStorage => hf_storage::write(target, world, opts),
-        Format::Dcp => Err(Error::usage("writing DCP is not supported yet")),
+        Format::Dcp => dcp_write::write(target, world, opts),
         Format::Pt => {
             if world != 1 {
                 return Err(Error::usage(format!(

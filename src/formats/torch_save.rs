@@ -84,6 +84,26 @@ pub enum PyValue {
     },
     /// A tensor whose storage is record `data/<key>` of the archive.
     Tensor(TensorRef),
+    /// An object made the protocol-2 way, `module.name.__new__()` (NEWOBJ) then `BUILD` with
+    /// `state` — dataclasses such as DCP's `Metadata`. For pickles read by the full unpickler
+    /// (`.metadata`); [`validate`] refuses it.
+    Object {
+        /// Module of the class.
+        module: String,
+        /// Class name.
+        name: String,
+        /// `BUILD` state (a dict, or a tuple for classes with `__setstate__`).
+        state: Option<Box<PyValue>>,
+    },
+    /// A call `module.name(*args)` (REDUCE), e.g. `torch.Size((3, 4))`. Full unpickler only.
+    Call {
+        /// Module of the callable.
+        module: String,
+        /// Its name.
+        name: String,
+        /// Positional arguments.
+        args: Vec<PyValue>,
+    },
     /// A bare allow-listed global: only `torch.<dtype>` with the dtype's canonical name
     /// (`torch.float32`, not the alias `torch.float`), see [`is_allowed_global`]. torch 2.1
     /// accepts only float16/32/64, int8/16/32/64 and complex32/64/128.
@@ -305,6 +325,9 @@ fn check(v: &PyValue, depth: usize) -> Result<(), String> {
     match v {
         PyValue::None | PyValue::Bool(_) | PyValue::Int(_) | PyValue::Float(_) => Ok(()),
         PyValue::Complex(..) => Ok(()),
+        PyValue::Object { module, name, .. } | PyValue::Call { module, name, .. } => Err(format!(
+            "`{module}.{name}` objects do not load with torch.load(weights_only=True)"
+        )),
         // BINUNICODE lengths are 32-bit (BINUNICODE8 is not weights-only safe).
         PyValue::Str(text) => fits_binunicode(text.len() as u64),
         PyValue::Bytes(b) => {
@@ -404,6 +427,8 @@ fn kind(v: &PyValue) -> &'static str {
         PyValue::Device { .. } => "torch.device",
         PyValue::Tensor(_) => "tensor",
         PyValue::Global { .. } => "global",
+        PyValue::Object { .. } => "object",
+        PyValue::Call { .. } => "call",
     }
 }
 
@@ -647,6 +672,24 @@ fn write_value(w: &mut Vec<u8>, v: &PyValue) {
             w.push(op::REDUCE);
         }
         PyValue::Global { module, name } => write_global(w, module, name),
+        PyValue::Object {
+            module,
+            name,
+            state,
+        } => {
+            write_global(w, module, name);
+            w.push(op::EMPTY_TUPLE);
+            w.push(0x81); // NEWOBJ
+            if let Some(s) = state {
+                write_value(w, s);
+                w.push(b'b'); // BUILD
+            }
+        }
+        PyValue::Call { module, name, args } => {
+            write_global(w, module, name);
+            write_tuple_with(w, args.len(), |w, i| write_value(w, &args[i]));
+            w.push(op::REDUCE);
+        }
         PyValue::Tensor(t) => write_tensor(w, t),
     }
 }

@@ -1,0 +1,307 @@
+//! Writing a PyTorch Distributed Checkpoint at M ranks: `__R_0.distcp` per target rank, each
+//! a sequence of torch.save items (one per chunk, data record filled in place by the
+//! executor, CRC-32s computed over it), non-tensor values as BYTE_IO items on rank 0,
+//! Lightning's `meta.pt` when the source had one, and a `.metadata` pickle in the torch 2.1
+//! class layout, which torch 2.1 through 2.15 all load (docs/pytorch-formats.md §8.3).
+//! A region held by several ranks is written once, by the lowest, as DCP de-duplicates.
+
+use super::torch_save::{
+    from_pickle, layout_archive, output_parts, pickle, save_to_vec, standard_records, PyValue,
+    TensorRef,
+};
+use super::{Extra, KeyPart, Output, TargetTensor, WriteOptions};
+use crate::error::{Error, Result};
+use crate::exec::OutputFile;
+use crate::layout::{DType, Loc, Piece, Region, TensorLayout};
+use std::collections::HashSet;
+use std::path::PathBuf;
+
+const META: &str = "torch.distributed.checkpoint.metadata";
+const ST_META: &str = "torch.distributed._shard.sharded_tensor.metadata";
+const FS: &str = "torch.distributed.checkpoint.filesystem";
+
+/// torch's name of a dtype.
+pub fn torch_dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::Bool => "bool",
+        DType::U8 => "uint8",
+        DType::I8 => "int8",
+        DType::F8E4M3 => "float8_e4m3fn",
+        DType::F8E5M2 => "float8_e5m2",
+        DType::I16 => "int16",
+        DType::U16 => "uint16",
+        DType::F16 => "float16",
+        DType::BF16 => "bfloat16",
+        DType::I32 => "int32",
+        DType::U32 => "uint32",
+        DType::F32 => "float32",
+        DType::F64 => "float64",
+        DType::I64 => "int64",
+        DType::U64 => "uint64",
+    }
+}
+
+fn obj(module: &str, name: &str, state: Option<PyValue>) -> PyValue {
+    PyValue::Object {
+        module: module.into(),
+        name: name.into(),
+        state: state.map(Box::new),
+    }
+}
+
+fn call(module: &str, name: &str, args: Vec<PyValue>) -> PyValue {
+    PyValue::Call {
+        module: module.into(),
+        name: name.into(),
+        args,
+    }
+}
+
+fn size(v: &[u64]) -> PyValue {
+    call(
+        "torch",
+        "Size",
+        vec![PyValue::Tuple(
+            v.iter().map(|&x| PyValue::Int(x as i64)).collect(),
+        )],
+    )
+}
+
+fn dict(items: Vec<(&str, PyValue)>) -> PyValue {
+    PyValue::Dict(
+        items
+            .into_iter()
+            .map(|(k, v)| (PyValue::Str(k.into()), v))
+            .collect(),
+    )
+}
+
+fn from_json(v: &serde_json::Value) -> PyValue {
+    match v {
+        serde_json::Value::Null => PyValue::None,
+        serde_json::Value::Bool(b) => PyValue::Bool(*b),
+        serde_json::Value::Number(n) => n
+            .as_i64()
+            .map_or(PyValue::Float(n.as_f64().unwrap_or(f64::NAN)), PyValue::Int),
+        serde_json::Value::String(s) => PyValue::Str(s.clone()),
+        serde_json::Value::Array(a) => PyValue::List(a.iter().map(from_json).collect()),
+        serde_json::Value::Object(m) => PyValue::Dict(
+            m.iter()
+                .map(|(k, v)| (PyValue::Str(k.clone()), from_json(v)))
+                .collect(),
+        ),
+    }
+}
+
+/// The Python value of a non-tensor entry: its decoded pickle when it can be re-emitted, its
+/// JSON otherwise.
+pub fn extra_value(e: &Extra) -> PyValue {
+    e.pickle
+        .as_ref()
+        .and_then(from_pickle)
+        .unwrap_or_else(|| from_json(&e.value))
+}
+
+fn path_value(path: &[KeyPart]) -> PyValue {
+    PyValue::Tuple(
+        path.iter()
+            .map(|p| match p {
+                KeyPart::Key(k) => PyValue::Str(k.clone()),
+                KeyPart::Index(i) => PyValue::Int(*i),
+            })
+            .collect(),
+    )
+}
+
+/// Lay out `target` as a DCP checkpoint over `world` ranks.
+pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
+    let mut files: Vec<OutputFile> = (0..world)
+        .map(|r| OutputFile {
+            path: PathBuf::from(format!("__{r}_0.distcp")),
+            size: 0,
+            literals: vec![],
+            checksums: vec![],
+        })
+        .collect();
+    let mut sdm: Vec<(PyValue, PyValue)> = vec![];
+    let mut storage: Vec<(PyValue, PyValue)> = vec![];
+    let mut planner: Vec<(PyValue, PyValue)> = vec![];
+    let path_of = |name: &str| -> Vec<KeyPart> {
+        opts.paths
+            .get(name)
+            .cloned()
+            .unwrap_or_else(|| vec![KeyPart::Key(name.to_string())])
+    };
+    let storage_info = |file: u32, offset: u64, length: u64| {
+        obj(
+            FS,
+            "_StorageInfo",
+            Some(dict(vec![
+                ("relative_path", PyValue::Str(format!("__{file}_0.distcp"))),
+                ("offset", PyValue::Int(offset as i64)),
+                ("length", PyValue::Int(length as i64)),
+            ])),
+        )
+    };
+    // Non-tensor values: BYTE_IO items on rank 0 (Lightning's meta.pt keys go to meta.pt).
+    let (meta_pt, byte_io): (Vec<&Extra>, Vec<&Extra>) =
+        opts.extras.iter().partition(|e| e.origin == "meta.pt");
+    for e in byte_io {
+        let item = save_to_vec("archive", &extra_value(e), &[]);
+        let f = &mut files[0];
+        let offset = f.size;
+        f.size += item.len() as u64;
+        storage.push((
+            obj(
+                META,
+                "MetadataIndex",
+                Some(dict(vec![
+                    ("fqn", PyValue::Str(e.name.clone())),
+                    ("index", PyValue::None),
+                ])),
+            ),
+            storage_info(0, offset, item.len() as u64),
+        ));
+        f.literals.push((offset, item));
+        sdm.push((
+            PyValue::Str(e.name.clone()),
+            obj(META, "BytesStorageMetadata", None),
+        ));
+        planner.push((PyValue::Str(e.name.clone()), path_value(&path_of(&e.name))));
+    }
+    let mut tensors = vec![];
+    for t in target {
+        let whole = Region::full(&t.shape);
+        let mut written: HashSet<&Region> = HashSet::new();
+        let mut chunks = vec![];
+        let mut pieces = vec![];
+        for (r, regions) in t.ranks.iter().enumerate().take(world as usize) {
+            for reg in regions {
+                let keep = if whole.is_empty() {
+                    r == 0 && written.is_empty()
+                } else {
+                    !reg.is_empty()
+                };
+                if !keep || !written.insert(reg) {
+                    continue;
+                }
+                let nbytes = reg.volume() * t.dtype.size() as u64;
+                let pkl = pickle(&PyValue::Tensor(TensorRef::new(
+                    "0",
+                    t.dtype,
+                    reg.sizes.clone(),
+                )));
+                let records = standard_records(pkl, &[("0".to_string(), nbytes)]);
+                let layout = layout_archive("archive", &records);
+                let data = records
+                    .iter()
+                    .position(|x| x.name == "data/0")
+                    .ok_or_else(|| Error::usage("internal error: item without data/0"))?;
+                let f = &mut files[r];
+                let offset = f.size;
+                let (lits, crcs) = output_parts(&layout, &records, offset);
+                f.literals.extend(lits);
+                f.checksums.extend(crcs);
+                f.size += layout.len;
+                pieces.push(Piece {
+                    rank: r as u32,
+                    region: reg.clone(),
+                    loc: Loc {
+                        file: r as u32,
+                        offset: offset + layout.data_offsets[data],
+                        strides: None,
+                    },
+                });
+                storage.push((
+                    obj(
+                        META,
+                        "MetadataIndex",
+                        Some(dict(vec![
+                            ("fqn", PyValue::Str(t.name.clone())),
+                            ("offset", size(&reg.offsets)),
+                            ("index", PyValue::Int(chunks.len() as i64)),
+                        ])),
+                    ),
+                    storage_info(r as u32, offset, layout.len),
+                ));
+                chunks.push(obj(
+                    META,
+                    "ChunkStorageMetadata",
+                    Some(dict(vec![
+                        ("offsets", size(&reg.offsets)),
+                        ("sizes", size(&reg.sizes)),
+                    ])),
+                ));
+            }
+        }
+        let properties = obj(
+            ST_META,
+            "TensorProperties",
+            Some(PyValue::Tuple(vec![
+                PyValue::Global {
+                    module: "torch".into(),
+                    name: torch_dtype_name(t.dtype).into(),
+                },
+                call(
+                    "torch.serialization",
+                    "_get_layout",
+                    vec![PyValue::Str("torch.strided".into())],
+                ),
+                PyValue::Bool(false),
+                call(ST_META, "MEM_FORMAT_ENCODING", vec![PyValue::Int(0)]),
+                PyValue::Bool(false),
+            ])),
+        );
+        sdm.push((
+            PyValue::Str(t.name.clone()),
+            obj(
+                META,
+                "TensorStorageMetadata",
+                Some(dict(vec![
+                    ("properties", properties),
+                    ("size", size(&t.shape)),
+                    ("chunks", PyValue::List(chunks)),
+                ])),
+            ),
+        ));
+        planner.push((PyValue::Str(t.name.clone()), path_value(&path_of(&t.name))));
+        tensors.push(TensorLayout {
+            name: t.name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            pieces,
+        });
+    }
+    let metadata = obj(
+        META,
+        "Metadata",
+        Some(dict(vec![
+            ("state_dict_metadata", PyValue::Dict(sdm)),
+            ("planner_data", PyValue::Dict(planner)),
+            ("storage_data", PyValue::Dict(storage)),
+        ])),
+    );
+    let bytes = pickle(&metadata);
+    files.push(OutputFile {
+        path: PathBuf::from(".metadata"),
+        size: bytes.len() as u64,
+        literals: vec![(0, bytes)],
+        checksums: vec![],
+    });
+    if !meta_pt.is_empty() {
+        let v = PyValue::Dict(
+            meta_pt
+                .iter()
+                .map(|e| (PyValue::Str(e.name.clone()), extra_value(e)))
+                .collect(),
+        );
+        let bytes = save_to_vec("meta", &v, &[]);
+        files.push(OutputFile {
+            path: PathBuf::from("meta.pt"),
+            size: bytes.len() as u64,
+            literals: vec![(0, bytes)],
+            checksums: vec![],
+        });
+    }
+    Ok(Output { files, tensors })
+}
