@@ -73,6 +73,7 @@ def main() -> None:
         "cp -r && sync": lambda d: ["sh", "-c", f"cp -r '{src}' '{d}' && sync"],
         "reshard -> .safetensors --no-fsync": lambda d: [str(args.reshard), "convert", str(src), str(d) + ".safetensors", "--to", "1", "-q", "--no-fsync"],
         "reshard -> .safetensors": lambda d: [str(args.reshard), "convert", str(src), str(d) + ".safetensors", "--to", "1", "-q"],
+        "reshard -> .pt": lambda d: [str(args.reshard), "convert", str(src), str(d) + ".pt", "--to", "1", "-q"],
         "python: import torch only": lambda d: [PY, "-c", "import torch.distributed.checkpoint"],
         "torch dcp_to_torch_save": lambda d: [PY, "-c", "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save as f; f(sys.argv[1], sys.argv[2])", str(src), str(d) + ".pt"],
     }
