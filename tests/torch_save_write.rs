@@ -1136,6 +1136,9 @@ fn dump(v: &PyValue, storages: &HashMap<String, Vec<u8>>) -> Json {
             .collect::<Vec<_>>()
     };
     match v {
+        PyValue::Object { .. } | PyValue::Call { .. } => {
+            unreachable!("objects and calls are not weights-only values; never generated here")
+        }
         PyValue::None => json!({ "none": null }),
         PyValue::Bool(b) => json!({ "bool": b }),
         PyValue::Int(i) => json!({ "int": i.to_string() }),

@@ -6,8 +6,7 @@
 //! A region held by several ranks is written once, by the lowest, as DCP de-duplicates.
 
 use super::torch_save::{
-    from_pickle, layout_archive, output_parts, pickle, save_to_vec, standard_records, PyValue,
-    TensorRef,
+    layout_archive, output_parts, pickle, save_to_vec, standard_records, PyValue, TensorRef,
 };
 use super::{Extra, KeyPart, Output, TargetTensor, WriteOptions};
 use crate::error::{Error, Result};
@@ -76,32 +75,6 @@ fn dict(items: Vec<(&str, PyValue)>) -> PyValue {
     )
 }
 
-fn from_json(v: &serde_json::Value) -> PyValue {
-    match v {
-        serde_json::Value::Null => PyValue::None,
-        serde_json::Value::Bool(b) => PyValue::Bool(*b),
-        serde_json::Value::Number(n) => n
-            .as_i64()
-            .map_or(PyValue::Float(n.as_f64().unwrap_or(f64::NAN)), PyValue::Int),
-        serde_json::Value::String(s) => PyValue::Str(s.clone()),
-        serde_json::Value::Array(a) => PyValue::List(a.iter().map(from_json).collect()),
-        serde_json::Value::Object(m) => PyValue::Dict(
-            m.iter()
-                .map(|(k, v)| (PyValue::Str(k.clone()), from_json(v)))
-                .collect(),
-        ),
-    }
-}
-
-/// The Python value of a non-tensor entry: its decoded pickle when it can be re-emitted, its
-/// JSON otherwise.
-pub fn extra_value(e: &Extra) -> PyValue {
-    e.pickle
-        .as_ref()
-        .and_then(from_pickle)
-        .unwrap_or_else(|| from_json(&e.value))
-}
-
 fn path_value(path: &[KeyPart]) -> PyValue {
     PyValue::Tuple(
         path.iter()
@@ -147,7 +120,7 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
     let (meta_pt, byte_io): (Vec<&Extra>, Vec<&Extra>) =
         opts.extras.iter().partition(|e| e.origin == "meta.pt");
     for e in byte_io {
-        let item = save_to_vec("archive", &extra_value(e), &[]);
+        let item = save_to_vec("archive", &e.py_value(), &[]);
         let f = &mut files[0];
         let offset = f.size;
         f.size += item.len() as u64;
@@ -292,7 +265,7 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
         let v = PyValue::Dict(
             meta_pt
                 .iter()
-                .map(|e| (PyValue::Str(e.name.clone()), extra_value(e)))
+                .map(|e| (PyValue::Str(e.name.clone()), e.py_value()))
                 .collect(),
         );
         let bytes = save_to_vec("meta", &v, &[]);

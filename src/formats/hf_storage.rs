@@ -182,16 +182,19 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
     })
 }
 
+/// A chunk to store: its entry (name, dtype, local shape) and its global offsets.
+type Chunk = (Entry, Vec<u64>);
+
 /// Lay out `target` as per-rank shards over `world` ranks. A region held by several ranks
 /// (replicated) is written once, by the lowest rank, as DCP does. A rank holding several
 /// regions of one tensor (`StridedShard`, flat ranges) writes them to successive files
 /// `…-model-0000i-of-0000n`. Every rank gets at least one file, so the world size survives.
 pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
-    // per rank, per file index: entries with their offsets
-    let mut per_rank: Vec<Vec<Vec<(Entry, Vec<u64>)>>> = vec![vec![]; world as usize];
+    // per rank, per file index: the chunks it stores
+    let mut per_rank: Vec<Vec<Vec<Chunk>>> = vec![vec![]; world as usize];
     for t in target {
         let mut written: HashSet<&Region> = HashSet::new();
-        for r in 0..world as usize {
+        for (r, files) in per_rank.iter_mut().enumerate() {
             let regions = t.ranks.get(r).map(Vec::as_slice).unwrap_or(&[]);
             let mut k = 0;
             for reg in regions {
@@ -199,7 +202,6 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
                 if (reg.is_empty() && !whole_empty) || !written.insert(reg) {
                     continue;
                 }
-                let files = &mut per_rank[r];
                 if files.len() <= k {
                     files.push(vec![]);
                 }

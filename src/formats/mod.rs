@@ -145,6 +145,17 @@ pub fn extras_from_metadata(
     }
 }
 
+impl Extra {
+    /// The entry as a Python value: its decoded pickle when it can be re-emitted, its JSON
+    /// otherwise.
+    pub fn py_value(&self) -> torch_save::PyValue {
+        self.pickle
+            .as_ref()
+            .and_then(torch_save::from_pickle)
+            .unwrap_or_else(|| torch_save::from_json(&self.value))
+    }
+}
+
 /// A checkpoint as a reader sees it: its files, and every tensor's layout over them.
 #[derive(Clone, Debug, Serialize)]
 pub struct Checkpoint {

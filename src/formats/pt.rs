@@ -8,7 +8,7 @@
 use super::torch_save::{
     layout_archive, output_parts, pickle, standard_records, PyValue, TensorRef,
 };
-use super::{Extra, KeyPart, Output, TargetTensor, WriteOptions};
+use super::{KeyPart, Output, TargetTensor, WriteOptions};
 use crate::error::{Error, Result};
 use crate::exec::OutputFile;
 use crate::layout::{Loc, Piece, Region, TensorLayout};
@@ -83,32 +83,6 @@ fn insert(node: &mut Node, path: &[KeyPart], leaf: Node, name: &str) -> Result<(
     insert(slot, rest, leaf, name)
 }
 
-/// A JSON value (non-tensor entries kept by reshard in safetensors metadata) as Python.
-fn from_json(v: &serde_json::Value) -> PyValue {
-    match v {
-        serde_json::Value::Null => PyValue::None,
-        serde_json::Value::Bool(b) => PyValue::Bool(*b),
-        serde_json::Value::Number(n) => match n.as_i64() {
-            Some(i) => PyValue::Int(i),
-            None => PyValue::Float(n.as_f64().unwrap_or(f64::NAN)),
-        },
-        serde_json::Value::String(s) => PyValue::Str(s.clone()),
-        serde_json::Value::Array(a) => PyValue::List(a.iter().map(from_json).collect()),
-        serde_json::Value::Object(m) => PyValue::Dict(
-            m.iter()
-                .map(|(k, v)| (PyValue::Str(k.clone()), from_json(v)))
-                .collect(),
-        ),
-    }
-}
-
-fn extra_value(e: &Extra) -> PyValue {
-    e.pickle
-        .as_ref()
-        .and_then(super::torch_save::from_pickle)
-        .unwrap_or_else(|| from_json(&e.value))
-}
-
 /// Turn the tree into a Python value; storage keys are numbered in pickle order.
 fn to_py(node: Node, target: &[TargetTensor], order: &mut Vec<usize>) -> Result<PyValue> {
     Ok(match node {
@@ -159,7 +133,7 @@ pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
         insert(
             &mut root,
             &path_of(&e.name),
-            Node::Value(extra_value(e)),
+            Node::Value(e.py_value()),
             &e.name,
         )?;
     }

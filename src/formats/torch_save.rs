@@ -1390,6 +1390,25 @@ pub fn save_to_vec(prefix: &str, v: &PyValue, storages: &[(String, Vec<u8>)]) ->
     out
 }
 
+/// A JSON value as Python (null → None, numbers → int or float, arrays → lists, objects →
+/// dicts): for non-tensor values known only as JSON.
+pub fn from_json(v: &serde_json::Value) -> PyValue {
+    match v {
+        serde_json::Value::Null => PyValue::None,
+        serde_json::Value::Bool(b) => PyValue::Bool(*b),
+        serde_json::Value::Number(n) => n
+            .as_i64()
+            .map_or(PyValue::Float(n.as_f64().unwrap_or(f64::NAN)), PyValue::Int),
+        serde_json::Value::String(s) => PyValue::Str(s.clone()),
+        serde_json::Value::Array(a) => PyValue::List(a.iter().map(from_json).collect()),
+        serde_json::Value::Object(m) => PyValue::Dict(
+            m.iter()
+                .map(|(k, v)| (PyValue::Str(k.clone()), from_json(v)))
+                .collect(),
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
