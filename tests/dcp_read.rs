@@ -525,23 +525,6 @@ fn unknown_stream_transforms_are_refused_naming_them() {
     convert_fails(&ck, &["__1_0.distcp", "zstd"]);
 }
 
-#[test]
-fn writing_dcp_is_refused_for_now() {
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("out");
-    let o = reshard(&[
-        "convert",
-        s(&checkpoint("fsdp2_w2_f32")),
-        s(&out),
-        "--to",
-        "2",
-        "--format",
-        "dcp",
-    ]);
-    assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("writing DCP is not supported yet"));
-}
-
 mod fuzz {
     use super::*;
     use proptest::prelude::*;
