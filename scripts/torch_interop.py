@@ -21,6 +21,32 @@ exit 2 = usage error, exit 3 = this torch lacks the needed API):
       loads with safetensors, the index's weight_map points every tensor at the file that holds it
       (and only at existing tensors), metadata.total_size equals the sum of tensor bytes, no
       tensor is in two files, no .safetensors file is left out, and the union equals EXPECTED.
+  dcp-load --world M DIR EXPECTED.safetensors [--nontensor EXPECTED.json] [DIR2 EXPECTED2 [--nontensor J2] ...]
+      DIR is a DCP checkpoint (.metadata + __R_0.distcp). M ranks are started once (gloo, CPU,
+      127.0.0.1, torch.multiprocessing; fork on Linux, TORCH_INTEROP_START_METHOD=spawn for fresh
+      interpreters) and load every DIR in turn with the real collective torch dcp.load at world M,
+      into a NESTED state dict built from the checkpoint's own .metadata planner_data: DTensors on a
+      1-D mesh of M ranks, Shard(0) (Replicate for 0-d; torch < 2.2 also replicates tensors with
+      fewer rows than M, which it cannot shard), with EXPECTED's global shapes and dtypes, pre-filled
+      with a byte no expected element consists of (elements dcp.load leaves unwritten are reported),
+      plus placeholders for the non-tensor items. Then every tensor is gathered (full_tensor(); a
+      byte-level gather for dtypes gloo cannot gather, e.g. float8/uint16) and compared with
+      EXPECTED on rank 0 (keys, dtypes, shapes, bytes); non-tensor items are compared, JSON-ified,
+      with --nontensor (which applies to the pair before it). One line per pair when several are
+      given; exit 1 if any is rejected. TORCH_INTEROP_TIMEOUT (s, default 180) bounds each collective.
+  dcp-to-torch-save DIR EXPECTED.safetensors [--nontensor EXPECTED.json]
+      torch's own dcp_to_torch_save(DIR, tmp.pt), torch.load, then compared as pt-load does.
+  pt-load FILE.pt EXPECTED.safetensors [--nontensor EXPECTED.json] [--flat]
+      torch.load(FILE, weights_only=True), and again with mmap=True: each must be a dict; nested
+      dicts/lists are flattened to '.'-joined keys (lists only when they hold tensors or dicts; a
+      --nontensor key names a whole subtree, e.g. optimizer.param_groups) and tensors compared with
+      EXPECTED (dtype, shape, bytes), the other leaves with the JSON. Extra or missing keys are
+      errors (non-tensor leaves are only listed when no --nontensor is given). --flat: FILE must
+      be a flat {name: tensor} dict (non-tensor values only where the JSON names them).
+
+Non-tensor values are compared strictly after JSON-ifying them as scripts/gen_fixtures.py does
+(tuples -> lists, None -> null): 1, 1.0 and true differ. A failure caused by a module this
+environment lacks (e.g. zstandard for compressed checkpoints) is exit 3, not 1.
 """
 from __future__ import annotations
 
@@ -56,6 +82,8 @@ def _load(path) -> dict:
         raise Fail(f"{p}: no such file")
     try:
         return load_file(str(p))
+    except AttributeError as e:  # e.g. torch 2.1 has no torch.uint16
+        raise Unsupported(f"{p}: this torch cannot hold its tensors: {e}") from None
     except Exception as e:  # noqa: BLE001
         raise Fail(f"{p}: safetensors cannot load it: {type(e).__name__}: {e}") from None
 
@@ -388,9 +416,9 @@ def _diff_detail(gb: bytes, wb: bytes, es: int, fill) -> str:
 def _nontensor_errors(got: dict, want: dict) -> list[str]:
     errors = []
     if set(want) - set(got):
-        errors.append(f"missing non-tensor {sorted(set(want) - set(got))[:5]}")
+        errors.append(f"missing non-tensor items {sorted(set(want) - set(got))[:5]}")
     if set(got) - set(want):
-        errors.append(f"unexpected non-tensor {sorted(set(got) - set(want))[:5]}")
+        errors.append(f"unexpected non-tensor items {sorted(set(got) - set(want))[:5]}")
     for k in sorted(set(got) & set(want)):
         if got[k] is _UNFILLED:
             errors.append(f"{k}: non-tensor item not filled by dcp.load")
@@ -534,7 +562,7 @@ def cmd_dcp_to_torch_save(d, expected_path, nontensor_path=None):
 
 # --------------------------------------------------------------------------------- dcp-load
 
-_GLOO_GATHER_DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32",
+_GLOO_GATHER_DTYPES = ("float32", "float64", "float16", "bfloat16", "uint8", "int32",  # gloo: int16 etc. fail
                        "int64", "bool")
 
 
@@ -609,7 +637,7 @@ class _DTensorAPI:
         major, minor = (int(x) for x in torch.__version__.split(".")[:2])
         # torch < 2.2 cannot shard a dim smaller than the mesh ("Size to be sharded on dim 0 must be at
         # least as large as the number of devices"): such tensors are Replicate there
-        self.min_shard_rows = 1 if (major, minor) >= (2, 2) else None
+        self.shards_small_dims = (major, minor) >= (2, 2)
 
     def mesh(self, world):
         return self.init_device_mesh("cpu", (world,))
@@ -632,7 +660,7 @@ class _DTensorAPI:
     def make(self, shape, dtype, fill, mesh, world, rank):
         import torch
         shape = tuple(shape)
-        shard = len(shape) > 0 and (self.min_shard_rows is not None or shape[0] >= world)
+        shard = len(shape) > 0 and (self.shards_small_dims or shape[0] >= world)
         placements = [self.Shard(0)] if shard else [self.Replicate()]
         local = torch.empty(self._local_shape(shape, mesh, placements, world, rank), dtype=dtype)
         if local.numel():
@@ -757,7 +785,7 @@ def _dcp_load_one(rank, world, mesh, api, d, expected_path, nontensor_path) -> s
     errors += _tensor_errors(got, {k: expected[k] for k in compared}, fills)
     got_nt = {k: _get_element(sd, path_of(k)) for k in b_keys}
     if want_nt is not None:
-        errors += _nontensor_errors(got_nt, {k: v for k, v in want_nt.items()})
+        errors += _nontensor_errors(got_nt, want_nt)
     else:
         errors += [f"{k}: non-tensor item not filled by dcp.load" for k in sorted(got_nt) if got_nt[k] is _UNFILLED]
     if errors:
@@ -775,6 +803,23 @@ def _debug(msg):
 
 
 def _dcp_worker(rank, world, port, jobs, out_path, timeout_s):
+    """One rank. Ends with os._exit: no destroy_process_group and no interpreter teardown (torch 2.1's
+    gloo has hung in destroy_process_group, and 2.15's has aborted at exit with "terminate called
+    without an active exception", both after all the work was done)."""
+    code = 1
+    try:
+        _dcp_rank(rank, world, port, jobs, out_path, timeout_s)
+        code = 0
+    except BaseException as e:  # noqa: BLE001
+        print(f"torch_interop: rank {rank}: {_exc_line(e)}", file=sys.stderr)
+    finally:
+        _debug(f"rank {rank} exiting with {code}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _dcp_rank(rank, world, port, jobs, out_path, timeout_s):
     import datetime
     import time
     import warnings
@@ -787,39 +832,30 @@ def _dcp_worker(rank, world, port, jobs, out_path, timeout_s):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     _debug(f"rank {rank} joined the process group")
-    try:
-        api = _DTensorAPI()
-        mesh = api.mesh(world)
-        _debug(f"rank {rank} has the mesh")
-        results = []
-        for job in jobs:
-            t0 = time.monotonic()
-            try:
-                res = {"ok": True, "msg": _dcp_load_one(rank, world, mesh, api, *job)}
-            except Fail as e:
-                res = {"ok": False, "msg": str(e).splitlines()[0] if str(e) else "rejected"}
-                res["unsupported"] = _missing_dependency(res["msg"])
-            except Exception as e:  # noqa: BLE001
-                res = {"ok": False, "msg": f"internal error: {_exc_line(e)}"}
-            # every rank's verdict reaches rank 0 (a rank-local failure must not pass silently)
-            verdicts = [None] * world
-            dist.all_gather_object(verdicts, res)
-            if rank == 0:
-                bad = [(r, v) for r, v in enumerate(verdicts) if not v["ok"]]
-                if bad and res["ok"]:
-                    res = {"ok": False, "msg": f"rank {bad[0][0]}: {bad[0][1]['msg']}"}
-                res["seconds"] = round(time.monotonic() - t0, 3)
-                results.append(res)
-                Path(out_path).write_text(json.dumps(results))
-    finally:
-        _debug(f"rank {rank} destroying the process group")
-        dist.destroy_process_group()
-        _debug(f"rank {rank} done")
-    # skip interpreter teardown: gloo's threads have been seen to abort it ("terminate called
-    # without an active exception") after all the work was done
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    api = _DTensorAPI()
+    mesh = api.mesh(world)
+    _debug(f"rank {rank} has the mesh")
+    results = []
+    for job in jobs:
+        t0 = time.monotonic()
+        try:
+            res = {"ok": True, "msg": _dcp_load_one(rank, world, mesh, api, *job)}
+        except Fail as e:
+            res = {"ok": False, "msg": str(e).splitlines()[0] if str(e) else "rejected"}
+            res["unsupported"] = _missing_dependency(res["msg"])
+        except Exception as e:  # noqa: BLE001
+            res = {"ok": False, "msg": f"internal error: {_exc_line(e)}"}
+        # every rank's verdict reaches rank 0 (a rank-local failure must not pass silently)
+        verdicts = [None] * world
+        dist.all_gather_object(verdicts, res)
+        if rank == 0:
+            bad = [(r, v) for r, v in enumerate(verdicts) if not v["ok"]]
+            if bad and res["ok"]:
+                res = {"ok": False, "msg": f"rank {bad[0][0]}: {bad[0][1]['msg']}"}
+            res["seconds"] = round(time.monotonic() - t0, 3)
+            results.append(res)
+            Path(out_path).write_text(json.dumps(results))
+    dist.barrier()
 
 
 def _missing_dependency(msg: str) -> bool:
@@ -1026,5 +1062,6 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     import warnings
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")  # torch 2.1 torch.load
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.exit(main())
