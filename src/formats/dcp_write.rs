@@ -6,39 +6,19 @@
 //! A region held by several ranks is written once, by the lowest, as DCP de-duplicates.
 
 use super::torch_save::{
-    layout_archive, output_parts, pickle, save_to_vec, standard_records, PyValue, TensorRef,
+    layout_archive, output_parts, pickle, save_to_vec, standard_records, torch_dtype_name, PyValue,
+    TensorRef,
 };
 use super::{Extra, KeyPart, Output, TargetTensor, WriteOptions};
 use crate::error::{Error, Result};
 use crate::exec::OutputFile;
-use crate::layout::{DType, Loc, Piece, Region, TensorLayout};
+use crate::layout::{Loc, Piece, Region, TensorLayout};
 use std::collections::HashSet;
 use std::path::PathBuf;
 
 const META: &str = "torch.distributed.checkpoint.metadata";
 const ST_META: &str = "torch.distributed._shard.sharded_tensor.metadata";
 const FS: &str = "torch.distributed.checkpoint.filesystem";
-
-/// torch's name of a dtype.
-pub fn torch_dtype_name(d: DType) -> &'static str {
-    match d {
-        DType::Bool => "bool",
-        DType::U8 => "uint8",
-        DType::I8 => "int8",
-        DType::F8E4M3 => "float8_e4m3fn",
-        DType::F8E5M2 => "float8_e5m2",
-        DType::I16 => "int16",
-        DType::U16 => "uint16",
-        DType::F16 => "float16",
-        DType::BF16 => "bfloat16",
-        DType::I32 => "int32",
-        DType::U32 => "uint32",
-        DType::F32 => "float32",
-        DType::F64 => "float64",
-        DType::I64 => "int64",
-        DType::U64 => "uint64",
-    }
-}
 
 fn obj(module: &str, name: &str, state: Option<PyValue>) -> PyValue {
     PyValue::Object {
