@@ -453,6 +453,8 @@ fn run(cli: Cli) -> Result<()> {
                     let entries = if n == 1 { "entry" } else { "entries" };
                     if job.format == Format::Pt {
                         println!("kept {n} non-tensor {entries} as Python values");
+                    } else if job.format == Format::Dcp {
+                        println!("kept {n} non-tensor {entries} as BYTE_IO items (Lightning's meta.pt keys in meta.pt)");
                     } else {
                         println!(
                             "kept {n} non-tensor {entries} as JSON in the safetensors __metadata__ key `{}`",
