@@ -6,7 +6,6 @@
 mod common;
 use common::*;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -71,32 +70,6 @@ fn dcp_outputs_read_back_equal_for_every_fixture_and_world_size() {
     }
 }
 
-fn torch_python() -> Option<PathBuf> {
-    [
-        std::env::var_os("RESHARD_PYTHON").map(PathBuf::from),
-        Some(Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python")),
-    ]
-    .into_iter()
-    .flatten()
-    .find(|p| {
-        Command::new(p)
-            .args(["-c", "import torch, safetensors"])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    })
-}
-
-fn judge(py: &Path, args: &[String]) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/torch_interop.py");
-    let o = Command::new(py).arg(&script).args(args).output().unwrap();
-    assert!(
-        o.status.success(),
-        "torch rejected: {args:?}: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
-
 #[test]
 fn torch_loads_dcp_outputs_at_every_world_size() {
     let Some(py) = torch_python() else {
@@ -132,11 +105,11 @@ fn torch_loads_dcp_outputs_at_every_world_size() {
         judge(
             &py,
             &[
-                "dcp-to-torch-save".into(),
-                s(&out).into(),
-                s(&fixture(&case).join("oracle/full.safetensors")).into(),
-                "--nontensor".into(),
-                s(&fixture(&case).join("oracle/nontensor.json")).into(),
+                "dcp-to-torch-save",
+                s(&out),
+                s(&fixture(&case).join("oracle/full.safetensors")),
+                "--nontensor",
+                s(&fixture(&case).join("oracle/nontensor.json")),
             ],
         );
     }

@@ -6,7 +6,6 @@
 mod common;
 use common::*;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -56,30 +55,6 @@ fn consolidation_and_round_trips_equal_torchs_oracle() {
         ok(&["convert", s(&hf), s(&back), "--to", "1", "-q"]);
         assert_eq!(read_safetensors(&back), oracle, "{case} -> hf -> 1");
     }
-}
-
-/// A Python that can import torch and safetensors: $RESHARD_PYTHON, or the project's .venv.
-fn torch_python() -> Option<PathBuf> {
-    let candidates = [
-        std::env::var_os("RESHARD_PYTHON").map(PathBuf::from),
-        Some(Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python")),
-    ];
-    candidates.into_iter().flatten().find(|p| {
-        Command::new(p)
-            .args(["-c", "import torch, safetensors"])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    })
-}
-
-fn judge(py: &Path, args: &[&str]) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/torch_interop.py");
-    let o = Command::new(py).arg(&script).args(args).output().unwrap();
-    assert!(
-        o.status.success(),
-        "torch rejected: torch_interop.py {args:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
 }
 
 #[test]

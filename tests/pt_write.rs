@@ -3,6 +3,8 @@
 //! against torch's oracle) and, when a Python with torch is available, by
 //! `torch.load(weights_only=True)` itself.
 
+mod common;
+use common::torch_python;
 use reshard::formats::pickle::{parse, torch_save_globals, Value};
 use reshard::formats::torch_zip::Archive;
 use safetensors::SafeTensors;
@@ -163,21 +165,6 @@ fn flat_pt_with_strip_prefix() {
             .all(|k| !k.starts_with("model.") && !k.starts_with("optimizer")),
         "{keys:?}"
     );
-}
-
-fn torch_python() -> Option<PathBuf> {
-    [
-        std::env::var_os("RESHARD_PYTHON").map(PathBuf::from),
-        Some(Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python")),
-    ]
-    .into_iter()
-    .flatten()
-    .find(|p| {
-        Command::new(p)
-            .args(["-c", "import torch, safetensors"])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    })
 }
 
 #[test]

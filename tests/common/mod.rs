@@ -255,3 +255,32 @@ pub fn names(dir: &Path) -> Vec<String> {
     v.sort();
     v
 }
+
+/// A Python that can import torch and safetensors: $RESHARD_PYTHON, or the project's .venv.
+/// Tests that need torch report themselves skipped when there is none.
+pub fn torch_python() -> Option<PathBuf> {
+    [
+        std::env::var_os("RESHARD_PYTHON").map(PathBuf::from),
+        Some(Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python")),
+    ]
+    .into_iter()
+    .flatten()
+    .find(|p| {
+        Command::new(p)
+            .args(["-c", "import torch, safetensors"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })
+}
+
+/// Run `scripts/torch_interop.py ARGS` with `py` and require torch to accept.
+pub fn judge<S: AsRef<std::ffi::OsStr> + std::fmt::Debug>(py: &Path, args: &[S]) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/torch_interop.py");
+    let o = Command::new(py).arg(&script).args(args).output().unwrap();
+    assert!(
+        o.status.success(),
+        "torch rejected: torch_interop.py {args:?}: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
