@@ -107,18 +107,14 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             ));
         }
     }
-    Ok(Checkpoint {
-        format: Format::Hf,
-        path: dir.to_path_buf(),
+    Ok(Checkpoint::of_tensors(
+        Format::Hf,
+        dir,
         files,
-        ranks: 1,
+        1,
         tensors,
         metadata,
-        extras: vec![],
-        paths: Default::default(),
-        producer: None,
-        scratch: vec![],
-    })
+    ))
 }
 
 /// Lay out a consolidated target as Hugging Face shards of at most `max_shard_size` bytes

@@ -168,18 +168,14 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             l
         })
         .collect();
-    Ok(Checkpoint {
-        format: Format::HfStorage,
-        path: dir.to_path_buf(),
+    Ok(Checkpoint::of_tensors(
+        Format::HfStorage,
+        dir,
         files,
         ranks,
         tensors,
         metadata,
-        extras: vec![],
-        paths: Default::default(),
-        producer: None,
-        scratch: vec![],
-    })
+    ))
 }
 
 /// A chunk to store: its entry (name, dtype, local shape) and its global offsets.

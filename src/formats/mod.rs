@@ -210,6 +210,30 @@ impl Checkpoint {
         Ok(ck)
     }
 
+    /// A checkpoint holding only tensors and string metadata (the safetensors family): no
+    /// non-tensor entries, no nesting, no known producer.
+    pub fn of_tensors(
+        format: Format,
+        path: &Path,
+        files: Vec<PathBuf>,
+        ranks: u32,
+        tensors: Vec<TensorLayout>,
+        metadata: BTreeMap<String, String>,
+    ) -> Checkpoint {
+        Checkpoint {
+            format,
+            path: path.to_path_buf(),
+            files,
+            ranks,
+            tensors,
+            metadata,
+            extras: vec![],
+            paths: BTreeMap::new(),
+            producer: None,
+            scratch: vec![],
+        }
+    }
+
     /// Check every tensor's pieces tile it exactly and lie within their files.
     pub fn validate(&self) -> Result<()> {
         let sizes: Vec<u64> = self

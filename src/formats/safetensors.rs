@@ -233,18 +233,14 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
             shape: t.shape,
         })
         .collect();
-    Ok(Checkpoint {
-        format: Format::Safetensors,
-        path: path.to_path_buf(),
-        files: vec![path.to_path_buf()],
-        ranks: 1,
+    Ok(Checkpoint::of_tensors(
+        Format::Safetensors,
+        path,
+        vec![path.to_path_buf()],
+        1,
         tensors,
-        metadata: h.metadata,
-        extras: vec![],
-        paths: Default::default(),
-        producer: None,
-        scratch: vec![],
-    })
+        h.metadata,
+    ))
 }
 
 /// Lay out a consolidated target as one safetensors file.
