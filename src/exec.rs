@@ -35,8 +35,11 @@ pub struct OutputFile {
     pub checksums: Vec<Checksum>,
 }
 
-/// The CRC-32 of bytes `range` of an output file, computed once every copy and literal is in
-/// place and written little-endian at each offset of `at` (which must lie outside `range`).
+/// The CRC-32 of bytes `range` of an output file, written little-endian at each offset of
+/// `at` (which must lie outside `range`) once every copy and literal is in place. It is
+/// computed while the bytes stream: each window hashes its share of the range (from its
+/// buffer, or straight from the source mapping for kernel-copied runs) and the shares are
+/// joined in order with `crc32fast`'s `combine`; the output is never read back.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Checksum {
     /// First and past-the-last byte covered.
@@ -45,18 +48,53 @@ pub struct Checksum {
     pub at: Vec<u64>,
 }
 
-/// CRC-32 of bytes `a..b` of `file`, read back through the page cache in `buf`-sized blocks.
-fn crc_of(file: &File, path: &Path, (a, b): (u64, u64), buf: &mut Vec<u8>) -> Result<u32> {
-    let mut h = crc32fast::Hasher::new();
-    let mut off = a;
-    buf.resize((b - a).min(4 << 20) as usize, 0);
-    while off < b {
-        let n = ((b - off) as usize).min(buf.len());
-        file.read_exact_at(&mut buf[..n], off).at(path)?;
-        h.update(&buf[..n]);
-        off += n as u64;
+/// One window's share of a [`Checksum`]: the CRC-32 of destination bytes from `start` on.
+struct CrcPart {
+    /// Output file index.
+    file: u32,
+    /// Index of the checksum in that file's list.
+    ck: u32,
+    /// First destination byte hashed.
+    start: u64,
+    /// Bytes hashed.
+    len: u64,
+    /// The hash of those bytes.
+    hash: crc32fast::Hasher,
+}
+
+/// The checksum ranges of an output file, as `(index, first, past-the-last byte)`.
+fn ck_ranges(o: &OutputFile) -> Vec<(u32, u64, u64)> {
+    let mut r: Vec<_> = o
+        .checksums
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.range.1 > c.range.0)
+        .map(|(i, c)| (i as u32, c.range.0, c.range.1))
+        .collect();
+    r.sort_by_key(|&(_, a, _)| a);
+    r
+}
+
+/// Join the parts of one checksum over `(a, b)`, sorted by start: bytes no window wrote
+/// (file holes) are zeros.
+fn join_crc(parts: &[CrcPart], (a, b): (u64, u64)) -> u32 {
+    fn zeros(h: &mut crc32fast::Hasher, mut n: u64) {
+        static Z: [u8; 4096] = [0; 4096];
+        while n > 0 {
+            let k = n.min(Z.len() as u64) as usize;
+            h.update(&Z[..k]);
+            n -= k as u64;
+        }
     }
-    Ok(h.finalize())
+    let mut h = crc32fast::Hasher::new();
+    let mut at = a;
+    for p in parts {
+        zeros(&mut h, p.start.saturating_sub(at));
+        h.combine(&p.hash);
+        at = at.max(p.start) + p.len;
+    }
+    zeros(&mut h, b.saturating_sub(at));
+    h.finalize()
 }
 
 /// Executor settings.
@@ -414,21 +452,52 @@ thread_local! {
 }
 
 /// Run one window.
+/// Run one window; `ranges` are its destination file's checksum ranges (sorted, disjoint),
+/// and the window's share of each is hashed into `parts`.
 fn run_window(
     w: &Window,
     srcs: &[Mmap],
     src_files: &[File],
     dst: &File,
     dst_path: &Path,
+    ranges: &[(u32, u64, u64)],
+    parts: &mut Vec<CrcPart>,
 ) -> Result<()> {
     let write = |bytes: &[u8], at: u64| dst.write_all_at(bytes, at).at(dst_path);
     let slice = |o: &CopyOp, row: u64| -> &[u8] {
         let s = (o.src_offset + row * o.src_stride) as usize;
         &srcs[o.src as usize][s..s + o.len as usize]
     };
+    // The checksum ranges this window touches.
+    let first = ranges.partition_point(|r| r.2 <= w.start);
+    let hits: Vec<(u32, u64, u64)> = ranges[first..]
+        .iter()
+        .take_while(|r| r.1 < w.end)
+        .map(|&(i, a, b)| (i, a.max(w.start), b.min(w.end)))
+        .collect();
+    let mut hash = |ck: u32, start: u64, bytes: &[u8]| {
+        let mut hash = crc32fast::Hasher::new();
+        hash.update(bytes);
+        parts.push(CrcPart {
+            file: w.dst,
+            ck,
+            start,
+            len: bytes.len() as u64,
+            hash,
+        });
+    };
     if w.frags.iter().all(Frag::is_direct) {
         for f in &w.frags {
             if let Frag::Op(o) = f {
+                // Hash the run from the source mapping (the kernel copies it below).
+                let (d0, d1) = (o.dst_offset, o.dst_offset + o.len);
+                for &(ck, a, b) in &hits {
+                    let (x, y) = (a.max(d0), b.min(d1));
+                    if x < y {
+                        let s = (o.src_offset + (x - d0)) as usize;
+                        hash(ck, x, &srcs[o.src as usize][s..s + (y - x) as usize]);
+                    }
+                }
                 let kernel = COPY_FILE_RANGE.load(Ordering::Relaxed)
                     && copy_range(
                         &src_files[o.src as usize],
@@ -443,8 +512,10 @@ fn run_window(
                 }
             }
         }
-        // copy_file_range reads through the page cache, not the mapping: nothing to release.
-        return Ok(());
+        if hits.is_empty() {
+            // copy_file_range read through the page cache, not the mapping: nothing to release.
+            return Ok(());
+        }
     } else {
         let lo = w
             .frags
@@ -464,6 +535,9 @@ fn run_window(
             })
             .max()
             .unwrap_or(w.start);
+        // The buffer also spans the checksummed bytes (unwritten bytes in it are zeros).
+        let lo = hits.iter().map(|h| h.1).fold(lo, u64::min);
+        let hi = hits.iter().map(|h| h.2).fold(hi, u64::max);
         let covered: u64 = w
             .frags
             .iter()
@@ -486,6 +560,9 @@ fn run_window(
                     }
                     Frag::Op(o) => apply(o, srcs, &mut buf, lo),
                 }
+            }
+            for &(ck, a, b) in &hits {
+                hash(ck, a, &buf[(a - lo) as usize..(b - lo) as usize]);
             }
             write(&buf, lo)
         })?;
@@ -577,6 +654,15 @@ pub fn execute(
         .map(|p| File::open(p).at(p))
         .collect::<Result<_>>()?;
     check_bounds(plan, sources, &maps, outputs)?;
+    for o in outputs {
+        let r = ck_ranges(o);
+        if r.windows(2).any(|p| p[0].2 > p[1].1) || r.last().is_some_and(|l| l.2 > o.size) {
+            return Err(Error::usage(format!(
+                "{}: checksum ranges overlap or pass the end of the file",
+                o.path.display()
+            )));
+        }
+    }
     let files: Vec<File> = dest_paths
         .iter()
         .zip(outputs)
@@ -612,38 +698,47 @@ pub fn execute(
         indicatif::ProgressBar::hidden()
     };
     let done = AtomicU64::new(0);
-    pool.install(|| {
-        wins.par_iter().try_for_each(|w| {
-            run_window(
-                w,
-                &maps,
-                &src_files,
-                &files[w.dst as usize],
-                &dest_paths[w.dst as usize],
-            )?;
-            bar.inc(w.end - w.start);
-            done.fetch_add(1, Ordering::Relaxed);
-            Ok::<(), Error>(())
-        })
+    let ranges: Vec<Vec<(u32, u64, u64)>> = outputs.iter().map(ck_ranges).collect();
+    let mut parts: Vec<CrcPart> = pool.install(|| {
+        wins.par_iter()
+            .map(|w| {
+                let mut parts = vec![];
+                run_window(
+                    w,
+                    &maps,
+                    &src_files,
+                    &files[w.dst as usize],
+                    &dest_paths[w.dst as usize],
+                    &ranges[w.dst as usize],
+                    &mut parts,
+                )?;
+                bar.inc(w.end - w.start);
+                done.fetch_add(1, Ordering::Relaxed);
+                Ok::<_, Error>(parts)
+            })
+            .try_reduce(Vec::new, |mut a, b| {
+                a.extend(b);
+                Ok(a)
+            })
     })?;
-    // Checksums over the finished data, then written in place.
-    let jobs: Vec<(usize, &Checksum)> = outputs
-        .iter()
-        .enumerate()
-        .flat_map(|(f, o)| o.checksums.iter().map(move |c| (f, c)))
-        .collect();
-    pool.install(|| {
-        jobs.par_iter().try_for_each(|&(f, c)| {
-            let crc =
-                BUF.with(|buf| crc_of(&files[f], &dest_paths[f], c.range, &mut buf.borrow_mut()))?;
+    // Join each checksum's streamed parts and write it in place.
+    parts.sort_by_key(|p| (p.file, p.ck, p.start));
+    let mut rest = parts.as_slice();
+    for (f, o) in outputs.iter().enumerate() {
+        for (i, c) in o.checksums.iter().enumerate() {
+            let n = rest
+                .iter()
+                .take_while(|p| p.file == f as u32 && p.ck == i as u32)
+                .count();
+            let crc = join_crc(&rest[..n], c.range);
+            rest = &rest[n..];
             for &at in &c.at {
                 files[f]
                     .write_all_at(&crc.to_le_bytes(), at)
                     .at(&dest_paths[f])?;
             }
-            Ok::<(), Error>(())
-        })
-    })?;
+        }
+    }
     bar.finish_and_clear();
     if opts.sync {
         for (f, p) in files.iter().zip(dest_paths) {
@@ -770,6 +865,80 @@ mod tests {
         assert_eq!(&got[0..4], &want.to_le_bytes());
         assert_eq!(&got[4..8], &want.to_le_bytes());
         assert_eq!(&got[16..], &data[..]);
+    }
+
+    #[test]
+    fn streamed_checksums_equal_a_hash_of_the_file() {
+        // Two records: one filled by direct runs, one by a strided gather, with a hole (zeros)
+        // in the middle of the second; every window size cuts them differently.
+        let d = tempfile::tempdir().unwrap();
+        let src = d.path().join("src");
+        let data: Vec<u8> = (0..50_000u32).map(|i| (i * 13 % 251) as u8).collect();
+        std::fs::write(&src, &data).unwrap();
+        let op = |dst_offset, src_offset, len, count, stride| CopyOp {
+            src: 0,
+            src_offset,
+            dst: 0,
+            dst_offset,
+            len,
+            count,
+            src_stride: stride,
+            dst_stride: len,
+            cast: None,
+        };
+        let plan = Plan {
+            ops: vec![
+                op(100, 0, 20_000, 1, 0),
+                op(20_200, 20_000, 100, 50, 300),
+                op(28_000, 40_000, 5_000, 1, 0),
+            ],
+            tensors: vec![],
+        };
+        for window in [8, 64, 4096, 10_000, 1 << 20] {
+            let dst = d.path().join(format!("dst{window}"));
+            std::fs::File::create(&dst).unwrap();
+            let out = OutputFile {
+                path: "dst".into(),
+                size: 33_100,
+                literals: vec![(0, vec![0xAA; 100]), (33_000, vec![0x55; 100])],
+                checksums: vec![
+                    Checksum {
+                        range: (100, 20_100),
+                        at: vec![0],
+                    },
+                    Checksum {
+                        range: (20_200, 33_000),
+                        at: vec![4, 33_010],
+                    },
+                    Checksum {
+                        range: (50, 50),
+                        at: vec![8],
+                    },
+                ],
+            };
+            let opts = ExecOptions {
+                window,
+                sync: false,
+                ..Default::default()
+            };
+            execute(
+                &plan,
+                std::slice::from_ref(&src),
+                &[out],
+                std::slice::from_ref(&dst),
+                &opts,
+            )
+            .unwrap();
+            let got = std::fs::read(&dst).unwrap();
+            let one = crc32fast::hash(&got[100..20_100]).to_le_bytes();
+            let two = crc32fast::hash(&got[20_200..33_000]).to_le_bytes();
+            assert_eq!(&got[0..4], &one, "window {window}");
+            assert_eq!(&got[4..8], &two, "window {window}");
+            assert_eq!(&got[33_010..33_014], &two, "window {window}");
+            assert_eq!(&got[8..12], &0u32.to_le_bytes(), "window {window}");
+            assert_eq!(&got[100..20_100], &data[..20_000]);
+            assert!(got[25_200..28_000].iter().all(|&b| b == 0));
+        }
     }
 
     #[test]
