@@ -69,6 +69,17 @@ CASES: dict[str, dict] = {
         kind="fsdp2", world=2, dtype="float32",
         writer="dcp.save({model, optimizer (get_state_dict), scheduler, step, extra}, checkpoint_id=dir)",
         exercises=["FSDP2 DTensor Shard(0)", "2 ranks", "uneven dim-0 shards", "0-d tensors", "many extra dtypes"]),
+    "fsdp2_w2_perrank": dict(
+        kind="fsdp2", world=2, dtype="float32", per_rank=True,
+        writer="dcp.save({model, optimizer, scheduler, step, extra, dataloader: {dp_rank_<r>: ...}, rng_state}, checkpoint_id=dir)",
+        exercises=["per-rank state: each rank saves dataloader.dp_rank_<r> (both kept by DCP)",
+                   "rng_state: a torch.Generator state tensor every rank saves under one key (one copy kept)",
+                   "FSDP2 DTensor Shard(0)", "2 ranks"]),
+    "fsdp2_w2_tied": dict(
+        kind="fsdp2", world=2, dtype="float32", tied=True,
+        writer="dcp.save({model, optimizer, scheduler, step, extra}, checkpoint_id=dir), lm_head.weight tied to embed.weight",
+        exercises=["tied weights: model.embed.weight and model.lm_head.weight are one Parameter, saved as two DCP items",
+                   "FSDP2 DTensor Shard(0)", "2 ranks"]),
     "dtensor2d_w4": dict(
         kind="dtensor2d", world=4, dtype="float32", mesh=[2, 2],
         writer="dcp.save({model, optimizer (get_state_dict), tensors}, checkpoint_id=dir) on a (dp=2, tp=2) mesh",
@@ -150,7 +161,7 @@ def dims(scale: int, hidden: int = 13) -> dict:
     return dict(vocab=10 * scale, d=12 * scale, hidden=hidden * scale, classes=5 * scale, n_cls=3)
 
 
-def build_model(scale: int, dtype, hidden: int = 13):
+def build_model(scale: int, dtype, hidden: int = 13, tied: bool = False):
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -193,6 +204,10 @@ def build_model(scale: int, dtype, hidden: int = 13):
 
     torch.manual_seed(SEED)
     m = Model()
+    if tied:
+        # an LM head tied to the input embedding: one Parameter under two names
+        m.lm_head = nn.Linear(dm["d"], dm["vocab"], bias=False)
+        m.lm_head.weight = m.embed.weight
     # make LayerNorm params / biases non-trivial so that shards are distinguishable
     with torch.no_grad():
         g = torch.Generator().manual_seed(SEED + 1)
@@ -332,6 +347,12 @@ def live_oracle(state, stage: Path, hf_names: bool = False, extra_info: dict | N
         else:
             kinds[k] = "object"
             nontensors[k] = jsonify(v)
+    # non-tensor entries of every rank (per-rank keys exist on one rank only)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, nontensors)
+    for other in gathered:
+        for k, v in other.items():
+            nontensors.setdefault(k, v)
     if dist.get_rank() == 0:
         from safetensors.torch import save_file
         (stage / "oracle").mkdir(parents=True, exist_ok=True)
@@ -371,7 +392,7 @@ def job_fsdp2(rank, world, spec, stage, scale, hf: bool):
 
     dtype = torch_dtype(spec["dtype"])
     mesh = init_device_mesh("cpu", (world,))
-    model = build_model(scale, dtype)
+    model = build_model(scale, dtype, tied=spec.get("tied", False))
     for b in model.blocks:
         fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -386,6 +407,11 @@ def job_fsdp2(rank, world, spec, stage, scale, hf: bool):
     else:
         msd, osd = get_state_dict(model, opt)
         state = {"model": msd, "optimizer": osd, "scheduler": sched.state_dict(), "step": 1, "extra": make_extra()}
+        if spec.get("per_rank"):
+            # what a trainer saves per rank: its data-loader position under a rank key, and an
+            # RNG state under one key (identical on every rank here, so the oracle is exact)
+            state["dataloader"] = {f"dp_rank_{rank}": {"epoch": 2, "samples_seen": 40 + rank, "order": [rank, 7]}}
+            state["rng_state"] = torch.Generator().manual_seed(SEED).get_state()
         dcp.save(state, checkpoint_id="checkpoint")
         live_oracle(state, Path("."), extra_info={"train_loss_rank0": loss})
     dist.destroy_process_group()

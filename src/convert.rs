@@ -6,6 +6,7 @@ use crate::error::{Error, Result};
 use crate::exec::{execute, ExecOptions, ExecStats};
 use crate::formats::{self, Checkpoint, Format, Output, WriteOptions};
 use crate::layout::{DType, TensorLayout};
+use crate::per_rank::{classify, Policy};
 use crate::plan::{plan, Plan};
 use crate::target::LayoutSpec;
 use globset::{Glob, GlobSet, GlobSetBuilder};
@@ -109,6 +110,12 @@ pub struct ConvertOptions {
     pub exec: ExecOptions,
     /// Replace an existing destination.
     pub force: bool,
+    /// What to do with per-rank state ([`crate::per_rank`]); `None` resolves it as
+    /// [`Policy::resolve`] does.
+    pub per_rank: Option<Policy>,
+    /// Write tied tensors ([`crate::ties`]) once per name even where the format could store
+    /// them once (`.pt`).
+    pub untie: bool,
 }
 
 impl ConvertOptions {
@@ -122,6 +129,8 @@ impl ConvertOptions {
             write: WriteOptions::default(),
             exec: ExecOptions::default(),
             force: false,
+            per_rank: None,
+            untie: false,
         }
     }
 }
@@ -142,6 +151,12 @@ pub struct Job {
     /// Non-tensor entries carried into the output (as JSON under [`EXTRAS_KEY`] in the
     /// safetensors `__metadata__`).
     pub extras: usize,
+    /// The per-rank state policy applied.
+    pub per_rank: Policy,
+    /// Per-rank entries (tensors and non-tensor) the policy left out, by source name.
+    pub dropped: Vec<String>,
+    /// Groups of tied tensors (output names) the output stores once.
+    pub ties: Vec<Vec<String>>,
 }
 
 pub use crate::formats::EXTRAS_KEY;
@@ -173,6 +188,33 @@ pub fn prepare(src: &Path, dst: Option<&Path>, opts: &ConvertOptions) -> Result<
         .iter()
         .filter(|e| opts.select.keeps(&e.name))
         .collect();
+    // Per-rank state: resolve the policy from what is selected, then leave out what it drops.
+    let per_rank_names: Vec<&str> = selected
+        .iter()
+        .map(|t| t.name.as_str())
+        .chain(kept_extras.iter().map(|e| e.name.as_str()))
+        .filter(|n| classify(n).is_some())
+        .collect();
+    let policy = Policy::resolve(opts.per_rank, source.ranks as u64, world, &per_rank_names)?;
+    let dropped: Vec<String> = per_rank_names
+        .iter()
+        .filter(|n| !policy.keeps(classify(n)))
+        .map(|n| n.to_string())
+        .collect();
+    let selected: Vec<_> = selected
+        .into_iter()
+        .filter(|t| policy.keeps(classify(&t.name)))
+        .collect();
+    let kept_extras: Vec<_> = kept_extras
+        .into_iter()
+        .filter(|e| policy.keeps(classify(&e.name)))
+        .collect();
+    if selected.is_empty() && !source.tensors.is_empty() {
+        return Err(Error::usage(format!(
+            "every selected tensor of {} is per-rank state the policy leaves out",
+            source.path.display()
+        )));
+    }
     let names = opts.select.rename_all(
         selected
             .iter()
@@ -230,6 +272,44 @@ pub fn prepare(src: &Path, dst: Option<&Path>, opts: &ConvertOptions) -> Result<
             EXTRAS_KEY.into(),
             serde_json::Value::Object(extras.clone()).to_string(),
         );
+        // the exact Python values, for a later .pt or DCP output
+        let pickles: serde_json::Map<String, serde_json::Value> = wopts
+            .extras
+            .iter()
+            .map(|e| {
+                let bytes = formats::torch_save::pickle(&e.py_value());
+                (e.name.clone(), formats::to_hex(&bytes).into())
+            })
+            .collect();
+        wopts.metadata.insert(
+            formats::EXTRAS_PICKLE_KEY.into(),
+            serde_json::Value::Object(pickles).to_string(),
+        );
+    }
+    if !wopts.paths.is_empty() && !matches!(format, Format::Pt | Format::Dcp) {
+        // the nesting of the names written (tensors and non-tensor entries)
+        let written: std::collections::HashSet<&str> = tensor_names
+            .iter()
+            .chain(extra_names)
+            .map(String::as_str)
+            .collect();
+        let kept: std::collections::BTreeMap<&String, &Vec<formats::KeyPart>> = wopts
+            .paths
+            .iter()
+            .filter(|(n, _)| written.contains(n.as_str()))
+            .collect();
+        if !kept.is_empty() {
+            wopts.metadata.insert(
+                formats::PATHS_KEY.into(),
+                serde_json::to_string(&kept).map_err(|e| Error::usage(e.to_string()))?,
+            );
+        }
+    }
+    if format == Format::Pt && !opts.untie {
+        wopts.ties = crate::ties::find(&source.files, &selected)?
+            .into_iter()
+            .map(|g| g.into_iter().map(|i| tensor_names[i].clone()).collect())
+            .collect();
     }
     let output = formats::write(format, &target, world as u32, &wopts)?;
     let src_tensors: Vec<_> = selected
@@ -248,6 +328,9 @@ pub fn prepare(src: &Path, dst: Option<&Path>, opts: &ConvertOptions) -> Result<
         output,
         plan,
         extras: extras.len(),
+        per_rank: policy,
+        dropped,
+        ties: wopts.ties,
     })
 }
 

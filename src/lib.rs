@@ -7,7 +7,8 @@
 //! - [`plan`]: source layout × target layout → a minimal copy plan (pure, serializable);
 //! - [`exec`]: runs a plan with memory-mapped sources and parallel copies, then commits
 //!   the outputs atomically;
-//! - [`convert`]: the end-to-end job the CLI and trainers call.
+//! - [`convert`]: the end-to-end job the CLI and trainers call; [`per_rank`] says which
+//!   entries belong to one rank and what a conversion does with them.
 
 pub mod array;
 pub mod commit;
@@ -17,7 +18,9 @@ pub mod exec;
 pub mod formats;
 pub mod layout;
 pub mod load;
+pub mod per_rank;
 pub mod plan;
 pub mod target;
+pub mod ties;
 
 pub use error::{Error, Result};

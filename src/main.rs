@@ -6,6 +6,7 @@ use reshard::convert::{self, ConvertOptions, Job, Selection};
 use reshard::exec::{balance, ExecOptions};
 use reshard::formats::{Checkpoint, Format, WriteOptions};
 use reshard::layout::{DType, Region, TensorLayout};
+use reshard::per_rank::{classify, PerRank};
 use reshard::target::LayoutSpec;
 use reshard::{Error, Result};
 use std::io::{IsTerminal, Write};
@@ -108,6 +109,15 @@ struct TargetArgs {
     /// Worker threads (default: one per core).
     #[arg(long, value_name = "N")]
     threads: Option<usize>,
+    /// Per-rank state (RNG states, data-loader positions; `inspect` marks it): drop it, keep
+    /// rank 0's, or keep every rank's. Default: rank 0's for --to 1, all of it when M equals
+    /// the source's world size, otherwise an error asking for a choice.
+    #[arg(long, value_name = "drop|rank0|keep")]
+    per_rank_state: Option<reshard::per_rank::Policy>,
+    /// Store tied tensors (two names, same dtype, shape and bytes) once per name in a .pt
+    /// too, instead of sharing one storage as torch.save of a tied model does.
+    #[arg(long)]
+    untie: bool,
 }
 
 fn parse_size(s: &str) -> std::result::Result<u64, String> {
@@ -184,6 +194,8 @@ impl TargetArgs {
                 ..Default::default()
             },
             force: false,
+            per_rank: self.per_rank_state,
+            untie: self.untie,
         })
     }
 }
@@ -258,11 +270,33 @@ fn describe(t: &TensorLayout) -> String {
     }
 }
 
+/// The per-rank entries (tensors and non-tensor) of `ck`, by name.
+fn per_rank_entries(ck: &Checkpoint) -> std::collections::BTreeMap<&str, PerRank> {
+    ck.tensors
+        .iter()
+        .map(|t| t.name.as_str())
+        .chain(ck.extras.iter().map(|e| e.name.as_str()))
+        .filter_map(|n| classify(n).map(|k| (n, k)))
+        .collect()
+}
+
+/// Groups of tied tensor names of `ck`.
+fn tie_names(ck: &Checkpoint) -> Result<Vec<Vec<String>>> {
+    let all: Vec<&TensorLayout> = ck.tensors.iter().collect();
+    Ok(reshard::ties::find(&ck.files, &all)?
+        .into_iter()
+        .map(|g| g.into_iter().map(|i| all[i].name.clone()).collect())
+        .collect())
+}
+
 fn inspect(path: &std::path::Path, json: bool) -> Result<()> {
     let ck = Checkpoint::open(path)?;
     let mut out = std::io::stdout().lock();
     if json {
-        serde_json::to_writer_pretty(&mut out, &ck).map_err(|e| Error::usage(e.to_string()))?;
+        let mut v = serde_json::to_value(&ck).map_err(|e| Error::usage(e.to_string()))?;
+        v["per_rank"] = serde_json::json!(per_rank_entries(&ck));
+        v["tied"] = serde_json::json!(tie_names(&ck)?);
+        serde_json::to_writer_pretty(&mut out, &v).map_err(|e| Error::usage(e.to_string()))?;
         let _ = writeln!(out);
         return Ok(());
     }
@@ -288,15 +322,20 @@ fn inspect(path: &std::path::Path, json: bool) -> Result<()> {
         "{:w$}  {:7} {:16} {:>10}  LAYOUT",
         "TENSOR", "DTYPE", "SHAPE", "BYTES"
     );
+    let mark = |name: &str| match classify(name) {
+        Some(k) => format!("  ({k})"),
+        None => String::new(),
+    };
     for t in &ck.tensors {
         let _ = writeln!(
             out,
-            "{:w$}  {:7} {:16} {:>10}  {}",
+            "{:w$}  {:7} {:16} {:>10}  {}{}",
             t.name,
             t.dtype.name(),
             format!("{:?}", t.shape),
             human(t.nbytes()),
-            describe(t)
+            describe(t),
+            mark(&t.name)
         );
     }
     if !ck.extras.is_empty() {
@@ -304,12 +343,40 @@ fn inspect(path: &std::path::Path, json: bool) -> Result<()> {
         for e in &ck.extras {
             let _ = writeln!(
                 out,
-                "  {} [{}] = {}",
+                "  {} [{}] = {}{}",
                 e.name,
                 e.origin,
-                clip(&e.value.to_string(), 100)
+                clip(&e.value.to_string(), 100),
+                mark(&e.name)
             );
         }
+    }
+    let ties = tie_names(&ck)?;
+    for g in &ties {
+        let _ = writeln!(
+            out,
+            "tied: {} (same dtype, shape and bytes){}",
+            g.join(" = "),
+            if ck.format == Format::Safetensors
+                || ck.format == Format::Hf
+                || ck.format == Format::HfStorage
+            {
+                "; safetensors cannot alias, so each name keeps a copy (a .pt output stores it once)"
+            } else if ck.format == Format::Pt {
+                ""
+            } else {
+                "; a .pt output stores it once"
+            }
+        );
+    }
+    let per_rank = per_rank_entries(&ck);
+    if !per_rank.is_empty() {
+        let _ = writeln!(
+            out,
+            "{} per-rank entr{} (state of one rank; not resharded: see --per-rank-state)",
+            per_rank.len(),
+            if per_rank.len() == 1 { "y" } else { "ies" }
+        );
     }
     Ok(())
 }
@@ -448,6 +515,21 @@ fn run(cli: Cli) -> Result<()> {
                     secs,
                     human((stats.bytes_written as f64 / secs.max(1e-9)) as u64)
                 );
+                if !job.dropped.is_empty() {
+                    println!(
+                        "left out {} per-rank entr{} ({}): {}",
+                        job.dropped.len(),
+                        if job.dropped.len() == 1 { "y" } else { "ies" },
+                        match job.per_rank {
+                            reshard::per_rank::Policy::Drop => "--per-rank-state drop",
+                            _ => "kept rank 0's",
+                        },
+                        clip(&job.dropped.join(", "), 200)
+                    );
+                }
+                for g in &job.ties {
+                    println!("tied: {} (stored once)", g.join(" = "));
+                }
                 if job.extras > 0 {
                     let n = job.extras;
                     let entries = if n == 1 { "entry" } else { "entries" };

@@ -25,6 +25,8 @@ const CASES: &[&str] = &[
     "fsdp2_w4_f32_threads2",
     "torch21_shardedtensor_w3",
     "fsdp2_w4_f32_shard1",
+    "fsdp2_w2_perrank",
+    "fsdp2_w2_tied",
 ];
 
 fn case_dir(case: &str) -> PathBuf {
@@ -286,6 +288,8 @@ fn cli_reshards_n_to_m_to_one() {
                 &ms,
                 "--format",
                 "hf-storage",
+                "--per-rank-state",
+                "keep",
             ]);
             let shards = std::fs::read_dir(&mid).unwrap().count();
             assert!(shards >= m, "{case} → {m}: {shards} files");

@@ -45,6 +45,8 @@ fn dcp_outputs_read_back_equal_for_every_fixture_and_world_size() {
                 &m.to_string(),
                 "--format",
                 "dcp",
+                "--per-rank-state",
+                "keep",
                 "-q",
             ]);
             for r in 0..m {
@@ -92,6 +94,8 @@ fn torch_loads_dcp_outputs_at_every_world_size() {
                 &m.to_string(),
                 "--format",
                 "dcp",
+                "--per-rank-state",
+                "keep",
                 "-q",
             ]);
             args.push(s(&out).to_string());

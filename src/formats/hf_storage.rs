@@ -189,13 +189,29 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
     // per rank, per file index: the chunks it stores
     let mut per_rank: Vec<Vec<Vec<Chunk>>> = vec![vec![]; world as usize];
     for t in target {
+        if Region::full(&t.shape).is_empty() {
+            // No data: one chunk as large as the tensor, on rank 0, records its shape (readers,
+            // torch's included, take a tensor's shape from its chunks' extents).
+            let files = &mut per_rank[0];
+            if files.is_empty() {
+                files.push(vec![]);
+            }
+            files[0].push((
+                Entry {
+                    name: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                },
+                vec![0; t.shape.len()],
+            ));
+            continue;
+        }
         let mut written: HashSet<&Region> = HashSet::new();
         for (r, files) in per_rank.iter_mut().enumerate() {
             let regions = t.ranks.get(r).map(Vec::as_slice).unwrap_or(&[]);
             let mut k = 0;
             for reg in regions {
-                let whole_empty = r == 0 && Region::full(&t.shape).is_empty();
-                if (reg.is_empty() && !whole_empty) || !written.insert(reg) {
+                if reg.is_empty() || !written.insert(reg) {
                     continue;
                 }
                 if files.len() <= k {

@@ -8,7 +8,9 @@
 //!   `HuggingFaceStorageWriter(save_distributed=True)` writes, with each chunk's global
 //!   offsets under `DCP_SHARDING_INFO`;
 //! - [`dcp`]: PyTorch Distributed Checkpoints (`.metadata` + `.distcp` files), read only;
-//!   [`torch_zip`] reads the `torch.save` archives they hold.
+//!   [`torch_zip`] reads the `torch.save` archives they hold;
+//! - [`pt_read`] and [`pt`]: one `torch.save` (`.pt`) file holding a state dict, read and
+//!   written.
 
 pub mod dcp;
 pub mod dcp_write;
@@ -16,6 +18,7 @@ pub mod hf;
 pub mod hf_storage;
 pub mod pickle;
 pub mod pt;
+pub mod pt_read;
 pub mod safetensors;
 pub mod torch_save;
 pub mod torch_zip;
@@ -41,7 +44,8 @@ pub enum Format {
     HfStorage,
     /// A PyTorch Distributed Checkpoint directory (`.metadata` + `__R_I.distcp`).
     Dcp,
-    /// One `torch.save` file that `torch.load(weights_only=True)` opens (written only).
+    /// One `torch.save` file (zip format) holding a state dict: read as one rank, written
+    /// so that `torch.load(weights_only=True)` opens it.
     Pt,
 }
 
@@ -87,7 +91,7 @@ impl FromStr for Format {
 
 /// One element of a key's path in the nested state dict: a dict key or a list index
 /// (DCP's `planner_data`).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(untagged)]
 pub enum KeyPart {
     /// A dict key.
@@ -119,30 +123,98 @@ pub struct Extra {
 /// `BYTE_IO` items, Lightning `meta.pt` keys), as one JSON object `{flat key: value}`.
 pub const EXTRAS_KEY: &str = "reshard.extras";
 
+/// The safetensors `__metadata__` key under which reshard keeps the nesting of flat names in
+/// the original state dict (DCP `planner_data`), as one JSON object `{flat key: [key or
+/// index, ...]}`, so that a later `.pt` or DCP output rebuilds the same structure.
+pub const PATHS_KEY: &str = "reshard.paths";
+
+/// Take the nesting reshard stored in a safetensors `__metadata__` map.
+pub fn paths_from_metadata(
+    path: &Path,
+    metadata: &mut BTreeMap<String, String>,
+) -> Result<BTreeMap<String, Vec<KeyPart>>> {
+    let Some(text) = metadata.remove(PATHS_KEY) else {
+        return Ok(BTreeMap::new());
+    };
+    serde_json::from_str(&text).map_err(|e| {
+        Error::format(
+            path,
+            format!("`{PATHS_KEY}` in the header is not a JSON object of key paths: {e}"),
+        )
+    })
+}
+
 /// Take the non-tensor entries reshard stored in a safetensors `__metadata__` map.
 pub fn extras_from_metadata(
     path: &Path,
     metadata: &mut BTreeMap<String, String>,
 ) -> Result<Vec<Extra>> {
+    let pickles = metadata.remove(EXTRAS_PICKLE_KEY);
     let Some(text) = metadata.remove(EXTRAS_KEY) else {
         return Ok(vec![]);
     };
-    match serde_json::from_str(&text) {
-        Ok(serde_json::Value::Object(m)) => Ok(m
-            .into_iter()
-            .map(|(name, value)| Extra {
+    let Ok(serde_json::Value::Object(m)) = serde_json::from_str(&text) else {
+        return Err(Error::format(
+            path,
+            format!("`{EXTRAS_KEY}` in the header is not a JSON object"),
+        ));
+    };
+    let pickles: BTreeMap<String, String> = match pickles {
+        None => BTreeMap::new(),
+        Some(p) => serde_json::from_str(&p).map_err(|_| {
+            Error::format(
+                path,
+                format!("`{EXTRAS_PICKLE_KEY}` in the header is not a JSON object of strings"),
+            )
+        })?,
+    };
+    m.into_iter()
+        .map(|(name, value)| {
+            let pickle = match pickles.get(&name) {
+                None => None,
+                Some(hex) => {
+                    let bytes = from_hex(hex).ok_or_else(|| {
+                        Error::format(
+                            path,
+                            format!("`{EXTRAS_PICKLE_KEY}` of `{name}` is not hex"),
+                        )
+                    })?;
+                    let v = pickle::parse(&bytes, &pickle::torch_save_globals()).map_err(|e| {
+                        Error::format(path, format!("`{EXTRAS_PICKLE_KEY}` of `{name}`: {e}"))
+                    })?;
+                    Some(v)
+                }
+            };
+            Ok(Extra {
                 name,
                 value,
-                pickle: None,
+                pickle,
                 raw: None,
                 origin: "reshard.extras",
             })
-            .collect()),
-        _ => Err(Error::format(
-            path,
-            format!("`{EXTRAS_KEY}` in the header is not a JSON object"),
-        )),
+        })
+        .collect()
+}
+
+/// The safetensors `__metadata__` key holding, next to [`EXTRAS_KEY`]'s JSON, each non-tensor
+/// entry as a hex-encoded pickle, so Python types JSON cannot tell apart (tuples, bytes,
+/// non-string keys) survive a trip through safetensors.
+pub const EXTRAS_PICKLE_KEY: &str = "reshard.extras.pickle";
+
+/// Lower-case hex of `bytes`.
+pub fn to_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Bytes of a hex string, `None` when it is not one.
+fn from_hex(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 {
+        return None;
     }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
 }
 
 impl Extra {
@@ -193,15 +265,13 @@ impl Checkpoint {
             Format::Hf => hf::read(path)?,
             Format::HfStorage => hf_storage::read(path)?,
             Format::Dcp => dcp::read(path)?,
-            Format::Pt => {
-                return Err(Error::format(
-                    path,
-                    "is a torch.save (.pt) file; reshard writes .pt but does not read it yet",
-                ))
-            }
+            Format::Pt => pt_read::read(path)?,
         };
         if ck.extras.is_empty() {
             ck.extras = extras_from_metadata(path, &mut ck.metadata)?;
+        }
+        if ck.paths.is_empty() {
+            ck.paths = paths_from_metadata(path, &mut ck.metadata)?;
         }
         ck.validate().map_err(|e| match e {
             Error::Layout { .. } => Error::format(path, e.to_string()),
@@ -370,6 +440,9 @@ pub struct WriteOptions {
     /// Nesting of flat names, for formats that rebuild the nested state dict (`.pt`); names
     /// absent here are top-level keys.
     pub paths: BTreeMap<String, Vec<KeyPart>>,
+    /// Groups of tied target names ([`crate::ties`]), stored once by formats that can alias
+    /// (`.pt`); other formats write every name.
+    pub ties: Vec<Vec<String>>,
 }
 
 impl Default for WriteOptions {
@@ -379,6 +452,7 @@ impl Default for WriteOptions {
             metadata: BTreeMap::new(),
             extras: vec![],
             paths: BTreeMap::new(),
+            ties: vec![],
         }
     }
 }

@@ -3,7 +3,9 @@
 //! (DCP `planner_data`), non-tensor values restored as Python values, Lightning's `meta.pt`
 //! keys merged at the top level as `fabric consolidate` does. Tensor data records are laid out
 //! (64-byte aligned, as torch aligns them) before any data exists, filled in place by the
-//! executor, and their CRC-32s computed over the finished records.
+//! executor, which computes their CRC-32s as the bytes stream. Tied tensors
+//! ([`WriteOptions::ties`]) share one storage record, as `torch.save` of a tied model does;
+//! only the first of a group is in the output's tensor list, so its bytes are copied once.
 
 use super::torch_save::{
     layout_archive, output_parts, pickle, standard_records, PyValue, TensorRef,
@@ -83,14 +85,31 @@ fn insert(node: &mut Node, path: &[KeyPart], leaf: Node, name: &str) -> Result<(
     insert(slot, rest, leaf, name)
 }
 
-/// Turn the tree into a Python value; storage keys are numbered in pickle order.
-fn to_py(node: Node, target: &[TargetTensor], order: &mut Vec<usize>) -> Result<PyValue> {
+/// Storage keys handed out while pickling: tensors in pickle order, tied tensors sharing the
+/// key of the first of their group.
+struct Storages<'a> {
+    /// Target index of each storage, in key order.
+    order: Vec<usize>,
+    /// Tie group of a target index.
+    group: &'a [Option<usize>],
+    /// Storage key of each tie group, once given.
+    keys: Vec<Option<usize>>,
+}
+
+/// Turn the tree into a Python value.
+fn to_py(node: Node, target: &[TargetTensor], st: &mut Storages) -> Result<PyValue> {
     Ok(match node {
         Node::Tensor(i) => {
-            let key = order.len().to_string();
-            order.push(i);
+            let shared = st.group[i].and_then(|g| st.keys[g]);
+            let k = shared.unwrap_or_else(|| {
+                st.order.push(i);
+                st.order.len() - 1
+            });
+            if let Some(g) = st.group[i] {
+                st.keys[g] = Some(k);
+            }
             PyValue::Tensor(TensorRef::new(
-                key,
+                k.to_string(),
                 target[i].dtype,
                 target[i].shape.clone(),
             ))
@@ -99,7 +118,7 @@ fn to_py(node: Node, target: &[TargetTensor], order: &mut Vec<usize>) -> Result<
         Node::Map(items) => PyValue::Dict(
             items
                 .into_iter()
-                .map(|(k, n)| Ok((PyValue::Str(k), to_py(n, target, order)?)))
+                .map(|(k, n)| Ok((PyValue::Str(k), to_py(n, target, st)?)))
                 .collect::<Result<_>>()?,
         ),
         Node::Seq(mut items) => {
@@ -110,7 +129,7 @@ fn to_py(node: Node, target: &[TargetTensor], order: &mut Vec<usize>) -> Result<
             PyValue::List(
                 items
                     .into_iter()
-                    .map(|(_, n)| to_py(n, target, order))
+                    .map(|(_, n)| to_py(n, target, st))
                     .collect::<Result<_>>()?,
             )
         }
@@ -137,8 +156,21 @@ pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
             &e.name,
         )?;
     }
-    let mut order = vec![];
-    let value = to_py(root, target, &mut order)?;
+    let mut group = vec![None; target.len()];
+    for (g, names) in opts.ties.iter().enumerate() {
+        for n in names {
+            if let Some(i) = target.iter().position(|t| &t.name == n) {
+                group[i] = Some(g);
+            }
+        }
+    }
+    let mut st = Storages {
+        order: vec![],
+        group: &group,
+        keys: vec![None; opts.ties.len()],
+    };
+    let value = to_py(root, target, &mut st)?;
+    let order = st.order;
     let storages: Vec<(String, u64)> = order
         .iter()
         .enumerate()

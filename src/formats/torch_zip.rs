@@ -553,8 +553,13 @@ fn dims(v: &Value, what: &str) -> Result<Vec<u64>> {
         .ok_or_else(|| tensor_err(format!("tensor {what} is not a tuple of non-negative ints")))
 }
 
-/// Interpret a tensor rebuild call; `None` when `value` is not one.
-fn tensor_of(value: &Value, archive: &Archive, bytes: &[u8]) -> Result<Option<TensorItem>> {
+/// Interpret a tensor rebuild call found anywhere in `data.pkl` of the archive in `bytes`;
+/// `None` when `value` is not one.
+pub(crate) fn tensor_of(
+    value: &Value,
+    archive: &Archive,
+    bytes: &[u8],
+) -> Result<Option<TensorItem>> {
     let mut call = value;
     if call.is_object("torch._utils", "_rebuild_parameter")
         || call.is_object("torch._utils", "_rebuild_parameter_with_state")

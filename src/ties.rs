@@ -1,0 +1,232 @@
+//! Tied tensors: two or more names holding the same dtype, shape and bytes — a tied input
+//! embedding and LM head, saved twice by DCP (one item per key) or once by `torch.save`
+//! (one storage). Writers that can alias (`.pt`) store a tied group once; safetensors forbids
+//! aliasing, so there every name keeps its copy and `inspect` says which names are tied.
+//!
+//! Finding them reads little: tensors are grouped by dtype and shape, names whose pieces
+//! point at the same bytes are tied outright, and the rest are compared by a probe of their
+//! first 64 KiB before a full comparison in 8 MiB blocks. Tensors whose probe is one repeated
+//! value (zeros, ones: fresh biases, norms, optimizer moments at step 0) are equal by
+//! coincidence, not tied, and are left alone unless they share storage.
+
+use crate::error::Result;
+use crate::exec::read_many;
+use crate::layout::{Loc, Piece, Region, TensorLayout};
+use crate::plan::fill;
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+/// Bytes read from each candidate before any full comparison.
+const PROBE: u64 = 64 << 10;
+/// Bytes per block of a full comparison.
+const BLOCK: u64 = 8 << 20;
+
+/// Rows `a..b` of dimension 0 (the whole tensor when it is 0-d).
+fn rows(shape: &[u64], a: u64, b: u64) -> Region {
+    let mut r = Region::full(shape);
+    if !shape.is_empty() {
+        r.offsets[0] = a;
+        r.sizes[0] = b - a;
+    }
+    r
+}
+
+/// Dimension-0 row ranges of about `bytes` each covering `t`.
+fn blocks(t: &TensorLayout, bytes: u64) -> Vec<(u64, u64)> {
+    let n = t.shape.first().copied().unwrap_or(1);
+    let row = (t.nbytes() / n.max(1)).max(1);
+    let step = (bytes / row).max(1);
+    (0..n.div_ceil(step))
+        .map(|k| (k * step, ((k + 1) * step).min(n)))
+        .collect()
+}
+
+/// Read `regions` (tensor, region) of `files` in one mapping.
+fn read(files: &[PathBuf], want: &[(&TensorLayout, Region)]) -> Result<Vec<Vec<u8>>> {
+    let mut jobs = vec![];
+    let mut outs = vec![];
+    for (t, region) in want {
+        let piece = Piece {
+            rank: 0,
+            region: region.clone(),
+            loc: Loc {
+                file: 0,
+                offset: 0,
+                strides: None,
+            },
+        };
+        let mut ops = vec![];
+        fill(t, std::slice::from_ref(&piece), t.dtype, &mut ops);
+        jobs.push(ops);
+        outs.push(vec![
+            0u8;
+            (region.volume() * t.dtype.size() as u64) as usize
+        ]);
+    }
+    read_many(&jobs, files, &mut outs)?;
+    Ok(outs)
+}
+
+/// True when `bytes` is one element value repeated.
+fn constant(bytes: &[u8], elem: usize) -> bool {
+    bytes.len() >= elem && bytes.chunks_exact(elem).all(|c| c == &bytes[..elem])
+}
+
+/// Whether tensors `a` and `b` (same dtype and shape) hold the same bytes.
+fn equal(files: &[PathBuf], a: &TensorLayout, b: &TensorLayout) -> Result<bool> {
+    for (x, y) in blocks(a, BLOCK) {
+        let r = rows(&a.shape, x, y);
+        let got = read(files, &[(a, r.clone()), (b, r)])?;
+        if got[0] != got[1] {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Groups (two or more, as indices into `tensors`, ascending) of tied tensors among
+/// `tensors`, whose pieces lie in `files`.
+pub fn find(files: &[PathBuf], tensors: &[&TensorLayout]) -> Result<Vec<Vec<usize>>> {
+    let mut by_kind: HashMap<(crate::layout::DType, &[u64]), Vec<usize>> = HashMap::new();
+    for (i, t) in tensors.iter().enumerate() {
+        if t.nbytes() > 0 {
+            by_kind
+                .entry((t.dtype, t.shape.as_slice()))
+                .or_default()
+                .push(i);
+        }
+    }
+    let mut kinds: Vec<Vec<usize>> = by_kind.into_values().filter(|v| v.len() > 1).collect();
+    kinds.sort();
+    let mut groups: Vec<Vec<usize>> = vec![];
+    for members in kinds {
+        // Names over the very same bytes (a torch.save storage shared by two keys).
+        let mut aliased: Vec<Vec<usize>> = vec![];
+        for &i in &members {
+            match aliased
+                .iter_mut()
+                .find(|g| same_bytes(tensors[g[0]], tensors[i]))
+            {
+                Some(g) => g.push(i),
+                None => aliased.push(vec![i]),
+            }
+        }
+        // Probe one representative of each; bucket equal, non-constant probes.
+        let probes = read(
+            files,
+            &aliased
+                .iter()
+                .map(|g| {
+                    let t = tensors[g[0]];
+                    let (a, b) = blocks(t, PROBE)[0];
+                    (t, rows(&t.shape, a, b))
+                })
+                .collect::<Vec<_>>(),
+        )?;
+        let mut buckets: HashMap<&[u8], Vec<usize>> = HashMap::new();
+        let mut order = vec![];
+        for (k, p) in probes.iter().enumerate() {
+            let elem = tensors[aliased[k][0]].dtype.size();
+            if constant(p, elem) {
+                continue;
+            }
+            let b = buckets.entry(p.as_slice()).or_default();
+            if b.is_empty() {
+                order.push(p.as_slice());
+            }
+            b.push(k);
+        }
+        let mut merged: Vec<Option<Vec<usize>>> = aliased.iter().cloned().map(Some).collect();
+        for key in order {
+            let cands = &buckets[key];
+            let mut classes: Vec<usize> = vec![];
+            for &k in cands {
+                let t = tensors[aliased[k][0]];
+                let mut home = None;
+                for &c in &classes {
+                    if equal(files, tensors[aliased[c][0]], t)? {
+                        home = Some(c);
+                        break;
+                    }
+                }
+                match home {
+                    Some(c) => {
+                        let moved = merged[k].take().unwrap_or_default();
+                        if let Some(g) = merged[c].as_mut() {
+                            g.extend(moved);
+                        }
+                    }
+                    None => classes.push(k),
+                }
+            }
+        }
+        groups.extend(merged.into_iter().flatten().filter(|g| g.len() > 1));
+    }
+    for g in &mut groups {
+        g.sort_unstable();
+    }
+    groups.sort();
+    Ok(groups)
+}
+
+/// True when two layouts read every element from the same place.
+fn same_bytes(a: &TensorLayout, b: &TensorLayout) -> bool {
+    a.dtype == b.dtype
+        && a.shape == b.shape
+        && a.pieces.len() == b.pieces.len()
+        && a.pieces
+            .iter()
+            .zip(&b.pieces)
+            .all(|(p, q)| p.region == q.region && p.loc == q.loc)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::DType;
+
+    fn whole(name: &str, shape: &[u64], offset: u64) -> TensorLayout {
+        TensorLayout {
+            name: name.into(),
+            dtype: DType::F32,
+            shape: shape.to_vec(),
+            pieces: vec![Piece {
+                rank: 0,
+                region: Region::full(shape),
+                loc: Loc {
+                    file: 0,
+                    offset,
+                    strides: None,
+                },
+            }],
+        }
+    }
+
+    #[test]
+    fn equal_bytes_are_tied_constants_only_when_shared() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("data");
+        // a: 0..40000 pattern, b: the same at another offset, c: differs in the last byte,
+        // z1/z2: zeros (equal by coincidence), z3: shares z1's bytes
+        let n = 100_000u64; // 400 kB per tensor: probe + several blocks
+        let pat: Vec<u8> = (0..n * 4).map(|i| (i * 31 % 253) as u8).collect();
+        let mut c = pat.clone();
+        *c.last_mut().unwrap() ^= 1;
+        let zeros = vec![0u8; (n * 4) as usize];
+        let bytes = [pat.clone(), pat, c, zeros.clone(), zeros].concat();
+        std::fs::write(&f, &bytes).unwrap();
+        let sh = [n / 10, 10];
+        let t = [
+            whole("a", &sh, 0),
+            whole("b", &sh, n * 4),
+            whole("c", &sh, 2 * n * 4),
+            whole("z1", &sh, 3 * n * 4),
+            whole("z2", &sh, 4 * n * 4),
+            whole("z3", &sh, 3 * n * 4),
+            whole("other_shape", &[n], 0),
+        ];
+        let refs: Vec<&TensorLayout> = t.iter().collect();
+        let g = find(std::slice::from_ref(&f), &refs).unwrap();
+        assert_eq!(g, vec![vec![0, 1], vec![3, 5]]);
+    }
+}
