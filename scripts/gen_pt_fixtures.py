@@ -276,8 +276,9 @@ def bad_cases(out: Path):
 # ------------------------------------------------------------------------------- compare
 
 
-def same(a, b, path="") -> list[str]:
-    """Differences between two loaded state dicts (keys compared as str)."""
+def same(a, b, path="", loose_keys=False) -> list[str]:
+    """Differences between two loaded state dicts. Dict keys must be equal with their types
+    (an int key is not the str of it), unless `loose_keys` (DCP names keys by str())."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return [f"{path}: {type(a).__name__} vs {type(b).__name__}"]
@@ -287,25 +288,28 @@ def same(a, b, path="") -> list[str]:
         bb = b.contiguous().reshape(-1).view(torch.uint8) if b.numel() else b
         return [] if torch.equal(ab, bb) else [f"{path}: tensor values differ"]
     if isinstance(a, dict) and isinstance(b, dict):
-        ka = {str(k): v for k, v in a.items()}
-        kb = {str(k): v for k, v in b.items()}
+        norm = (lambda k: str(k)) if loose_keys else (lambda k: (type(k).__name__, k))
+        ka = {norm(k): v for k, v in a.items()}
+        kb = {norm(k): v for k, v in b.items()}
         if set(ka) != set(kb):
-            return [f"{path}: keys {sorted(ka)} vs {sorted(kb)}"]
-        return [d for k in ka for d in same(ka[k], kb[k], f"{path}.{k}" if path else k)]
+            return [f"{path}: keys {sorted(map(str, ka))} vs {sorted(map(str, kb))}"]
+        return [d for k in ka
+                for d in same(ka[k], kb[k], f"{path}.{k}" if path else str(k), loose_keys)]
     for kind in (list, tuple):
         if isinstance(a, kind) or isinstance(b, kind):
             if not (isinstance(a, kind) and isinstance(b, kind)) or len(a) != len(b):
                 return [f"{path}: {a!r} vs {b!r}"]
-            return [d for i, (x, y) in enumerate(zip(a, b)) for d in same(x, y, f"{path}.{i}")]
+            return [d for i, (x, y) in enumerate(zip(a, b))
+                    for d in same(x, y, f"{path}.{i}", loose_keys)]
     if type(a) is not type(b) or a != b:
         return [f"{path}: {a!r} vs {b!r}"]
     return []
 
 
-def compare(a: str, b: str) -> int:
+def compare(a: str, b: str, loose_keys: bool = False) -> int:
     x = torch.load(a, weights_only=True)
     y = torch.load(b, weights_only=True)
-    diffs = same(x, y)
+    diffs = same(x, y, loose_keys=loose_keys)
     for d in diffs[:20]:
         print(d, file=sys.stderr)
     return 1 if diffs else 0
@@ -316,8 +320,10 @@ def main() -> int:
         p = argparse.ArgumentParser(prog="gen_pt_fixtures.py compare")
         p.add_argument("a")
         p.add_argument("b")
+        p.add_argument("--loose-keys", action="store_true",
+                       help="compare dict keys as str() (after a trip through DCP)")
         args = p.parse_args(sys.argv[2:])
-        return compare(args.a, args.b)
+        return compare(args.a, args.b, args.loose_keys)
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

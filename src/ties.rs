@@ -20,6 +20,8 @@ use std::path::PathBuf;
 const PROBE: u64 = 64 << 10;
 /// Bytes per block of a full comparison.
 const BLOCK: u64 = 8 << 20;
+/// Probes read at once (at most 16 MiB in memory).
+const PROBE_BATCH: usize = 256;
 
 /// Rows `a..b` of dimension 0 (the whole tensor when it is 0-d).
 fn rows(shape: &[u64], a: u64, b: u64) -> Region {
@@ -102,43 +104,48 @@ pub fn find(files: &[PathBuf], tensors: &[&TensorLayout]) -> Result<Vec<Vec<usiz
     for members in kinds {
         // Names over the very same bytes (a torch.save storage shared by two keys).
         let mut aliased: Vec<Vec<usize>> = vec![];
+        let mut by_bytes: HashMap<Vec<BytesKey>, usize> = HashMap::new();
         for &i in &members {
-            match aliased
-                .iter_mut()
-                .find(|g| same_bytes(tensors[g[0]], tensors[i]))
-            {
-                Some(g) => g.push(i),
-                None => aliased.push(vec![i]),
+            match by_bytes.entry(bytes_key(tensors[i])) {
+                std::collections::hash_map::Entry::Occupied(g) => aliased[*g.get()].push(i),
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert(aliased.len());
+                    aliased.push(vec![i]);
+                }
             }
         }
-        // Probe one representative of each; bucket equal, non-constant probes.
-        let probes = read(
-            files,
-            &aliased
-                .iter()
-                .map(|g| {
-                    let t = tensors[g[0]];
-                    let (a, b) = blocks(t, PROBE)[0];
-                    (t, rows(&t.shape, a, b))
-                })
-                .collect::<Vec<_>>(),
-        )?;
-        let mut buckets: HashMap<&[u8], Vec<usize>> = HashMap::new();
+        // Probe one representative of each (in batches, keeping only a hash of each probe,
+        // so memory stays bounded); bucket equal, non-constant probes.
+        let mut buckets: HashMap<u64, Vec<usize>> = HashMap::new();
         let mut order = vec![];
-        for (k, p) in probes.iter().enumerate() {
-            let elem = tensors[aliased[k][0]].dtype.size();
-            if constant(p, elem) {
-                continue;
+        for batch in (0..aliased.len()).collect::<Vec<_>>().chunks(PROBE_BATCH) {
+            let probes = read(
+                files,
+                &batch
+                    .iter()
+                    .map(|&k| {
+                        let t = tensors[aliased[k][0]];
+                        let (a, b) = blocks(t, PROBE)[0];
+                        (t, rows(&t.shape, a, b))
+                    })
+                    .collect::<Vec<_>>(),
+            )?;
+            for (&k, p) in batch.iter().zip(&probes) {
+                if constant(p, tensors[aliased[k][0]].dtype.size()) {
+                    continue;
+                }
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                std::hash::Hash::hash(p, &mut h);
+                let b = buckets.entry(std::hash::Hasher::finish(&h)).or_default();
+                if b.is_empty() {
+                    order.push(std::hash::Hasher::finish(&h));
+                }
+                b.push(k);
             }
-            let b = buckets.entry(p.as_slice()).or_default();
-            if b.is_empty() {
-                order.push(p.as_slice());
-            }
-            b.push(k);
         }
         let mut merged: Vec<Option<Vec<usize>>> = aliased.iter().cloned().map(Some).collect();
         for key in order {
-            let cands = &buckets[key];
+            let cands = &buckets[&key];
             let mut classes: Vec<usize> = vec![];
             for &k in cands {
                 let t = tensors[aliased[k][0]];
@@ -169,15 +176,24 @@ pub fn find(files: &[PathBuf], tensors: &[&TensorLayout]) -> Result<Vec<Vec<usiz
     Ok(groups)
 }
 
-/// True when two layouts read every element from the same place.
-fn same_bytes(a: &TensorLayout, b: &TensorLayout) -> bool {
-    a.dtype == b.dtype
-        && a.shape == b.shape
-        && a.pieces.len() == b.pieces.len()
-        && a.pieces
-            .iter()
-            .zip(&b.pieces)
-            .all(|(p, q)| p.region == q.region && p.loc == q.loc)
+/// Where one piece's elements are read from: region offsets and sizes, file, offset, strides.
+type BytesKey = (Vec<u64>, Vec<u64>, u32, u64, Option<Vec<u64>>);
+
+/// Two layouts (of one dtype and shape) with equal keys read every element from the same
+/// place.
+fn bytes_key(t: &TensorLayout) -> Vec<BytesKey> {
+    t.pieces
+        .iter()
+        .map(|p| {
+            (
+                p.region.offsets.clone(),
+                p.region.sizes.clone(),
+                p.loc.file,
+                p.loc.offset,
+                p.loc.strides.clone(),
+            )
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -61,6 +61,8 @@ fn path_value(path: &[KeyPart]) -> PyValue {
             .map(|p| match p {
                 KeyPart::Key(k) => PyValue::Str(k.clone()),
                 KeyPart::Index(i) => PyValue::Int(*i),
+                // DCP keys dicts by `str(key)`
+                KeyPart::IntKey { int } => PyValue::Str(int.to_string()),
             })
             .collect(),
     )

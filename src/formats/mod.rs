@@ -90,14 +90,30 @@ impl FromStr for Format {
 }
 
 /// One element of a key's path in the nested state dict: a dict key or a list index
-/// (DCP's `planner_data`).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+/// (DCP's `planner_data`), or an int dict key (`optimizer.state_dict()["state"]` is keyed by
+/// parameter number; DCP turns such keys into strings, `torch.save` files keep them).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
 #[serde(untagged)]
 pub enum KeyPart {
     /// A dict key.
     Key(String),
     /// A list index.
     Index(i64),
+    /// An int dict key (JSON: `{"int": 3}`).
+    IntKey {
+        /// The key.
+        int: i64,
+    },
+}
+
+impl KeyPart {
+    /// The text this part adds to a flat name (Python's `str` of the key or index).
+    pub fn text(&self) -> String {
+        match self {
+            KeyPart::Key(k) => k.clone(),
+            KeyPart::Index(i) | KeyPart::IntKey { int: i } => i.to_string(),
+        }
+    }
 }
 
 /// A non-tensor entry of a checkpoint: a DCP `BYTE_IO` item (step counters, `param_groups`,
@@ -391,12 +407,15 @@ impl Checkpoint {
 pub fn detect(path: &Path) -> Result<Format> {
     let meta = std::fs::metadata(path).at(path)?;
     if meta.is_file() {
-        let mut magic = [0u8; 4];
-        let zip = std::fs::File::open(path)
-            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
-            .is_ok()
-            && &magic == b"PK\x03\x04";
-        return Ok(if zip { Format::Pt } else { Format::Safetensors });
+        // a zip (torch.save) or a legacy torch.save pickle is a .pt; anything else is
+        // taken for safetensors, whose reader says what is wrong with it
+        let mut head = [0u8; 16];
+        let n = std::fs::File::open(path)
+            .and_then(|mut f| std::io::Read::read(&mut f, &mut head))
+            .unwrap_or(0);
+        let head = &head[..n];
+        let pt = head.starts_with(b"PK\x03\x04") || pt_read::is_legacy(head);
+        return Ok(if pt { Format::Pt } else { Format::Safetensors });
     }
     if hf::index_path(path).is_some() {
         return Ok(Format::Hf);

@@ -14,6 +14,7 @@ use super::{KeyPart, Output, TargetTensor, WriteOptions};
 use crate::error::{Error, Result};
 use crate::exec::OutputFile;
 use crate::layout::{Loc, Piece, Region, TensorLayout};
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 /// A node of the state dict being rebuilt.
@@ -21,14 +22,16 @@ enum Node {
     /// A tensor (index into the target list) or a Python value.
     Tensor(usize),
     Value(PyValue),
-    Map(Vec<(String, Node)>),
-    Seq(Vec<(i64, Node)>),
+    /// A dict, keyed by [`KeyPart::Key`] or [`KeyPart::IntKey`], in insertion order, with
+    /// an index of its keys.
+    Map(Vec<(KeyPart, Node)>, HashMap<KeyPart, usize>),
+    Seq(Vec<(i64, Node)>, HashMap<i64, usize>),
 }
 
 fn container_for(next: &KeyPart) -> Node {
     match next {
-        KeyPart::Key(_) => Node::Map(vec![]),
-        KeyPart::Index(_) => Node::Seq(vec![]),
+        KeyPart::Key(_) | KeyPart::IntKey { .. } => Node::Map(vec![], HashMap::new()),
+        KeyPart::Index(_) => Node::Seq(vec![], HashMap::new()),
     }
 }
 
@@ -43,40 +46,40 @@ fn insert(node: &mut Node, path: &[KeyPart], leaf: Node, name: &str) -> Result<(
         return Err(clash());
     };
     let slot: &mut Node = match (node, first) {
-        (Node::Map(items), KeyPart::Key(k)) => {
-            if let Some(i) = items.iter().position(|(x, _)| x == k) {
-                &mut items[i].1
-            } else {
-                let fresh = match rest.first() {
-                    None => {
-                        return {
+        (Node::Map(items, index), k @ (KeyPart::Key(_) | KeyPart::IntKey { .. })) => {
+            match index.get(k) {
+                Some(&i) => &mut items[i].1,
+                None => {
+                    let fresh = match rest.first() {
+                        None => {
+                            index.insert(k.clone(), items.len());
                             items.push((k.clone(), leaf));
-                            Ok(())
+                            return Ok(());
                         }
-                    }
-                    Some(next) => container_for(next),
-                };
-                items.push((k.clone(), fresh));
-                &mut items.last_mut().expect("just pushed").1
+                        Some(next) => container_for(next),
+                    };
+                    index.insert(k.clone(), items.len());
+                    items.push((k.clone(), fresh));
+                    &mut items.last_mut().expect("just pushed").1
+                }
             }
         }
-        (Node::Seq(items), KeyPart::Index(i)) => {
-            if let Some(p) = items.iter().position(|(x, _)| x == i) {
-                &mut items[p].1
-            } else {
+        (Node::Seq(items, index), KeyPart::Index(i)) => match index.get(i) {
+            Some(&p) => &mut items[p].1,
+            None => {
                 let fresh = match rest.first() {
                     None => {
-                        return {
-                            items.push((*i, leaf));
-                            Ok(())
-                        }
+                        index.insert(*i, items.len());
+                        items.push((*i, leaf));
+                        return Ok(());
                     }
                     Some(next) => container_for(next),
                 };
+                index.insert(*i, items.len());
                 items.push((*i, fresh));
                 &mut items.last_mut().expect("just pushed").1
             }
-        }
+        },
         _ => return Err(clash()),
     };
     if rest.is_empty() {
@@ -115,13 +118,19 @@ fn to_py(node: Node, target: &[TargetTensor], st: &mut Storages) -> Result<PyVal
             ))
         }
         Node::Value(v) => v,
-        Node::Map(items) => PyValue::Dict(
+        Node::Map(items, _) => PyValue::Dict(
             items
                 .into_iter()
-                .map(|(k, n)| Ok((PyValue::Str(k), to_py(n, target, st)?)))
+                .map(|(k, n)| {
+                    let key = match k {
+                        KeyPart::IntKey { int } => PyValue::Int(int),
+                        k => PyValue::Str(k.text()),
+                    };
+                    Ok((key, to_py(n, target, st)?))
+                })
                 .collect::<Result<_>>()?,
         ),
-        Node::Seq(mut items) => {
+        Node::Seq(mut items, _) => {
             items.sort_by_key(|(i, _)| *i);
             if items.iter().enumerate().any(|(k, (i, _))| *i != k as i64) {
                 return Err(Error::usage("a list in the state dict has missing indices"));
@@ -144,7 +153,7 @@ pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
             .cloned()
             .unwrap_or_else(|| vec![KeyPart::Key(name.to_string())])
     };
-    let mut root = Node::Map(vec![]);
+    let mut root = Node::Map(vec![], HashMap::new());
     for (i, t) in target.iter().enumerate() {
         insert(&mut root, &path_of(&t.name), Node::Tensor(i), &t.name)?;
     }

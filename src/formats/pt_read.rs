@@ -230,10 +230,7 @@ fn flat_name(parts: &[KeyPart]) -> String {
         if i > 0 {
             s.push('.');
         }
-        match p {
-            KeyPart::Key(k) => s.push_str(k),
-            KeyPart::Index(n) => s.push_str(&n.to_string()),
-        }
+        s.push_str(&p.text());
     }
     s
 }
@@ -257,7 +254,10 @@ impl Walker<'_> {
                     ),
                 )
             })?;
-            parts.push(KeyPart::Key(key));
+            parts.push(match k {
+                Value::Int(i) => KeyPart::IntKey { int: *i },
+                _ => KeyPart::Key(key),
+            });
             self.value(parts, v)?;
             parts.pop();
         }
@@ -285,6 +285,10 @@ impl Walker<'_> {
 
     fn value(&mut self, parts: &mut Vec<KeyPart>, v: &Value) -> Result<()> {
         match v {
+            // An empty dict below the top (an optimizer's `state` before its first step) is
+            // kept as a value, so that it is still there when the dict is rebuilt (DCP drops
+            // it).
+            Value::Dict(pairs) if !parts.is_empty() && pairs.is_empty() => self.leaf(parts, v),
             Value::Dict(pairs) => self.dict(parts, pairs),
             Value::List(items) if self.list_traversed(v) => {
                 for (i, x) in items.iter().enumerate() {
@@ -336,17 +340,22 @@ impl Walker<'_> {
                         ),
                     ));
                 }
-                let name = self.name(parts)?;
-                self.extras.push(Extra {
-                    name,
-                    value: dcp::to_json(v),
-                    pickle: Some(v.clone()),
-                    raw: None,
-                    origin: "pt",
-                });
-                Ok(())
+                self.leaf(parts, v)
             }
         }
+    }
+
+    /// A non-tensor value at `parts`.
+    fn leaf(&mut self, parts: &[KeyPart], v: &Value) -> Result<()> {
+        let name = self.name(parts)?;
+        self.extras.push(Extra {
+            name,
+            value: dcp::to_json(v),
+            pickle: Some(v.clone()),
+            raw: None,
+            origin: "pt",
+        });
+        Ok(())
     }
 
     /// The flat name of a leaf at `parts`, recording its path when it is nested.
@@ -409,10 +418,15 @@ mod tests {
                 key("lr")
             ]
         );
-        // int dict keys are named by str(), as DCP does
+        // int dict keys are named by str(), as DCP does, and stay ints in the path
         assert_eq!(
             ck.paths["optimizer.state.0.exp_avg"],
-            vec![key("optimizer"), key("state"), key("0"), key("exp_avg")]
+            vec![
+                key("optimizer"),
+                key("state"),
+                KeyPart::IntKey { int: 0 },
+                key("exp_avg")
+            ]
         );
         assert!(!ck.paths.contains_key("step"));
         assert!(ck.tensor("model.fc1.weight").is_some());
