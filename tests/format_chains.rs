@@ -429,3 +429,117 @@ fn regression_float_values_survive_json_exactly() {
     ];
     check_chain(&ts, &extras, &hops).unwrap();
 }
+
+/// The real checkpoints of `tests/fixtures` (torch-written DCP, HF storage and `.pt`) as
+/// starting points.
+fn fixture_sources() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let mut v: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path().join("checkpoint"))
+        .filter(|p| p.is_dir())
+        .collect();
+    for case in ["flat_dtypes", "training", "tied", "views", "ordered"] {
+        v.push(root.join("pt").join(case).join("model.pt"));
+    }
+    v.sort();
+    v
+}
+
+/// Every tensor's bytes and every non-tensor value of a checkpoint.
+fn contents(
+    p: &Path,
+) -> (
+    BTreeMap<String, (DType, Vec<u64>, Vec<u8>)>,
+    BTreeMap<String, serde_json::Value>,
+) {
+    let ck = Checkpoint::open(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    let t = ck
+        .tensors
+        .iter()
+        .map(|t| {
+            let b = ck
+                .read_region(&t.name, &Region::full(&t.shape), None)
+                .unwrap();
+            (t.name.clone(), (t.dtype, t.shape.clone(), b))
+        })
+        .collect();
+    let mut e = BTreeMap::new();
+    for x in &ck.extras {
+        flatten_json(&x.name, &x.value, &mut e);
+    }
+    (t, e)
+}
+
+/// A non-tensor value as the leaves DCP's flattening would make of it: dicts always, and lists
+/// holding a dict or such a list, are split into `name.key` / `name.i` (a torch 2.1 checkpoint
+/// keeps `optimizer.param_groups` as one value, a later flattening splits it; both are the
+/// same state).
+fn flatten_json(name: &str, v: &serde_json::Value, out: &mut BTreeMap<String, serde_json::Value>) {
+    fn deep(v: &serde_json::Value) -> bool {
+        match v {
+            serde_json::Value::Object(_) => true,
+            serde_json::Value::Array(items) => items.iter().any(|x| match x {
+                serde_json::Value::Object(_) => true,
+                serde_json::Value::Array(_) => deep(x),
+                _ => false,
+            }),
+            _ => false,
+        }
+    }
+    match v {
+        serde_json::Value::Object(m) if !m.is_empty() => {
+            for (k, x) in m {
+                flatten_json(&format!("{name}.{k}"), x, out);
+            }
+        }
+        serde_json::Value::Array(items) if deep(v) => {
+            for (i, x) in items.iter().enumerate() {
+                flatten_json(&format!("{name}.{i}"), x, out);
+            }
+        }
+        _ => {
+            out.insert(name.to_string(), v.clone());
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 48,
+        max_shrink_iters: 50,
+        failure_persistence: Some(Box::new(FileFailurePersistence::Direct(
+            "proptest-regressions/format_chains.txt"
+        ))),
+        ..ProptestConfig::default()
+    })]
+
+    /// Real torch-written checkpoints through random chains keep every byte and value.
+    #[test]
+    fn real_checkpoints_through_random_chains(
+        pick in any::<prop::sample::Index>(),
+        hops in prop::collection::vec(hop(), 1..=3),
+    ) {
+        let sources = fixture_sources();
+        let src = pick.get(&sources).clone();
+        let want = contents(&src);
+        let d = tempfile::tempdir().unwrap();
+        let mut cur = src.clone();
+        for (k, h) in hops.iter().enumerate() {
+            let dst = dest(d.path(), k, h.format);
+            let mut opts = ConvertOptions::to(1);
+            opts.layout = h.layout.clone();
+            opts.format = Some(h.format);
+            opts.exec.sync = false;
+            opts.per_rank = Some(Policy::Keep);
+            convert(&cur, &dst, &opts).map_err(|e| {
+                TestCaseError::fail(format!("{} hop {k} {:?}: {e}", src.display(), h.format))
+            })?;
+            cur = dst;
+        }
+        let got = contents(&cur);
+        prop_assert!(got.0 == want.0, "{}: tensors differ after {:?}", src.display(),
+            hops.iter().map(|h| h.format).collect::<Vec<_>>());
+        prop_assert_eq!(got.1, want.1, "{}", src.display());
+    }
+}
