@@ -446,13 +446,14 @@ fn fixture_sources() -> Vec<PathBuf> {
     v
 }
 
-/// Every tensor's bytes and every non-tensor value of a checkpoint.
-fn contents(
-    p: &Path,
-) -> (
+/// Tensors by name (dtype, shape, bytes) and non-tensor leaves by flat name.
+type Contents = (
     BTreeMap<String, (DType, Vec<u64>, Vec<u8>)>,
     BTreeMap<String, serde_json::Value>,
-) {
+);
+
+/// Every tensor's bytes and every non-tensor value of a checkpoint.
+fn contents(p: &Path) -> Contents {
     let ck = Checkpoint::open(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
     let t = ck
         .tensors
