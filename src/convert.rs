@@ -116,6 +116,9 @@ pub struct ConvertOptions {
     /// Write tied tensors ([`crate::ties`]) once per name even where the format could store
     /// them once (`.pt`).
     pub untie: bool,
+    /// Check the CRC-32s the sources record for the bytes the plan reads before writing
+    /// anything ([`crate::verify::sources_of`]).
+    pub verify: bool,
 }
 
 impl ConvertOptions {
@@ -131,6 +134,7 @@ impl ConvertOptions {
             force: false,
             per_rank: None,
             untie: false,
+            verify: true,
         }
     }
 }
@@ -358,6 +362,9 @@ fn check_paths(src: &Path, dst: &Path) -> Result<()> {
 /// Write `job`'s output to `dst` atomically.
 pub fn run(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats> {
     check_paths(&job.source.path, dst)?;
+    if opts.verify {
+        crate::verify::sources_of(&job.source, &job.plan)?;
+    }
     let is_dir = job.format.is_dir();
     if !is_dir && dst.is_dir() {
         return Err(Error::usage(format!(

@@ -35,8 +35,9 @@ pub struct OutputFile {
     pub checksums: Vec<Checksum>,
 }
 
-/// The CRC-32 of bytes `range` of an output file, written little-endian at each offset of
-/// `at` (which must lie outside `range`) once every copy and literal is in place. It is
+/// The CRC-32 of bytes `range` of an output file, written at each offset of `at` (which must
+/// lie outside `range`) — 4 bytes little-endian (zip records), or as 8 lowercase hex digits
+/// when `hex` (a safetensors header) — once every copy and literal is in place. It is
 /// computed while the bytes stream: each window hashes its share of the range (from its
 /// buffer, or straight from the source mapping for kernel-copied runs) and the shares are
 /// joined in order with `crc32fast`'s `combine`; the output is never read back.
@@ -44,8 +45,10 @@ pub struct OutputFile {
 pub struct Checksum {
     /// First and past-the-last byte covered.
     pub range: (u64, u64),
-    /// Where to write the 4-byte little-endian CRC.
+    /// Where to write the CRC.
     pub at: Vec<u64>,
+    /// Write it as 8 lowercase hex digits instead of 4 little-endian bytes.
+    pub hex: bool,
 }
 
 /// One window's share of a [`Checksum`]: the CRC-32 of destination bytes from `start` on.
@@ -732,10 +735,13 @@ pub fn execute(
                 .count();
             let crc = join_crc(&rest[..n], c.range);
             rest = &rest[n..];
+            let bytes = if c.hex {
+                format!("{crc:08x}").into_bytes()
+            } else {
+                crc.to_le_bytes().to_vec()
+            };
             for &at in &c.at {
-                files[f]
-                    .write_all_at(&crc.to_le_bytes(), at)
-                    .at(&dest_paths[f])?;
+                files[f].write_all_at(&bytes, at).at(&dest_paths[f])?;
             }
         }
     }
@@ -837,6 +843,7 @@ mod tests {
             checksums: vec![Checksum {
                 range: (8, 16 + 10_000),
                 at: vec![0, 4],
+                hex: false,
             }],
         };
         let op = CopyOp {
@@ -905,14 +912,17 @@ mod tests {
                     Checksum {
                         range: (100, 20_100),
                         at: vec![0],
+                        hex: false,
                     },
                     Checksum {
                         range: (20_200, 33_000),
                         at: vec![4, 33_010],
+                        hex: false,
                     },
                     Checksum {
                         range: (50, 50),
                         at: vec![8],
+                        hex: false,
                     },
                 ],
             };

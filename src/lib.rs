@@ -13,6 +13,7 @@
 pub mod array;
 pub mod commit;
 pub mod convert;
+pub mod diff;
 pub mod error;
 pub mod exec;
 pub mod formats;
@@ -22,5 +23,6 @@ pub mod per_rank;
 pub mod plan;
 pub mod target;
 pub mod ties;
+pub mod verify;
 
 pub use error::{Error, Result};

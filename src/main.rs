@@ -74,6 +74,34 @@ enum Cmd {
         /// reshard, but a power loss may leave a renamed output whose data never reached disk.
         #[arg(long)]
         no_fsync: bool,
+        /// Skip checking the CRC-32s the sources record (torch.save records, reshard's
+        /// safetensors checksums) for the bytes the conversion reads.
+        #[arg(long)]
+        no_verify: bool,
+    },
+    /// Check a checkpoint: structure (every tensor covered exactly, no conflicting overlaps,
+    /// shapes and sizes agree with the files) and the CRC-32s its files record.
+    #[command(after_help = "Examples:\n  reshard verify ckpt/\n  reshard verify model.pt --json")]
+    Verify {
+        /// Checkpoint file or directory.
+        path: PathBuf,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Compare two checkpoints tensor by tensor, in any supported formats and layouts; exit
+    /// status 1 when they differ.
+    #[command(
+        after_help = "Examples:\n  reshard diff ckpt/ model.safetensors\n  reshard diff a.pt b/ --json\n\nTensors of one dtype are compared byte for byte; floating tensors of different dtypes\nreport the largest absolute and relative differences."
+    )]
+    Diff {
+        /// First checkpoint.
+        a: PathBuf,
+        /// Second checkpoint.
+        b: PathBuf,
+        /// Print the comparison as JSON.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -196,6 +224,7 @@ impl TargetArgs {
             force: false,
             per_rank: self.per_rank_state,
             untie: self.untie,
+            verify: true,
         })
     }
 }
@@ -476,8 +505,118 @@ fn print_plan(job: &Job, opts: &ConvertOptions, ops: bool, json: bool) -> Result
     Ok(())
 }
 
+/// `reshard verify`: open (structure) and check every recorded checksum; an error when any
+/// record is corrupt.
+fn verify(path: &std::path::Path, json: bool) -> Result<()> {
+    let ck = Checkpoint::open(path)?;
+    let report = reshard::verify::checksums(&ck)?;
+    let tensor_bytes = ck.nbytes();
+    if json {
+        let v = serde_json::json!({
+            "path": ck.path, "format": ck.format, "ranks": ck.ranks, "tensors": ck.tensors.len(),
+            "tensor_bytes": tensor_bytes, "structure": "ok", "checksums": report,
+        });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&v).map_err(|e| Error::usage(e.to_string()))?
+        );
+    } else {
+        println!(
+            "{}: {} checkpoint, {} rank(s), {} tensor(s), {}: structure ok (every tensor covered exactly, pieces within their files)",
+            ck.path.display(),
+            ck.format,
+            ck.ranks,
+            ck.tensors.len(),
+            human(tensor_bytes)
+        );
+        if report.records == 0 {
+            println!("no checksums recorded: data not checked");
+        } else {
+            println!(
+                "checked {} checksummed record(s), {}: {}",
+                report.records,
+                human(report.bytes),
+                if report.mismatches.is_empty() {
+                    "all match".to_string()
+                } else {
+                    format!("{} corrupt", report.mismatches.len())
+                }
+            );
+        }
+    }
+    match report.mismatches.first() {
+        None => Ok(()),
+        Some(m) => {
+            if !json {
+                for m in report.mismatches.iter().skip(1) {
+                    eprintln!("reshard: also corrupt: {}", m.to_error());
+                }
+            }
+            Err(m.to_error())
+        }
+    }
+}
+
+/// `reshard diff`: print what differs; an error (exit 1) when anything does.
+fn diff(a: &std::path::Path, b: &std::path::Path, json: bool) -> Result<()> {
+    use reshard::diff::Difference as D;
+    let ca = Checkpoint::open(a)?;
+    let cb = Checkpoint::open(b)?;
+    let d = reshard::diff::diff(&ca, &cb)?;
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&d).map_err(|e| Error::usage(e.to_string()))?
+        );
+    } else {
+        for (name, x) in &d.differences {
+            let what = match x {
+                D::OnlyInA => format!("only in {}", a.display()),
+                D::OnlyInB => format!("only in {}", b.display()),
+                D::Shape { a, b } => format!("shape {a:?} vs {b:?}"),
+                D::DType { a, b } => format!("dtype {a} vs {b}"),
+                D::Bytes { elements, first } => {
+                    format!("{elements} element(s) differ, the first at flat index {first}")
+                }
+                D::Values { a, b, max_abs, max_rel } => format!(
+                    "dtype {a} vs {b}: max abs difference {max_abs:e}, max rel difference {max_rel:e}"
+                ),
+                D::Value { a, b } => format!(
+                    "value {} vs {}",
+                    clip(&a.to_string(), 60),
+                    clip(&b.to_string(), 60)
+                ),
+            };
+            println!("{name}: {what}");
+        }
+        println!(
+            "compared {} tensor(s) and {} non-tensor entr{}: {}",
+            d.tensors,
+            d.entries,
+            if d.entries == 1 { "y" } else { "ies" },
+            if d.is_equal() {
+                "identical".to_string()
+            } else {
+                format!("{} difference(s)", d.differences.len())
+            }
+        );
+    }
+    if d.is_equal() {
+        Ok(())
+    } else {
+        Err(Error::usage(format!(
+            "{} and {} differ ({} difference(s))",
+            a.display(),
+            b.display(),
+            d.differences.len()
+        )))
+    }
+}
+
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
+        Cmd::Verify { path, json } => verify(&path, json),
+        Cmd::Diff { a, b, json } => diff(&a, &b, json),
         Cmd::Inspect { path, json } => inspect(&path, json),
         Cmd::Plan {
             src,
@@ -496,10 +635,12 @@ fn run(cli: Cli) -> Result<()> {
             force,
             quiet,
             no_fsync,
+            no_verify,
         } => {
             let mut opts = target.options(quiet)?;
             opts.force = force;
             opts.exec.sync = !no_fsync;
+            opts.verify = !no_verify;
             let t0 = Instant::now();
             let (job, stats) = convert::convert(&src, &dst, &opts)?;
             if !quiet {
@@ -551,6 +692,10 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn main() {
+    // A file over `ulimit -f` must fail its write with EFBIG (reported, staging removed), not
+    // kill the process with SIGXFSZ.
+    // SAFETY: setting a signal's disposition to SIG_IGN before any thread starts.
+    unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
     let cli = Cli::parse();
     std::panic::set_hook(Box::new(|_| {}));
     let result = std::panic::catch_unwind(|| run(cli));

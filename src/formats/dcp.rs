@@ -26,7 +26,7 @@
 
 use super::pickle::{self, Value};
 use super::torch_zip::{self, short};
-use super::{Checkpoint, Extra, Format, KeyPart};
+use super::{Checkpoint, Extra, Format, KeyPart, RecordCrc};
 use crate::error::{Error, IoContext, Result};
 use crate::layout::{DType, Loc, Piece, Region, TensorLayout};
 use memmap2::Mmap;
@@ -654,8 +654,15 @@ fn parse_blob(src: &Source, offset: u64) -> Result<Blob> {
 
 /// What reading one item gave.
 enum Got {
-    Piece { entry: usize, piece: Piece },
-    Extra { entry: usize, extra: Extra },
+    Piece {
+        entry: usize,
+        piece: Piece,
+        crc: Option<RecordCrc>,
+    },
+    Extra {
+        entry: usize,
+        extra: Extra,
+    },
 }
 
 /// Read a DCP checkpoint directory.
@@ -781,9 +788,13 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
 
     let mut pieces: Vec<Vec<Piece>> = vec![vec![]; meta.entries.len()];
     let mut extras_by_entry: Vec<Option<Extra>> = vec![None; meta.entries.len()];
+    let mut checksums = vec![];
     for g in got {
         match g {
-            Got::Piece { entry, piece } => pieces[entry].push(piece),
+            Got::Piece { entry, piece, crc } => {
+                pieces[entry].push(piece);
+                checksums.extend(crc);
+            }
             Got::Extra { entry, extra } => extras_by_entry[entry] = Some(extra),
         }
     }
@@ -845,6 +856,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         paths: meta.planner.into_iter().collect(),
         producer,
         scratch,
+        checksums,
     })
 }
 
@@ -969,6 +981,7 @@ fn read_item(
             });
         }
     };
+    let mut crc = None;
     let loc = if blob {
         let b = &blobs[&(w.file, w.offset)];
         let (dtype, shape, abs) = b
@@ -1026,6 +1039,15 @@ fn read_item(
                 c.sizes
             )));
         }
+        let record = format!("{}/data/{}", item.archive.prefix, t.storage_key);
+        crc = item.archive.entry(&record).map(|x| RecordCrc {
+            file: si as u32,
+            offset: off + t.record.offset,
+            len: t.record.len,
+            crc: x.crc,
+            what: format!("item `{}` record {record}{zst}", short(&e.name)),
+            shown: (si != w.file).then_some(w.file as u32),
+        });
         Loc {
             file: si as u32,
             offset: off + t.data_offset(),
@@ -1033,6 +1055,7 @@ fn read_item(
         }
     };
     Ok(Got::Piece {
+        crc,
         entry,
         piece: Piece {
             rank,

@@ -2,7 +2,9 @@
 //! file, `metadata.total_size`) plus `model-0000i-of-0000N.safetensors` files, each holding
 //! whole tensors. A consolidated (one-rank) layout split across files.
 
-use super::safetensors::{align_order, full_layouts, output_file, read_header, Entry};
+use super::safetensors::{
+    align_order, full_layouts, output_file, read_header, recorded_crcs, Entry,
+};
 use super::{Checkpoint, Format, Output, TargetTensor, WriteOptions};
 use crate::error::{Error, IoContext, Result};
 use crate::exec::OutputFile;
@@ -47,6 +49,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
     let mut headers = vec![];
     let mut tensors = vec![];
     let mut metadata = Default::default();
+    let mut checksums = vec![];
     for (name, file) in map {
         let file = file.as_str().ok_or_else(|| {
             Error::format(&index, format!("`weight_map.{name}` is not a file name"))
@@ -67,7 +70,8 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                         format!("is missing (named by {INDEX} for `{name}`)"),
                     ));
                 }
-                let h = read_header(&path)?;
+                let mut h = read_header(&path)?;
+                checksums.extend(recorded_crcs(&path, files.len() as u32, &mut h)?);
                 if files.is_empty() {
                     metadata = h.metadata.clone();
                 }
@@ -107,14 +111,9 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             ));
         }
     }
-    Ok(Checkpoint::of_tensors(
-        Format::Hf,
-        dir,
-        files,
-        1,
-        tensors,
-        metadata,
-    ))
+    let mut ck = Checkpoint::of_tensors(Format::Hf, dir, files, 1, tensors, metadata);
+    ck.checksums = checksums;
+    Ok(ck)
 }
 
 /// Lay out a consolidated target as Hugging Face shards of at most `max_shard_size` bytes

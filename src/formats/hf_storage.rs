@@ -9,12 +9,16 @@
 //! A directory of plain safetensors files without `DCP_SHARDING_INFO` reads the same way,
 //! every tensor at offset 0, as torch's `HuggingFaceStorageReader` does.
 
-use super::safetensors::{align_order, files_in, output_file, read_header, Entry};
+use super::safetensors::{align_order, files_in, output_file, read_header, recorded_crcs, Entry};
 use super::{Checkpoint, Format, Output, TargetTensor, WriteOptions};
 use crate::error::{Error, Result};
 use crate::layout::{Loc, Piece, Region, TensorLayout};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
+
+/// The `__metadata__` key under which reshard records the number of ranks it wrote (torch
+/// records none, so a missing last rank file can only be told in reshard's outputs).
+pub const RANKS_KEY: &str = "reshard.ranks";
 
 /// The `__metadata__` key holding chunk offsets.
 pub const SHARDING_INFO: &str = "DCP_SHARDING_INFO";
@@ -37,9 +41,20 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
     let mut by_name: HashMap<String, TensorLayout> = HashMap::new();
     let mut metadata = BTreeMap::new();
     let mut ranks_seen = HashSet::new();
+    let mut checksums = vec![];
+    let mut world: Option<u32> = None;
     let named = files.iter().all(|f| rank_of(f).is_some());
     for (fi, path) in files.iter().enumerate() {
-        let h = read_header(path)?;
+        let mut h = read_header(path)?;
+        checksums.extend(recorded_crcs(path, fi as u32, &mut h)?);
+        if let Some(w) = h.metadata.remove(RANKS_KEY) {
+            world = Some(w.parse::<u32>().map_err(|_| {
+                Error::format(
+                    path,
+                    format!("`{RANKS_KEY}` in the header is not a rank count"),
+                )
+            })?);
+        }
         let rank = if named {
             rank_of(path).unwrap_or(0)
         } else {
@@ -145,7 +160,11 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             }
         }
     }
-    let ranks = ranks_seen.iter().max().map_or(1, |m| m + 1);
+    let mut ranks = ranks_seen.iter().max().map_or(1, |m| m + 1);
+    if let Some(w) = world.filter(|&w| w > ranks && named) {
+        // reshard records the world size: the last ranks' files cannot go missing unseen
+        ranks = w;
+    }
     if named {
         if let Some(missing) = (0..ranks).find(|r| !ranks_seen.contains(r)) {
             return Err(Error::format(
@@ -168,14 +187,9 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             l
         })
         .collect();
-    Ok(Checkpoint::of_tensors(
-        Format::HfStorage,
-        dir,
-        files,
-        ranks,
-        tensors,
-        metadata,
-    ))
+    let mut ck = Checkpoint::of_tensors(Format::HfStorage, dir, files, ranks, tensors, metadata);
+    ck.checksums = checksums;
+    Ok(ck)
 }
 
 /// A chunk to store: its entry (name, dtype, local shape) and its global offsets.
@@ -248,6 +262,7 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
                 serde_json::Value::Object(info).to_string(),
             );
             meta.insert("DCP_VERSION".into(), "1.0".into());
+            meta.insert(RANKS_KEY.into(), world.to_string());
             meta.insert("format".into(), "pt".into());
             let mut entries: Vec<Entry> = group.iter().map(|(e, _)| e.clone()).collect();
             align_order(&mut entries);

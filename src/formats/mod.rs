@@ -271,6 +271,28 @@ pub struct Checkpoint {
     /// they are deleted when the last clone of the checkpoint is dropped.
     #[serde(skip)]
     pub scratch: Vec<std::sync::Arc<tempfile::TempPath>>,
+    /// CRC-32s the files record of their own bytes: torch.save data records (DCP items,
+    /// `.pt`), and the `reshard.crc32` of safetensors files reshard wrote.
+    #[serde(skip)]
+    pub checksums: Vec<RecordCrc>,
+}
+
+/// A byte range of a checkpoint file and the CRC-32 the file records for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecordCrc {
+    /// Index into [`Checkpoint::files`].
+    pub file: u32,
+    /// First byte.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// The recorded CRC-32.
+    pub crc: u32,
+    /// What the range holds, for messages (`record archive/data/3`, `tensor w`).
+    pub what: String,
+    /// The file to name in messages when it is not `file` (the `.distcp` file a
+    /// zstd-compressed item came from, whose decoded bytes `file` holds).
+    pub shown: Option<u32>,
 }
 
 impl Checkpoint {
@@ -317,6 +339,7 @@ impl Checkpoint {
             paths: BTreeMap::new(),
             producer: None,
             scratch: vec![],
+            checksums: vec![],
         }
     }
 

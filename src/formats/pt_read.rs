@@ -21,7 +21,7 @@
 
 use super::pickle::Value;
 use super::torch_zip::{self, short, Archive, TensorItem};
-use super::{dcp, Checkpoint, Extra, Format, KeyPart};
+use super::{dcp, Checkpoint, Extra, Format, KeyPart, RecordCrc};
 use crate::error::{Error, IoContext, Result};
 use crate::layout::{Loc, Piece, Region, TensorLayout};
 use memmap2::Mmap;
@@ -96,6 +96,8 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
         extras: vec![],
         paths: BTreeMap::new(),
         seen: HashSet::new(),
+        checksums: vec![],
+        records: HashSet::new(),
         terminal: HashMap::new(),
     };
     w.dict(&mut vec![], pairs)?;
@@ -121,6 +123,7 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
         paths: w.paths,
         producer: Some(producer),
         scratch: vec![],
+        checksums: w.checksums,
     })
 }
 
@@ -220,6 +223,9 @@ struct Walker<'a> {
     extras: Vec<Extra>,
     paths: BTreeMap<String, Vec<KeyPart>>,
     seen: HashSet<String>,
+    /// CRC-32s of the storage records used, once per record.
+    checksums: Vec<RecordCrc>,
+    records: HashSet<u64>,
     /// `_is_terminal` of the lists met so far, by address (values outlive the walk).
     terminal: HashMap<*const Value, bool>,
 }
@@ -327,6 +333,19 @@ impl Walker<'_> {
                         )
                     })?;
                 let name = self.name(parts)?;
+                if self.records.insert(t.record.offset) {
+                    let rec = format!("{}/data/{}", self.archive.prefix, t.storage_key);
+                    if let Some(&i) = self.index.get(rec.as_str()) {
+                        self.checksums.push(RecordCrc {
+                            file: 0,
+                            offset: t.record.offset,
+                            len: t.record.len,
+                            crc: self.archive.entries[i].crc,
+                            what: format!("tensor `{}` (record {rec})", short(&name)),
+                            shown: None,
+                        });
+                    }
+                }
                 self.tensors.push(layout(name, &t));
                 Ok(())
             }
@@ -516,6 +535,8 @@ mod tests {
             extras: vec![],
             paths: BTreeMap::new(),
             seen: HashSet::new(),
+            checksums: vec![],
+            records: HashSet::new(),
             terminal: HashMap::new(),
         };
         let mut w = w;
@@ -535,6 +556,8 @@ mod tests {
         // a user dict with a `_metadata` key that is not nn.Module's is kept
         let mut w2 = Walker {
             seen: HashSet::new(),
+            checksums: vec![],
+            records: HashSet::new(),
             extras: vec![],
             ..w
         };

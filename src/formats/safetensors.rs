@@ -8,7 +8,7 @@
 
 use super::{Checkpoint, Format, Output, TargetTensor, WriteOptions};
 use crate::error::{Error, IoContext, Result};
-use crate::exec::OutputFile;
+use crate::exec::{Checksum, OutputFile};
 use crate::layout::{DType, Loc, Piece, Region, TensorLayout};
 use ::safetensors::tensor::{Dtype, Metadata};
 use ::safetensors::SafeTensors;
@@ -193,28 +193,108 @@ pub fn layout_file(
     Ok((bytes, rels.iter().map(|r| start + r).collect(), start + rel))
 }
 
+/// The `__metadata__` key under which reshard records the CRC-32 of every tensor's data in
+/// the file: a JSON array of 8-digit lowercase hex strings, in data order.
+pub const CRC_KEY: &str = "reshard.crc32";
+
+/// Placeholder for one CRC in the header, overwritten once the data is written.
+const CRC_HOLE: &[u8; 8] = b"@@@@@@@@";
+
 /// Build one output file holding `entries` (already ordered); returns the file and each
-/// entry's absolute data offset.
+/// entry's absolute data offset. The header records each entry's CRC-32 under [`CRC_KEY`],
+/// computed by the executor as the data streams.
 pub fn output_file(
     path: PathBuf,
     entries: &[Entry],
     metadata: &BTreeMap<String, String>,
 ) -> Result<(OutputFile, Vec<u64>)> {
-    let (header, offsets, size) = layout_file(entries, metadata)?;
+    let mut metadata = metadata.clone();
+    let holes = vec![std::str::from_utf8(CRC_HOLE).unwrap_or_default(); entries.len()];
+    metadata.insert(CRC_KEY.into(), serde_json::json!(holes).to_string());
+    let (header, offsets, size) = layout_file(entries, &metadata)?;
+    // The holes lie in the value of `"reshard.crc32":"` (a key can only appear with bare
+    // quotes; quotes inside values are escaped), in entry order.
+    let key = format!("\"{CRC_KEY}\":\"");
+    let from = find(&header, key.as_bytes(), 0)
+        .ok_or_else(|| Error::usage("internal error: no checksum key in the header"))?;
+    let mut at = from;
+    let mut checksums = Vec::with_capacity(entries.len());
+    for (e, &offset) in entries.iter().zip(&offsets) {
+        at = find(&header, CRC_HOLE, at)
+            .ok_or_else(|| Error::usage("internal error: checksum placeholder missing"))?;
+        checksums.push(Checksum {
+            range: (offset, offset + e.nbytes()),
+            at: vec![at as u64],
+            hex: true,
+        });
+        at += CRC_HOLE.len();
+    }
     Ok((
         OutputFile {
             path,
             size,
             literals: vec![(0, header)],
-            checksums: vec![],
+            checksums,
         },
         offsets,
     ))
 }
 
+/// Position of `needle` in `hay` at or after `from`.
+fn find(hay: &[u8], needle: &[u8], from: usize) -> Option<usize> {
+    hay.get(from..)?
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .map(|p| p + from)
+}
+
+/// The CRC-32s a header records under [`CRC_KEY`] (removed from `metadata`), one per tensor
+/// in data order, as checksums of file `file`; none when the key is absent.
+pub fn recorded_crcs(
+    path: &Path,
+    file: u32,
+    h: &mut Header,
+) -> Result<Vec<crate::formats::RecordCrc>> {
+    let Some(text) = h.metadata.remove(CRC_KEY) else {
+        return Ok(vec![]);
+    };
+    let bad = || {
+        Error::format(
+            path,
+            format!("`{CRC_KEY}` in the header is not a list of CRC-32s"),
+        )
+    };
+    let list: Vec<String> = serde_json::from_str(&text).map_err(|_| bad())?;
+    if list.len() != h.tensors.len() {
+        return Err(Error::format(
+            path,
+            format!(
+                "`{CRC_KEY}` lists {} checksums for {} tensors",
+                list.len(),
+                h.tensors.len()
+            ),
+        ));
+    }
+    list.iter()
+        .zip(&h.tensors)
+        .map(|(c, t)| {
+            let crc = u32::from_str_radix(c, 16).map_err(|_| bad())?;
+            Ok(crate::formats::RecordCrc {
+                file,
+                offset: t.offset,
+                len: Region::full(&t.shape).volume() * t.dtype.size() as u64,
+                crc,
+                what: format!("tensor `{}`", t.name),
+                shown: None,
+            })
+        })
+        .collect()
+}
+
 /// Read a single safetensors file as a one-rank checkpoint.
 pub fn read(path: &Path) -> Result<Checkpoint> {
-    let h = read_header(path)?;
+    let mut h = read_header(path)?;
+    let checksums = recorded_crcs(path, 0, &mut h)?;
     let tensors = h
         .tensors
         .into_iter()
@@ -233,14 +313,16 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
             shape: t.shape,
         })
         .collect();
-    Ok(Checkpoint::of_tensors(
+    let mut ck = Checkpoint::of_tensors(
         Format::Safetensors,
         path,
         vec![path.to_path_buf()],
         1,
         tensors,
         h.metadata,
-    ))
+    );
+    ck.checksums = checksums;
+    Ok(ck)
 }
 
 /// Lay out a consolidated target as one safetensors file.

@@ -1267,6 +1267,7 @@ pub fn output_parts(
                 .into_iter()
                 .map(|o| base + o)
                 .collect(),
+            hex: false,
         })
         .collect();
     (literals, checksums)
