@@ -4,16 +4,37 @@
 //! A single-file output is staged as `.NAME.reshard-tmp-PID`; a directory output is staged as
 //! a whole directory `.NAME.reshard-tmp-PID/` and renamed at once, so an error or a kill never
 //! leaves a partial output under the final name. An existing destination is replaced only
-//! when asked (`force`), and only after the new output is complete.
+//! when asked (`force`), and only after the new output is complete: a directory (or a file
+//! replaced by a directory) is swapped with the staged output in one `renameat2(EXCHANGE)`,
+//! so even then the destination is always either the old output or the new one.
+//!
+//! While a run writes `DST` it holds an exclusive `flock` on `.NAME.reshard-lock` beside it
+//! ([`Lock`]): a second run writing the same destination stops with a message naming the
+//! first one's pid. The lock dies with its process; the file of a killed run is reused and
+//! removed by the next run. That next run also removes the staging leftovers of killed runs
+//! for the same destination (`.NAME.reshard-tmp-PID`, unless PID is a reshard process still
+//! running) and says so, one line each on stderr, before removing each.
 
 use crate::error::{Error, IoContext, Result};
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::io::{Read, Seek, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Component, Path, PathBuf};
 
 /// The marker every temporary name carries, so leftovers of a killed run are recognisable.
 pub const TMP_MARK: &str = ".reshard-tmp-";
 
-/// A staged output that is removed on drop unless committed.
+/// The marker of a replaced destination moved aside (only where the filesystem cannot swap
+/// two names atomically).
+pub const OLD_MARK: &str = ".reshard-old-";
+
+/// The suffix of the lock file beside a destination being written (`.NAME.reshard-lock`).
+pub const LOCK_MARK: &str = ".reshard-lock";
+
+/// A staged output that is removed on drop unless committed. It holds the destination's
+/// [`Lock`] from creation until it is committed or dropped.
 #[derive(Debug)]
 pub struct Staging {
     dest: PathBuf,
@@ -21,49 +42,294 @@ pub struct Staging {
     is_dir: bool,
     force: bool,
     committed: bool,
+    // Dropped after `Drop::drop` has removed the staged files.
+    _lock: Lock,
+}
+
+fn parent_of(dest: &Path) -> &Path {
+    dest.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+}
+
+fn file_name(dest: &Path) -> Result<&std::ffi::OsStr> {
+    dest.file_name()
+        .ok_or_else(|| Error::usage(format!("{}: not a file or directory name", dest.display())))
 }
 
 fn sibling(dest: &Path, tag: &str) -> Result<PathBuf> {
-    let name = dest
-        .file_name()
-        .ok_or_else(|| Error::usage(format!("{}: not a file or directory name", dest.display())))?;
-    let parent = dest
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    Ok(parent.join(format!(
+    let name = file_name(dest)?;
+    Ok(parent_of(dest).join(format!(
         ".{}{tag}{}",
         name.to_string_lossy(),
         std::process::id()
     )))
 }
 
-impl Staging {
-    /// Prepare to write `dest` (a file, or a directory when `is_dir`). Fails if `dest` exists
-    /// and `force` is not set, or if its parent directory does not exist.
-    pub fn new(dest: &Path, is_dir: bool, force: bool) -> Result<Self> {
-        if fs::symlink_metadata(dest).is_ok() && !force {
-            return Err(Error::usage(format!(
-                "{}: already exists (use --force to replace it)",
-                dest.display()
-            )));
+/// The final name of `path` when it lies in a staged output: `DIR/.NAME.reshard-tmp-PID/x`
+/// is shown as `DIR/NAME/x`. Other paths are returned unchanged.
+pub fn final_path(path: &Path) -> PathBuf {
+    path.components()
+        .map(|c| match c {
+            Component::Normal(n) => {
+                let b = n.as_bytes();
+                let name = b.strip_prefix(b".").and_then(|rest| {
+                    let mark = TMP_MARK.as_bytes();
+                    let at = rest.windows(mark.len()).rposition(|w| w == mark)?;
+                    let pid = &rest[at + mark.len()..];
+                    (at > 0 && !pid.is_empty() && pid.iter().all(u8::is_ascii_digit))
+                        .then(|| &rest[..at])
+                });
+                match name {
+                    Some(n) => PathBuf::from(std::ffi::OsStr::from_bytes(n)),
+                    None => PathBuf::from(n),
+                }
+            }
+            c => PathBuf::from(c.as_os_str()),
+        })
+        .collect()
+}
+
+/// An I/O error met while writing output file `path` (staged or final). A full disk
+/// (`ENOSPC`, `EDQUOT`) or a file over the size limit (`EFBIG`, e.g. `ulimit -f`) is said in
+/// those words, naming the file by its final name.
+pub fn write_error(path: &Path, e: std::io::Error) -> Error {
+    let what = match e.raw_os_error() {
+        Some(libc::ENOSPC) => Some("cannot write: the disk is full"),
+        Some(libc::EDQUOT) => Some("cannot write: the disk quota is exhausted"),
+        Some(libc::EFBIG) => Some(
+            "cannot write: the file is larger than the filesystem or the file size limit \
+             (`ulimit -f`) allows",
+        ),
+        _ => None,
+    };
+    match (what, e.raw_os_error()) {
+        (Some(what), Some(code)) => Error::Io {
+            path: final_path(path),
+            source: std::io::Error::new(e.kind(), format!("{what} (os error {code})")),
+        },
+        _ => Error::Io {
+            path: path.to_path_buf(),
+            source: e,
+        },
+    }
+}
+
+/// [`write_error`] for `std::io::Result`s.
+pub trait WriteContext<T> {
+    /// Turn an I/O error on output file `path` into an [`Error::Io`] ([`write_error`]).
+    fn at_write(self, path: impl AsRef<Path>) -> Result<T>;
+}
+
+impl<T> WriteContext<T> for std::io::Result<T> {
+    fn at_write(self, path: impl AsRef<Path>) -> Result<T> {
+        self.map_err(|e| write_error(path.as_ref(), e))
+    }
+}
+
+/// An exclusive lock on writing one destination: `flock(LOCK_EX | LOCK_NB)` on
+/// `.NAME.reshard-lock` beside it, which holds the owner's pid. Released (and the file
+/// removed) on drop; a killed owner's lock is released by the kernel, and its file is reused.
+#[derive(Debug)]
+pub struct Lock {
+    path: PathBuf,
+    // Held open for the lock's life: closing it releases the flock.
+    _file: fs::File,
+}
+
+impl Lock {
+    /// The lock file of `dest`.
+    pub fn path_of(dest: &Path) -> Result<PathBuf> {
+        let name = file_name(dest)?;
+        Ok(parent_of(dest).join(format!(".{}{LOCK_MARK}", name.to_string_lossy())))
+    }
+
+    /// Take the lock of `dest`, or fail at once with a message naming the run holding it.
+    pub fn acquire(dest: &Path) -> Result<Lock> {
+        let path = Self::path_of(dest)?;
+        loop {
+            let mut file = fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .at_write(&path)?;
+            // SAFETY: flock on a descriptor owned by `file`.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() == Some(libc::EINTR) {
+                    continue;
+                }
+                if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+                    return Err(e).at(&path);
+                }
+                let mut text = String::new();
+                let _ = file.read_to_string(&mut text);
+                let who = match text.trim().parse::<u32>() {
+                    Ok(pid) => format!("another reshard run (pid {pid})"),
+                    Err(_) => "another reshard run".to_string(),
+                };
+                return Err(Error::usage(format!(
+                    "{who} is writing {}; wait for it to finish or stop it (lock {})",
+                    dest.display(),
+                    path.display()
+                )));
+            }
+            // The previous owner may have removed the file between our open and our flock:
+            // then we locked a file nobody else will see. Retry on the current one.
+            let same = match (fs::symlink_metadata(&path), file.metadata()) {
+                (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+                _ => false,
+            };
+            if !same {
+                continue;
+            }
+            file.set_len(0).at_write(&path)?;
+            file.rewind().at(&path)?;
+            file.write_all(format!("{}\n", std::process::id()).as_bytes())
+                .at_write(&path)?;
+            return Ok(Lock { path, _file: file });
         }
-        let parent = dest
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
+    }
+}
+
+impl Drop for Lock {
+    fn drop(&mut self) {
+        // Removed while still locked; a run that opened it meanwhile sees the file is gone
+        // once it gets the lock, and retries on a fresh one.
+        let _ = fs::remove_file(&self.path);
+    }
+}
+
+/// What [`clean_leftovers`] found beside a destination.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Leftover {
+    /// The staging file or directory (or replaced destination moved aside).
+    pub path: PathBuf,
+    /// The pid its name carries.
+    pub pid: u32,
+    /// True when it was removed; false when left in place because a reshard process with
+    /// that pid is running.
+    pub removed: bool,
+}
+
+fn pid_alive(pid: u32) -> bool {
+    let Ok(p) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    if p <= 0 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks that the process exists.
+    let r = unsafe { libc::kill(p, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// True when `pid` is a running process called `reshard`. A leftover's pid may since have
+/// been reused by another program (pids wrap quickly where `pid_max` is 32768); only a
+/// reshard run could still be using it (one that predates the lock), so only then is it kept.
+fn reshard_running(pid: u32) -> bool {
+    if !pid_alive(pid) {
+        return false;
+    }
+    match fs::read_to_string(format!("/proc/{pid}/comm")) {
+        Ok(comm) => comm.trim_end() == "reshard",
+        // No /proc: cannot tell, keep it while the pid lives.
+        Err(_) => pid_alive(pid),
+    }
+}
+
+/// Find the staging leftovers of earlier runs writing `dest` (`.NAME.reshard-tmp-PID` and
+/// `.NAME.reshard-old-PID` beside it, other than this process's) and remove them, unless
+/// their pid is a running reshard process. `report` is told of each one first (before it
+/// is removed, so a kill during the removal cannot remove one unreported). Call it holding
+/// `dest`'s [`Lock`]: then no other run is writing `dest`.
+pub fn clean_leftovers(dest: &Path, mut report: impl FnMut(&Leftover)) -> Result<Vec<Leftover>> {
+    let name = file_name(dest)?.as_bytes();
+    let parent = parent_of(dest);
+    let me = std::process::id();
+    let mut out = vec![];
+    let Ok(entries) = fs::read_dir(parent) else {
+        return Ok(out);
+    };
+    for e in entries.flatten() {
+        let file = e.file_name();
+        let b = file.as_bytes();
+        let Some(rest) = b.strip_prefix(b".").and_then(|r| r.strip_prefix(name)) else {
+            continue;
+        };
+        let Some(pid) = [TMP_MARK, OLD_MARK].iter().find_map(|m| {
+            let digits = rest.strip_prefix(m.as_bytes())?;
+            if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+                return None;
+            }
+            std::str::from_utf8(digits).ok()?.parse::<u32>().ok()
+        }) else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let l = Leftover {
+            path: e.path(),
+            pid,
+            removed: !reshard_running(pid),
+        };
+        report(&l);
+        if l.removed {
+            let is_dir = fs::symlink_metadata(&l.path).is_ok_and(|m| m.is_dir());
+            if is_dir {
+                fs::remove_dir_all(&l.path).at(&l.path)?;
+            } else {
+                fs::remove_file(&l.path).at(&l.path)?;
+            }
+        }
+        out.push(l);
+    }
+    out.sort_by(|a, b| a.path.cmp(&b.path));
+    Ok(out)
+}
+
+impl Staging {
+    /// Prepare to write `dest` (a file, or a directory when `is_dir`): take its [`Lock`]
+    /// (failing if another run holds it), remove leftovers of killed runs (reported on
+    /// stderr), and check it. Fails if `dest` exists and `force` is not set, or if its parent
+    /// directory does not exist.
+    pub fn new(dest: &Path, is_dir: bool, force: bool) -> Result<Self> {
+        let parent = parent_of(dest);
         if !parent.is_dir() {
             return Err(Error::usage(format!(
                 "{}: directory does not exist",
                 parent.display()
             )));
         }
+        let lock = Lock::acquire(dest)?;
+        clean_leftovers(dest, |l| {
+            if l.removed {
+                eprintln!(
+                    "reshard: removing {}, left by an interrupted run (pid {})",
+                    l.path.display(),
+                    l.pid
+                );
+            } else {
+                eprintln!(
+                    "reshard: warning: leaving {} in place: reshard pid {} is still running",
+                    l.path.display(),
+                    l.pid
+                );
+            }
+        })?;
+        if fs::symlink_metadata(dest).is_ok() && !force {
+            return Err(Error::usage(format!(
+                "{}: already exists (use --force to replace it)",
+                dest.display()
+            )));
+        }
         let tmp = sibling(dest, TMP_MARK)?;
+        remove_any(&tmp);
         if is_dir {
-            let _ = fs::remove_dir_all(&tmp);
-            fs::create_dir(&tmp).at(&tmp)?;
-        } else {
-            let _ = fs::remove_file(&tmp);
+            fs::create_dir(&tmp).at_write(&tmp)?;
         }
         Ok(Staging {
             dest: dest.to_path_buf(),
@@ -71,6 +337,7 @@ impl Staging {
             is_dir,
             force,
             committed: false,
+            _lock: lock,
         })
     }
 
@@ -83,13 +350,13 @@ impl Staging {
             self.tmp.clone()
         };
         if let Some(dir) = p.parent() {
-            fs::create_dir_all(dir).at(dir)?;
+            fs::create_dir_all(dir).at_write(dir)?;
         }
         fs::OpenOptions::new()
             .write(true)
             .create_new(true)
             .open(&p)
-            .at(&p)?;
+            .at_write(&p)?;
         Ok(p)
     }
 
@@ -98,14 +365,14 @@ impl Staging {
         &self.dest
     }
 
+    /// The staged output (a file, or a directory for directory outputs).
+    pub fn tmp(&self) -> &Path {
+        &self.tmp
+    }
+
     /// Move the staged output into place. Files must already be fsynced.
     pub fn commit(mut self) -> Result<()> {
-        let parent = self
-            .dest
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."))
-            .to_path_buf();
+        let parent = parent_of(&self.dest).to_path_buf();
         if self.is_dir {
             fsync_dir(&self.tmp)?;
         }
@@ -118,37 +385,79 @@ impl Staging {
         }
         let replace_dir = exists && (self.is_dir || self.dest.is_dir());
         if replace_dir {
-            // rename() cannot replace a directory: move the old one aside first.
-            let old = sibling(&self.dest, ".reshard-old-")?;
-            fs::rename(&self.dest, &old).at(&self.dest)?;
-            fs::rename(&self.tmp, &self.dest).at(&self.dest)?;
-            if old.is_dir() {
-                fs::remove_dir_all(&old).at(&old)?;
-            } else {
-                fs::remove_file(&old).at(&old)?;
+            // rename() cannot replace a directory: swap the two names atomically, then remove
+            // the old output, now under the staging name (a kill before that leaves it as a
+            // leftover the next run removes).
+            if exchange(&self.tmp, &self.dest).at_write(&self.dest)? {
+                self.committed = true;
+                fsync_dir(&parent)?;
+                remove_any(&self.tmp);
+                return Ok(());
             }
+            // No atomic swap on this filesystem: move the old one aside first.
+            let old = sibling(&self.dest, OLD_MARK)?;
+            fs::rename(&self.dest, &old).at_write(&self.dest)?;
+            fs::rename(&self.tmp, &self.dest).at_write(&self.dest)?;
+            self.committed = true;
+            remove_any(&old);
         } else {
-            fs::rename(&self.tmp, &self.dest).at(&self.dest)?;
+            fs::rename(&self.tmp, &self.dest).at_write(&self.dest)?;
+            self.committed = true;
         }
-        self.committed = true;
         fsync_dir(&parent)
+    }
+}
+
+/// Swap the names `a` and `b` in one step (`renameat2(RENAME_EXCHANGE)`). `Ok(false)` when
+/// the kernel or filesystem cannot, having changed nothing.
+fn exchange(a: &Path, b: &Path) -> std::io::Result<bool> {
+    let ca = std::ffi::CString::new(a.as_os_str().as_bytes())?;
+    let cb = std::ffi::CString::new(b.as_os_str().as_bytes())?;
+    // SAFETY: two NUL-terminated paths that live across the call.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_renameat2,
+            libc::AT_FDCWD,
+            ca.as_ptr(),
+            libc::AT_FDCWD,
+            cb.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    if r == 0 {
+        return Ok(true);
+    }
+    let e = std::io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP) => Ok(false),
+        _ => Err(e),
+    }
+}
+
+/// Remove a file or a directory tree, ignoring errors (best effort: what remains is a
+/// recognisable leftover the next run removes).
+fn remove_any(p: &Path) {
+    match fs::symlink_metadata(p) {
+        Ok(m) if m.is_dir() => {
+            let _ = fs::remove_dir_all(p);
+        }
+        Ok(_) => {
+            let _ = fs::remove_file(p);
+        }
+        Err(_) => {}
     }
 }
 
 impl Drop for Staging {
     fn drop(&mut self) {
         if !self.committed {
-            if self.is_dir {
-                let _ = fs::remove_dir_all(&self.tmp);
-            } else {
-                let _ = fs::remove_file(&self.tmp);
-            }
+            remove_any(&self.tmp);
         }
     }
 }
 
 fn fsync_dir(dir: &Path) -> Result<()> {
-    fs::File::open(dir).and_then(|f| f.sync_all()).at(dir)
+    fs::File::open(dir).and_then(|f| f.sync_all()).at_write(dir)
 }
 
 #[cfg(test)]
@@ -169,7 +478,7 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("already exists"));
-        // dropped without commit: nothing left behind
+        // dropped without commit: nothing left behind (no staging, no lock file)
         let s = Staging::new(&dest, false, true).unwrap();
         fs::write(s.create(Path::new("x")).unwrap(), b"new").unwrap();
         drop(s);
@@ -189,5 +498,175 @@ mod tests {
         assert!(!dest.join("old").exists());
         assert_eq!(fs::read(dest.join("a/new")).unwrap(), b"2");
         assert_eq!(fs::read_dir(d.path()).unwrap().count(), 1);
+        // a directory output replacing a file
+        let dest = d.path().join("f");
+        fs::write(&dest, b"file").unwrap();
+        let s = Staging::new(&dest, true, true).unwrap();
+        fs::write(s.create(Path::new("x")).unwrap(), b"3").unwrap();
+        s.commit().unwrap();
+        assert_eq!(fs::read(dest.join("x")).unwrap(), b"3");
+        assert_eq!(fs::read_dir(d.path()).unwrap().count(), 2);
+    }
+
+    #[test]
+    fn a_second_writer_of_the_same_destination_is_refused_naming_the_first() {
+        let d = tempfile::tempdir().unwrap();
+        let dest = d.path().join("out");
+        let s = Staging::new(&dest, true, false).unwrap();
+        let lock = Lock::path_of(&dest).unwrap();
+        assert_eq!(lock, d.path().join(".out.reshard-lock"));
+        assert_eq!(
+            fs::read_to_string(&lock).unwrap().trim(),
+            std::process::id().to_string()
+        );
+        let e = Staging::new(&dest, true, true).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            format!(
+                "another reshard run (pid {}) is writing {}; wait for it to finish or stop it (lock {})",
+                std::process::id(),
+                dest.display(),
+                lock.display()
+            )
+        );
+        // another destination in the same directory is not affected
+        drop(Staging::new(&d.path().join("out2"), true, false).unwrap());
+        drop(s);
+        assert!(!lock.exists());
+        // a stale lock file (its run was killed: nobody holds the flock) does not block
+        fs::write(&lock, b"999999999\n").unwrap();
+        let s = Staging::new(&dest, true, false).unwrap();
+        fs::write(s.create(Path::new("x")).unwrap(), b"1").unwrap();
+        s.commit().unwrap();
+        assert!(!lock.exists());
+        assert_eq!(fs::read_dir(d.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn leftovers_are_removed_unless_a_reshard_run_with_their_pid_is_alive() {
+        let d = tempfile::tempdir().unwrap();
+        let dest = d.path().join("m.safetensors");
+        // A pid above any pid_max (2^22): never a process.
+        let dead = (1u32 << 22) + 1;
+        // A live process that is not reshard (its pid was reused), and one called reshard.
+        let mut other_prog = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let bin = d.path().join("bin");
+        fs::create_dir(&bin).unwrap();
+        std::os::unix::fs::symlink(
+            std::process::Command::new("sh")
+                .args(["-c", "command -v sleep"])
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+                .unwrap(),
+            bin.join("reshard"),
+        )
+        .unwrap();
+        let mut run = std::process::Command::new(bin.join("reshard"))
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let (reused, live) = (other_prog.id(), run.id());
+        let me = std::process::id(); // this process: never a leftover of itself
+        let tmp_dead = d.path().join(format!(".m.safetensors.reshard-tmp-{dead}"));
+        let dir_dead = d.path().join(format!(".m.safetensors.reshard-old-{dead}"));
+        let tmp_reused = d
+            .path()
+            .join(format!(".m.safetensors.reshard-tmp-{reused}"));
+        let tmp_live = d.path().join(format!(".m.safetensors.reshard-tmp-{live}"));
+        let other = d.path().join(format!(".n.safetensors.reshard-tmp-{dead}"));
+        let mine = d.path().join(format!(".m.safetensors.reshard-tmp-{me}"));
+        let odd = d.path().join(".m.safetensors.reshard-tmp-12x");
+        for f in [&tmp_dead, &tmp_reused, &tmp_live, &other, &mine, &odd] {
+            fs::write(f, b"x").unwrap();
+        }
+        fs::create_dir(&dir_dead).unwrap();
+        fs::write(dir_dead.join("f"), b"x").unwrap();
+        let mut told = vec![];
+        let got = clean_leftovers(&dest, |l| {
+            assert!(l.path.exists(), "told before removal");
+            told.push(l.clone());
+        })
+        .unwrap();
+        let _ = (other_prog.kill(), run.kill());
+        let _ = (other_prog.wait(), run.wait());
+        told.sort_by(|a, b| a.path.cmp(&b.path));
+        assert_eq!(told, got);
+        let mut want = vec![
+            Leftover {
+                path: dir_dead.clone(),
+                pid: dead,
+                removed: true,
+            },
+            Leftover {
+                path: tmp_reused.clone(),
+                pid: reused,
+                removed: true,
+            },
+            Leftover {
+                path: tmp_live.clone(),
+                pid: live,
+                removed: false,
+            },
+            Leftover {
+                path: tmp_dead.clone(),
+                pid: dead,
+                removed: true,
+            },
+        ];
+        want.sort_by(|a, b| a.path.cmp(&b.path));
+        assert_eq!(got, want);
+        assert!(!tmp_dead.exists() && !dir_dead.exists() && !tmp_reused.exists());
+        assert!(tmp_live.exists() && other.exists() && mine.exists() && odd.exists());
+    }
+
+    #[test]
+    fn staged_paths_are_named_by_their_final_names_in_write_errors() {
+        let pid = std::process::id();
+        assert_eq!(
+            final_path(Path::new(&format!(
+                "/a/.out.reshard-tmp-{pid}/model-1.safetensors"
+            ))),
+            Path::new("/a/out/model-1.safetensors")
+        );
+        assert_eq!(
+            final_path(Path::new("d/.m.safetensors.reshard-tmp-12")),
+            Path::new("d/m.safetensors")
+        );
+        for p in [
+            ".reshard-tmp-12",
+            "d/.x.reshard-tmp-",
+            "d/.x.reshard-tmp-1a",
+            "d/x",
+        ] {
+            assert_eq!(final_path(Path::new(p)), Path::new(p));
+        }
+        let e = write_error(
+            Path::new("d/.m.pt.reshard-tmp-7"),
+            std::io::Error::from_raw_os_error(libc::ENOSPC),
+        )
+        .to_string();
+        assert!(
+            e == "d/m.pt: cannot write: the disk is full (os error 28)",
+            "{e}"
+        );
+        let e = write_error(
+            Path::new("d/.o.reshard-tmp-7/__0_0.distcp"),
+            std::io::Error::from_raw_os_error(libc::EFBIG),
+        )
+        .to_string();
+        assert!(
+            e.starts_with("d/o/__0_0.distcp: cannot write: the file is larger than"),
+            "{e}"
+        );
+        // other errors keep the path as it is
+        let e = write_error(
+            Path::new("d/.o.reshard-tmp-7/x"),
+            std::io::Error::from_raw_os_error(libc::EIO),
+        )
+        .to_string();
+        assert!(e.starts_with("d/.o.reshard-tmp-7/x: "), "{e}");
     }
 }

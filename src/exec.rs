@@ -9,6 +9,7 @@
 //! pages a window used are released (`MADV_DONTNEED`) as soon as it is written, so resident
 //! memory stays flat whatever the checkpoint size.
 
+use crate::commit::WriteContext;
 use crate::error::{Error, IoContext, Result};
 use crate::layout::DType;
 use crate::plan::{Cast, CopyOp, Plan};
@@ -466,7 +467,7 @@ fn run_window(
     ranges: &[(u32, u64, u64)],
     parts: &mut Vec<CrcPart>,
 ) -> Result<()> {
-    let write = |bytes: &[u8], at: u64| dst.write_all_at(bytes, at).at(dst_path);
+    let write = |bytes: &[u8], at: u64| dst.write_all_at(bytes, at).at_write(dst_path);
     let slice = |o: &CopyOp, row: u64| -> &[u8] {
         let s = (o.src_offset + row * o.src_stride) as usize;
         &srcs[o.src as usize][s..s + o.len as usize]
@@ -509,7 +510,7 @@ fn run_window(
                         o.dst_offset,
                         o.len,
                     )
-                    .at(dst_path)?;
+                    .at_write(dst_path)?;
                 if !kernel {
                     write(slice(o, 0), o.dst_offset)?;
                 }
@@ -674,8 +675,8 @@ pub fn execute(
                 .read(true)
                 .write(true)
                 .open(p)
-                .at(p)?;
-            f.set_len(o.size).at(p)?;
+                .at_write(p)?;
+            f.set_len(o.size).at_write(p)?;
             Ok(f)
         })
         .collect::<Result<_>>()?;
@@ -741,14 +742,14 @@ pub fn execute(
                 crc.to_le_bytes().to_vec()
             };
             for &at in &c.at {
-                files[f].write_all_at(&bytes, at).at(&dest_paths[f])?;
+                files[f].write_all_at(&bytes, at).at_write(&dest_paths[f])?;
             }
         }
     }
     bar.finish_and_clear();
     if opts.sync {
         for (f, p) in files.iter().zip(dest_paths) {
-            f.sync_all().at(p)?;
+            f.sync_all().at_write(p)?;
         }
     }
     Ok(ExecStats {
