@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// An I/O error on a named file.
-    #[error("{}: {source}", path.display())]
+    #[error("{}: {source}", one_line(&path.display().to_string()))]
     Io {
         /// The file involved.
         path: PathBuf,
@@ -14,7 +14,7 @@ pub enum Error {
         source: std::io::Error,
     },
     /// A file whose content is not what its format promises.
-    #[error("{}: {msg}", path.display())]
+    #[error("{}: {}", one_line(&path.display().to_string()), one_line(msg))]
     Format {
         /// The file involved.
         path: PathBuf,
@@ -22,7 +22,7 @@ pub enum Error {
         msg: String,
     },
     /// A tensor layout that does not describe the tensor exactly (gap, overlap, out of bounds).
-    #[error("tensor `{tensor}`: {msg}")]
+    #[error("tensor `{}`: {}", one_line(tensor), one_line(msg))]
     Layout {
         /// The tensor's name.
         tensor: String,
@@ -30,8 +30,26 @@ pub enum Error {
         msg: String,
     },
     /// A request that cannot be carried out as asked (bad option, refused cast, existing output).
-    #[error("{0}")]
+    #[error("{}", one_line(.0))]
     Usage(String),
+}
+
+/// `text` with its control characters (newlines, carriage returns, terminal escapes) written
+/// as Rust escapes (`\n`), so that names taken from a file cannot break a message over lines.
+pub(crate) fn one_line(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    text.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_debug().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect::<String>()
+        .into()
 }
 
 /// The crate's result type.

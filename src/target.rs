@@ -58,11 +58,15 @@ impl LayoutSpec {
 
     /// Read and check a layout file.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).at(path)?;
-        let spec: LayoutSpec = serde_json::from_str(&text)
-            .map_err(|e| Error::format(path, format!("is not a valid layout file: {e}")))?;
-        spec.check()
-            .map_err(|e| Error::format(path, e.to_string()))?;
+        let text = std::fs::read(path).at(path)?;
+        Self::from_json(&text).map_err(|e| Error::format(path, e.to_string()))
+    }
+
+    /// Parse and check the JSON of a layout file.
+    pub fn from_json(json: &[u8]) -> Result<Self> {
+        let spec: LayoutSpec = serde_json::from_slice(json)
+            .map_err(|e| Error::usage(format!("is not a valid layout file: {e}")))?;
+        spec.check()?;
         Ok(spec)
     }
 

@@ -238,7 +238,9 @@ impl Sharding {
                 Placement::StridedShard(d, sf) => {
                     let n: u64 = dims[d].iter().map(|s| s.1).sum();
                     let mut segs = vec![];
-                    for j in 0..sf {
+                    // Chunks j >= n are empty (chunk_range gives (n, n)): with sf > n, stop
+                    // at n rather than loop up to a huge sf from a layout file.
+                    for j in 0..sf.min(n) {
                         let (a, b) = chunk_range(n, sf, j);
                         let (x, y) = chunk_range(b - a, k, c);
                         segs.extend(
