@@ -81,24 +81,6 @@ impl Diff {
     }
 }
 
-/// Row ranges of dim 0 of about `BLOCK` bytes of `elem`-byte elements.
-fn blocks(shape: &[u64], elem: u64) -> Vec<Region> {
-    let full = Region::full(shape);
-    if shape.is_empty() || full.is_empty() {
-        return vec![full];
-    }
-    let row = (full.volume() / shape[0]).max(1) * elem;
-    let step = (BLOCK / row).max(1);
-    (0..shape[0].div_ceil(step))
-        .map(|k| {
-            let mut r = full.clone();
-            r.offsets[0] = k * step;
-            r.sizes[0] = step.min(shape[0] - k * step);
-            r
-        })
-        .collect()
-}
-
 fn f64s(bytes: &[u8]) -> impl Iterator<Item = f64> + '_ {
     bytes
         .chunks_exact(8)
@@ -120,7 +102,7 @@ fn tensor(a: &Checkpoint, b: &Checkpoint, name: &str) -> Result<Option<Differenc
     if ta.dtype == tb.dtype {
         let elem = ta.dtype.size() as u64;
         let (mut differ, mut first, mut base) = (0u64, None, 0u64);
-        for r in blocks(&ta.shape, elem) {
+        for r in Region::row_blocks(&ta.shape, elem, BLOCK) {
             let x = a.read_region(name, &r, None)?;
             let y = b.read_region(name, &r, None)?;
             if x != y {
@@ -149,7 +131,7 @@ fn tensor(a: &Checkpoint, b: &Checkpoint, name: &str) -> Result<Option<Differenc
         }));
     }
     let (mut max_abs, mut max_rel) = (0f64, 0f64);
-    for r in blocks(&ta.shape, 8) {
+    for r in Region::row_blocks(&ta.shape, 8, BLOCK) {
         let x = a.read_region(name, &r, Some(DType::F64))?;
         let y = b.read_region(name, &r, Some(DType::F64))?;
         for (p, q) in f64s(&x).zip(f64s(&y)) {

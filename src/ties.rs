@@ -23,26 +23,6 @@ const BLOCK: u64 = 8 << 20;
 /// Probes read at once (at most 16 MiB in memory).
 const PROBE_BATCH: usize = 256;
 
-/// Rows `a..b` of dimension 0 (the whole tensor when it is 0-d).
-fn rows(shape: &[u64], a: u64, b: u64) -> Region {
-    let mut r = Region::full(shape);
-    if !shape.is_empty() {
-        r.offsets[0] = a;
-        r.sizes[0] = b - a;
-    }
-    r
-}
-
-/// Dimension-0 row ranges of about `bytes` each covering `t`.
-fn blocks(t: &TensorLayout, bytes: u64) -> Vec<(u64, u64)> {
-    let n = t.shape.first().copied().unwrap_or(1);
-    let row = (t.nbytes() / n.max(1)).max(1);
-    let step = (bytes / row).max(1);
-    (0..n.div_ceil(step))
-        .map(|k| (k * step, ((k + 1) * step).min(n)))
-        .collect()
-}
-
 /// Read `regions` (tensor, region) of `files` in one mapping.
 fn read(files: &[PathBuf], want: &[(&TensorLayout, Region)]) -> Result<Vec<Vec<u8>>> {
     let mut jobs = vec![];
@@ -76,8 +56,7 @@ fn constant(bytes: &[u8], elem: usize) -> bool {
 
 /// Whether tensors `a` and `b` (same dtype and shape) hold the same bytes.
 fn equal(files: &[PathBuf], a: &TensorLayout, b: &TensorLayout) -> Result<bool> {
-    for (x, y) in blocks(a, BLOCK) {
-        let r = rows(&a.shape, x, y);
+    for r in Region::row_blocks(&a.shape, a.dtype.size() as u64, BLOCK) {
         let got = read(files, &[(a, r.clone()), (b, r)])?;
         if got[0] != got[1] {
             return Ok(false);
@@ -125,8 +104,9 @@ pub fn find(files: &[PathBuf], tensors: &[&TensorLayout]) -> Result<Vec<Vec<usiz
                     .iter()
                     .map(|&k| {
                         let t = tensors[aliased[k][0]];
-                        let (a, b) = blocks(t, PROBE)[0];
-                        (t, rows(&t.shape, a, b))
+                        let first = Region::row_blocks(&t.shape, t.dtype.size() as u64, PROBE)
+                            .swap_remove(0);
+                        (t, first)
                     })
                     .collect::<Vec<_>>(),
             )?;

@@ -135,64 +135,10 @@ fn within_scaled_bounds(what: &str, r: &Run, input: u64) {
 // ---------------------------------------------------------------------------------------------
 // Building DCP metadata (the torch 2.1 class layout reshard writes, see src/formats/dcp_write.rs)
 
-const META: &str = "torch.distributed.checkpoint.metadata";
-const ST_META: &str = "torch.distributed._shard.sharded_tensor.metadata";
-const FS: &str = "torch.distributed.checkpoint.filesystem";
-
-fn obj(module: &str, name: &str, state: Option<PyValue>) -> PyValue {
-    PyValue::Object {
-        module: module.into(),
-        name: name.into(),
-        state: state.map(Box::new),
-    }
-}
-
-fn call(module: &str, name: &str, args: Vec<PyValue>) -> PyValue {
-    PyValue::Call {
-        module: module.into(),
-        name: name.into(),
-        args,
-    }
-}
-
-fn size(v: &[u64]) -> PyValue {
-    call(
-        "torch",
-        "Size",
-        vec![PyValue::Tuple(
-            v.iter().map(|&x| PyValue::Int(x as i64)).collect(),
-        )],
-    )
-}
-
-fn dict(items: Vec<(&str, PyValue)>) -> PyValue {
-    PyValue::Dict(
-        items
-            .into_iter()
-            .map(|(k, v)| (PyValue::Str(k.into()), v))
-            .collect(),
-    )
-}
+use reshard::formats::dcp_write::{tensor_properties, FS, META, ST_META};
 
 fn properties() -> PyValue {
-    obj(
-        ST_META,
-        "TensorProperties",
-        Some(PyValue::Tuple(vec![
-            PyValue::Global {
-                module: "torch".into(),
-                name: "float32".into(),
-            },
-            call(
-                "torch.serialization",
-                "_get_layout",
-                vec![PyValue::Str("torch.strided".into())],
-            ),
-            PyValue::Bool(false),
-            call(ST_META, "MEM_FORMAT_ENCODING", vec![PyValue::Int(0)]),
-            PyValue::Bool(false),
-        ])),
-    )
+    tensor_properties(reshard::layout::DType::F32)
 }
 
 /// One chunk: (offsets, sizes) and where its item is: (file, offset, length).
@@ -203,28 +149,28 @@ fn metadata(name: &str, shape: &[u64], chunks: &[ChunkSpec]) -> Vec<u8> {
     let mut storage = vec![];
     let mut list = vec![];
     for (i, (offsets, sizes, (file, at, len))) in chunks.iter().enumerate() {
-        list.push(obj(
+        list.push(PyValue::object(
             META,
             "ChunkStorageMetadata",
-            Some(dict(vec![
-                ("offsets", size(offsets)),
-                ("sizes", size(sizes)),
+            Some(PyValue::str_dict(vec![
+                ("offsets", PyValue::torch_size(offsets)),
+                ("sizes", PyValue::torch_size(sizes)),
             ])),
         ));
         storage.push((
-            obj(
+            PyValue::object(
                 META,
                 "MetadataIndex",
-                Some(dict(vec![
+                Some(PyValue::str_dict(vec![
                     ("fqn", PyValue::Str(name.into())),
-                    ("offset", size(offsets)),
+                    ("offset", PyValue::torch_size(offsets)),
                     ("index", PyValue::Int(i as i64)),
                 ])),
             ),
-            obj(
+            PyValue::object(
                 FS,
                 "_StorageInfo",
-                Some(dict(vec![
+                Some(PyValue::str_dict(vec![
                     ("relative_path", PyValue::Str(file.clone())),
                     ("offset", PyValue::Int(*at as i64)),
                     ("length", PyValue::Int(*len as i64)),
@@ -234,20 +180,20 @@ fn metadata(name: &str, shape: &[u64], chunks: &[ChunkSpec]) -> Vec<u8> {
     }
     let sdm = vec![(
         PyValue::Str(name.into()),
-        obj(
+        PyValue::object(
             META,
             "TensorStorageMetadata",
-            Some(dict(vec![
+            Some(PyValue::str_dict(vec![
                 ("properties", properties()),
-                ("size", size(shape)),
+                ("size", PyValue::torch_size(shape)),
                 ("chunks", PyValue::List(list)),
             ])),
         ),
     )];
-    pickle(&obj(
+    pickle(&PyValue::object(
         META,
         "Metadata",
-        Some(dict(vec![
+        Some(PyValue::str_dict(vec![
             ("state_dict_metadata", PyValue::Dict(sdm)),
             ("planner_data", PyValue::Dict(vec![])),
             ("storage_data", PyValue::Dict(storage)),
@@ -825,33 +771,33 @@ fn deeply_nested_pickles_end_in_a_clear_error() {
         // as a DCP BYTE_IO item
         let dir = tmp.path().join(format!("b{i}"));
         let value = archive_with_pickle("archive", pkl.clone());
-        let meta = pickle(&obj(
+        let meta = pickle(&PyValue::object(
             META,
             "Metadata",
-            Some(dict(vec![
+            Some(PyValue::str_dict(vec![
                 (
                     "state_dict_metadata",
                     PyValue::Dict(vec![(
                         PyValue::Str("step".into()),
-                        obj(META, "BytesStorageMetadata", None),
+                        PyValue::object(META, "BytesStorageMetadata", None),
                     )]),
                 ),
                 ("planner_data", PyValue::Dict(vec![])),
                 (
                     "storage_data",
                     PyValue::Dict(vec![(
-                        obj(
+                        PyValue::object(
                             META,
                             "MetadataIndex",
-                            Some(dict(vec![
+                            Some(PyValue::str_dict(vec![
                                 ("fqn", PyValue::Str("step".into())),
                                 ("index", PyValue::None),
                             ])),
                         ),
-                        obj(
+                        PyValue::object(
                             FS,
                             "_StorageInfo",
-                            Some(dict(vec![
+                            Some(PyValue::str_dict(vec![
                                 ("relative_path", PyValue::Str("__0_0.distcp".into())),
                                 ("offset", PyValue::Int(0)),
                                 ("length", PyValue::Int(value.len() as i64)),

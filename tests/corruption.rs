@@ -16,20 +16,6 @@ use reshard::layout::Region;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-fn fixtures() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    let mut v: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap()
-        .map(|e| e.unwrap().path().join("checkpoint"))
-        .filter(|p| p.is_dir())
-        .collect();
-    for case in ["flat_dtypes", "training", "tied", "views", "ordered"] {
-        v.push(root.join("pt").join(case).join("model.pt"));
-    }
-    v.sort();
-    v
-}
-
 /// Every tensor's bytes, by name.
 fn contents(p: &Path) -> BTreeMap<String, Vec<u8>> {
     let ck = Checkpoint::open(p).unwrap();
@@ -301,7 +287,7 @@ fn protected(p: &Path) -> bool {
 fn every_damaged_variant_is_refused_or_converted_exactly() {
     let mut total = Tally::default();
     let mut lines = vec![];
-    for src in fixtures() {
+    for src in common::fixture_checkpoints() {
         let want = contents(&src);
         let guarded = protected(&src);
         let work = tempfile::tempdir().unwrap();

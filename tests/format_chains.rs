@@ -244,6 +244,24 @@ fn dest(dir: &Path, k: usize, f: Format) -> PathBuf {
     })
 }
 
+/// Convert `src` through `hops` (outputs under `dir`); the last output.
+fn run_chain(src: &Path, hops: &[Hop], dir: &Path) -> Result<PathBuf, TestCaseError> {
+    let mut cur = src.to_path_buf();
+    for (k, h) in hops.iter().enumerate() {
+        let dst = dest(dir, k, h.format);
+        let mut opts = ConvertOptions::to(1);
+        opts.layout = h.layout.clone();
+        opts.format = Some(h.format);
+        opts.exec.sync = false;
+        opts.per_rank = Some(Policy::Keep);
+        convert(&cur, &dst, &opts).map_err(|e| {
+            TestCaseError::fail(format!("{} hop {k} {:?}: {e}", src.display(), h.format))
+        })?;
+        cur = dst;
+    }
+    Ok(cur)
+}
+
 /// Run the chain and compare the last checkpoint with the first.
 fn check_chain(
     ts: &[T],
@@ -253,17 +271,7 @@ fn check_chain(
     let d = tempfile::tempdir().unwrap();
     let mut src = d.path().join("src.safetensors");
     write_source(&src, ts, extras);
-    for (k, h) in hops.iter().enumerate() {
-        let dst = dest(d.path(), k, h.format);
-        let mut opts = ConvertOptions::to(1);
-        opts.layout = h.layout.clone();
-        opts.format = Some(h.format);
-        opts.exec.sync = false;
-        opts.per_rank = Some(Policy::Keep);
-        convert(&src, &dst, &opts)
-            .map_err(|e| TestCaseError::fail(format!("hop {k} {:?}: {e}", h.format)))?;
-        src = dst;
-    }
+    src = run_chain(&src, hops, d.path())?;
     let ck = Checkpoint::open(&src).map_err(|e| TestCaseError::fail(e.to_string()))?;
     let mut got_names: Vec<&str> = ck.tensors.iter().map(|t| t.name.as_str()).collect();
     let mut want_names: Vec<&str> = ts.iter().map(|t| t.name.as_str()).collect();
@@ -430,22 +438,6 @@ fn regression_float_values_survive_json_exactly() {
     check_chain(&ts, &extras, &hops).unwrap();
 }
 
-/// The real checkpoints of `tests/fixtures` (torch-written DCP, HF storage and `.pt`) as
-/// starting points.
-fn fixture_sources() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    let mut v: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap()
-        .map(|e| e.unwrap().path().join("checkpoint"))
-        .filter(|p| p.is_dir())
-        .collect();
-    for case in ["flat_dtypes", "training", "tied", "views", "ordered"] {
-        v.push(root.join("pt").join(case).join("model.pt"));
-    }
-    v.sort();
-    v
-}
-
 /// Tensors by name (dtype, shape, bytes) and non-tensor leaves by flat name.
 type Contents = (
     BTreeMap<String, (DType, Vec<u64>, Vec<u8>)>,
@@ -521,23 +513,11 @@ proptest! {
         pick in any::<prop::sample::Index>(),
         hops in prop::collection::vec(hop(), 1..=3),
     ) {
-        let sources = fixture_sources();
+        let sources = common::fixture_checkpoints();
         let src = pick.get(&sources).clone();
         let want = contents(&src);
         let d = tempfile::tempdir().unwrap();
-        let mut cur = src.clone();
-        for (k, h) in hops.iter().enumerate() {
-            let dst = dest(d.path(), k, h.format);
-            let mut opts = ConvertOptions::to(1);
-            opts.layout = h.layout.clone();
-            opts.format = Some(h.format);
-            opts.exec.sync = false;
-            opts.per_rank = Some(Policy::Keep);
-            convert(&cur, &dst, &opts).map_err(|e| {
-                TestCaseError::fail(format!("{} hop {k} {:?}: {e}", src.display(), h.format))
-            })?;
-            cur = dst;
-        }
+        let cur = run_chain(&src, &hops, d.path())?;
         let got = contents(&cur);
         prop_assert!(got.0 == want.0, "{}: tensors differ after {:?}", src.display(),
             hops.iter().map(|h| h.format).collect::<Vec<_>>());

@@ -16,42 +16,33 @@ use crate::layout::{Loc, Piece, Region, TensorLayout};
 use std::collections::HashSet;
 use std::path::PathBuf;
 
-const META: &str = "torch.distributed.checkpoint.metadata";
-const ST_META: &str = "torch.distributed._shard.sharded_tensor.metadata";
-const FS: &str = "torch.distributed.checkpoint.filesystem";
+/// Module of DCP's metadata classes (`Metadata`, `MetadataIndex`, chunk and storage metadata).
+pub const META: &str = "torch.distributed.checkpoint.metadata";
+/// Module of `TensorProperties` in the torch 2.1 class layout.
+pub const ST_META: &str = "torch.distributed._shard.sharded_tensor.metadata";
+/// Module of `_StorageInfo`.
+pub const FS: &str = "torch.distributed.checkpoint.filesystem";
 
-fn obj(module: &str, name: &str, state: Option<PyValue>) -> PyValue {
-    PyValue::Object {
-        module: module.into(),
-        name: name.into(),
-        state: state.map(Box::new),
-    }
-}
-
-fn call(module: &str, name: &str, args: Vec<PyValue>) -> PyValue {
-    PyValue::Call {
-        module: module.into(),
-        name: name.into(),
-        args,
-    }
-}
-
-fn size(v: &[u64]) -> PyValue {
-    call(
-        "torch",
-        "Size",
-        vec![PyValue::Tuple(
-            v.iter().map(|&x| PyValue::Int(x as i64)).collect(),
-        )],
-    )
-}
-
-fn dict(items: Vec<(&str, PyValue)>) -> PyValue {
-    PyValue::Dict(
-        items
-            .into_iter()
-            .map(|(k, v)| (PyValue::Str(k.into()), v))
-            .collect(),
+/// DCP's `TensorProperties` of a tensor of `dtype` (torch 2.1's 5-tuple state: dtype,
+/// strided layout, no grad, contiguous format, not pinned), as reshard writes it.
+pub fn tensor_properties(dtype: crate::layout::DType) -> PyValue {
+    PyValue::object(
+        ST_META,
+        "TensorProperties",
+        Some(PyValue::Tuple(vec![
+            PyValue::Global {
+                module: "torch".into(),
+                name: torch_dtype_name(dtype).into(),
+            },
+            PyValue::call(
+                "torch.serialization",
+                "_get_layout",
+                vec![PyValue::Str("torch.strided".into())],
+            ),
+            PyValue::Bool(false),
+            PyValue::call(ST_META, "MEM_FORMAT_ENCODING", vec![PyValue::Int(0)]),
+            PyValue::Bool(false),
+        ])),
     )
 }
 
@@ -88,10 +79,10 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
             .unwrap_or_else(|| vec![KeyPart::Key(name.to_string())])
     };
     let storage_info = |file: u32, offset: u64, length: u64| {
-        obj(
+        PyValue::object(
             FS,
             "_StorageInfo",
-            Some(dict(vec![
+            Some(PyValue::str_dict(vec![
                 ("relative_path", PyValue::Str(format!("__{file}_0.distcp"))),
                 ("offset", PyValue::Int(offset as i64)),
                 ("length", PyValue::Int(length as i64)),
@@ -107,10 +98,10 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
         let offset = f.size;
         f.size += item.len() as u64;
         storage.push((
-            obj(
+            PyValue::object(
                 META,
                 "MetadataIndex",
-                Some(dict(vec![
+                Some(PyValue::str_dict(vec![
                     ("fqn", PyValue::Str(e.name.clone())),
                     ("index", PyValue::None),
                 ])),
@@ -120,7 +111,7 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
         f.literals.push((offset, item));
         sdm.push((
             PyValue::Str(e.name.clone()),
-            obj(META, "BytesStorageMetadata", None),
+            PyValue::object(META, "BytesStorageMetadata", None),
         ));
         planner.push((PyValue::Str(e.name.clone()), path_value(&path_of(&e.name))));
     }
@@ -168,53 +159,36 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
                     },
                 });
                 storage.push((
-                    obj(
+                    PyValue::object(
                         META,
                         "MetadataIndex",
-                        Some(dict(vec![
+                        Some(PyValue::str_dict(vec![
                             ("fqn", PyValue::Str(t.name.clone())),
-                            ("offset", size(&reg.offsets)),
+                            ("offset", PyValue::torch_size(&reg.offsets)),
                             ("index", PyValue::Int(chunks.len() as i64)),
                         ])),
                     ),
                     storage_info(r as u32, offset, layout.len),
                 ));
-                chunks.push(obj(
+                chunks.push(PyValue::object(
                     META,
                     "ChunkStorageMetadata",
-                    Some(dict(vec![
-                        ("offsets", size(&reg.offsets)),
-                        ("sizes", size(&reg.sizes)),
+                    Some(PyValue::str_dict(vec![
+                        ("offsets", PyValue::torch_size(&reg.offsets)),
+                        ("sizes", PyValue::torch_size(&reg.sizes)),
                     ])),
                 ));
             }
         }
-        let properties = obj(
-            ST_META,
-            "TensorProperties",
-            Some(PyValue::Tuple(vec![
-                PyValue::Global {
-                    module: "torch".into(),
-                    name: torch_dtype_name(t.dtype).into(),
-                },
-                call(
-                    "torch.serialization",
-                    "_get_layout",
-                    vec![PyValue::Str("torch.strided".into())],
-                ),
-                PyValue::Bool(false),
-                call(ST_META, "MEM_FORMAT_ENCODING", vec![PyValue::Int(0)]),
-                PyValue::Bool(false),
-            ])),
-        );
+        let properties = tensor_properties(t.dtype);
         sdm.push((
             PyValue::Str(t.name.clone()),
-            obj(
+            PyValue::object(
                 META,
                 "TensorStorageMetadata",
-                Some(dict(vec![
+                Some(PyValue::str_dict(vec![
                     ("properties", properties),
-                    ("size", size(&t.shape)),
+                    ("size", PyValue::torch_size(&t.shape)),
                     ("chunks", PyValue::List(chunks)),
                 ])),
             ),
@@ -227,10 +201,10 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
             pieces,
         });
     }
-    let metadata = obj(
+    let metadata = PyValue::object(
         META,
         "Metadata",
-        Some(dict(vec![
+        Some(PyValue::str_dict(vec![
             ("state_dict_metadata", PyValue::Dict(sdm)),
             ("planner_data", PyValue::Dict(planner)),
             ("storage_data", PyValue::Dict(storage)),

@@ -115,6 +115,47 @@ pub enum PyValue {
     },
 }
 
+impl PyValue {
+    /// An object `module.name` built with `state` ([`PyValue::Object`]).
+    pub fn object(module: &str, name: &str, state: Option<PyValue>) -> PyValue {
+        PyValue::Object {
+            module: module.into(),
+            name: name.into(),
+            state: state.map(Box::new),
+        }
+    }
+
+    /// A call `module.name(*args)` ([`PyValue::Call`]).
+    pub fn call(module: &str, name: &str, args: Vec<PyValue>) -> PyValue {
+        PyValue::Call {
+            module: module.into(),
+            name: name.into(),
+            args,
+        }
+    }
+
+    /// `torch.Size(dims)`.
+    pub fn torch_size(dims: &[u64]) -> PyValue {
+        PyValue::call(
+            "torch",
+            "Size",
+            vec![PyValue::Tuple(
+                dims.iter().map(|&x| PyValue::Int(x as i64)).collect(),
+            )],
+        )
+    }
+
+    /// A dict with str keys, in the given order.
+    pub fn str_dict(items: Vec<(&str, PyValue)>) -> PyValue {
+        PyValue::Dict(
+            items
+                .into_iter()
+                .map(|(k, v)| (PyValue::Str(k.into()), v))
+                .collect(),
+        )
+    }
+}
+
 /// A contiguous tensor stored in record `data/<key>`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorRef {

@@ -31,6 +31,26 @@ impl Region {
         }
     }
 
+    /// The whole of a tensor of `shape` cut along dimension 0 into boxes of whole rows, each
+    /// about `bytes` bytes of `elem`-byte elements (at least one row); a 0-d or empty tensor
+    /// is one box. For reading a tensor in bounded blocks.
+    pub fn row_blocks(shape: &[u64], elem: u64, bytes: u64) -> Vec<Region> {
+        let full = Region::full(shape);
+        if shape.is_empty() || full.is_empty() {
+            return vec![full];
+        }
+        let row = (full.volume() / shape[0]).max(1) * elem;
+        let step = (bytes / row.max(1)).max(1);
+        (0..shape[0].div_ceil(step))
+            .map(|k| {
+                let mut r = full.clone();
+                r.offsets[0] = k * step;
+                r.sizes[0] = step.min(shape[0] - k * step);
+                r
+            })
+            .collect()
+    }
+
     /// Number of dimensions.
     pub fn ndim(&self) -> usize {
         self.sizes.len()
@@ -232,6 +252,28 @@ pub fn for_each_run(b: &Region, src: &Strided, dst: &Strided, mut f: impl FnMut(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn row_blocks_tile_dimension_zero() {
+        // 10 rows of 3 f32 (12 B): 25 B blocks hold 2 rows
+        let b = Region::row_blocks(&[10, 3], 4, 25);
+        assert_eq!(b.len(), 5);
+        assert!(b
+            .iter()
+            .enumerate()
+            .all(|(k, r)| r.offsets == vec![2 * k as u64, 0] && r.sizes == vec![2, 3]));
+        // a row larger than the block: one row each; 0-d and empty: one box
+        assert_eq!(Region::row_blocks(&[3, 100], 8, 16).len(), 3);
+        assert_eq!(Region::row_blocks(&[], 4, 1), vec![Region::full(&[])]);
+        assert_eq!(
+            Region::row_blocks(&[0, 5], 4, 1),
+            vec![Region::full(&[0, 5])]
+        );
+        assert_eq!(
+            Region::row_blocks(&[7, 2], 1, 1 << 20),
+            vec![Region::full(&[7, 2])]
+        );
+    }
 
     fn r(o: &[u64], s: &[u64]) -> Region {
         Region::new(o.to_vec(), s.to_vec())

@@ -284,3 +284,19 @@ pub fn judge<S: AsRef<std::ffi::OsStr> + std::fmt::Debug>(py: &Path, args: &[S])
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+/// Every real checkpoint of `tests/fixtures`: the torch-written DCP and HF-storage
+/// directories and the `.pt` files, sorted.
+pub fn fixture_checkpoints() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let mut v: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path().join("checkpoint"))
+        .filter(|p| p.is_dir())
+        .collect();
+    for case in ["flat_dtypes", "training", "tied", "views", "ordered"] {
+        v.push(root.join("pt").join(case).join("model.pt"));
+    }
+    v.sort();
+    v
+}
