@@ -79,18 +79,6 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
     let mut w = Walker {
         path,
         archive: &item.archive,
-        index: item
-            .archive
-            .entries
-            .iter()
-            .enumerate()
-            .map(|(i, e)| (e.name.as_str(), i))
-            .collect(),
-        view: {
-            let mut v = item.archive.clone();
-            v.entries.clear();
-            v
-        },
         bytes,
         tensors: vec![],
         extras: vec![],
@@ -139,25 +127,6 @@ fn is_tensor_call(v: &Value) -> bool {
                 | "_rebuild_parameter_with_state"
         )) | Some(("torch._tensor", "_rebuild_from_type_v2"))
     )
-}
-
-/// The storage key of a tensor rebuild call (`('storage', class, key, location, numel)`).
-fn storage_key(v: &Value) -> Option<String> {
-    let mut call = v;
-    if matches!(call.class(), Some(("torch._utils", n)) if n.starts_with("_rebuild_parameter")) {
-        call = call.args()?.first()?;
-    }
-    match call
-        .args()?
-        .first()?
-        .as_persistent_id()?
-        .as_list()?
-        .get(2)?
-    {
-        Value::Str(s) => Some(s.clone()),
-        Value::Int(i) => Some(i.to_string()),
-        _ => None,
-    }
 }
 
 /// The kind of the first tensor (or bare storage) found inside `v`, if any.
@@ -213,11 +182,6 @@ fn is_module_metadata(pairs: &[(Value, Value)], i: usize) -> bool {
 struct Walker<'a> {
     path: &'a Path,
     archive: &'a Archive,
-    /// Directory entries by record name: `Archive::record` scans the directory, which is
-    /// quadratic over a file of many storages, so each tensor is interpreted against `view`,
-    /// the archive reduced to its storage's entry.
-    index: HashMap<&'a str, usize>,
-    view: Archive,
     bytes: &'a [u8],
     tensors: Vec<TensorLayout>,
     extras: Vec<Extra>,
@@ -305,21 +269,7 @@ impl Walker<'_> {
                 Ok(())
             }
             _ if is_tensor_call(v) => {
-                let record = storage_key(v)
-                    .and_then(|k| {
-                        self.index
-                            .get(format!("{}/data/{k}", self.archive.prefix).as_str())
-                    })
-                    .map(|&i| self.archive.entries[i].clone());
-                let archive = match record {
-                    Some(e) => {
-                        self.view.entries.clear();
-                        self.view.entries.push(e);
-                        &self.view
-                    }
-                    None => self.archive,
-                };
-                let t = torch_zip::tensor_of(v, archive, self.bytes)
+                let t = torch_zip::tensor_of(v, self.archive, self.bytes)
                     .map_err(|e| self.err(parts, e))?
                     .ok_or_else(|| {
                         let (m, n) = v.class().unwrap_or_default();
@@ -335,12 +285,12 @@ impl Walker<'_> {
                 let name = self.name(parts)?;
                 if self.records.insert(t.record.offset) {
                     let rec = format!("{}/data/{}", self.archive.prefix, t.storage_key);
-                    if let Some(&i) = self.index.get(rec.as_str()) {
+                    if let Some(entry) = self.archive.entry(&rec) {
                         self.checksums.push(RecordCrc {
                             file: 0,
                             offset: t.record.offset,
                             len: t.record.len,
-                            crc: self.archive.entries[i].crc,
+                            crc: entry.crc,
                             what: format!("tensor `{}` (record {rec})", short(&name)),
                             shown: None,
                         });
@@ -528,8 +478,6 @@ mod tests {
         let w = Walker {
             path: Path::new("x.pt"),
             archive: &archive,
-            index: HashMap::new(),
-            view: archive.clone(),
             bytes: &[],
             tensors: vec![],
             extras: vec![],

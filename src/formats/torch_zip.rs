@@ -143,6 +143,9 @@ pub struct Archive {
     pub prefix: String,
     /// Entries in central-directory order.
     pub entries: Vec<Entry>,
+    /// Index into `entries` by name (the first entry of a name), so that looking up every
+    /// storage of an archive of many records stays linear.
+    by_name: std::collections::HashMap<String, usize>,
     /// Where the central directory starts; all record data lies before it.
     cd_offset: u64,
 }
@@ -312,16 +315,21 @@ impl Archive {
                 }
             },
         };
+        let mut by_name = std::collections::HashMap::with_capacity(entries.len());
+        for (i, e) in entries.iter().enumerate() {
+            by_name.entry(e.name.clone()).or_insert(i);
+        }
         Ok(Archive {
             prefix,
             entries,
+            by_name,
             cd_offset,
         })
     }
 
     /// The entry called `name`.
     pub fn entry(&self, name: &str) -> Option<&Entry> {
-        self.entries.iter().find(|e| e.name == name)
+        self.by_name.get(name).map(|&i| &self.entries[i])
     }
 
     /// Locate the data of record `name`: checks its local header (signature, method, name)
@@ -493,11 +501,12 @@ pub fn parse(bytes: &[u8]) -> Result<Item> {
             )));
         }
     }
-    let value = pickle::parse(pkl, &pickle::torch_save_globals()).map_err(|source| {
-        TorchZipError::Pickle {
-            record: short(&pkl_name),
-            source,
-        }
+    // Built once: a checkpoint has one archive per item, often thousands.
+    static GLOBALS: std::sync::OnceLock<pickle::Globals> = std::sync::OnceLock::new();
+    let globals = GLOBALS.get_or_init(pickle::torch_save_globals);
+    let value = pickle::parse(pkl, globals).map_err(|source| TorchZipError::Pickle {
+        record: short(&pkl_name),
+        source,
     })?;
     let tensor = tensor_of(&value, &archive, bytes)?;
     Ok(Item {
