@@ -214,7 +214,8 @@ pub struct Leftover {
     pub removed: bool,
 }
 
-fn pid_alive(pid: u32) -> bool {
+/// True when a process with this pid exists (it may not be reshard: pids are reused).
+pub(crate) fn pid_alive(pid: u32) -> bool {
     let Ok(p) = libc::pid_t::try_from(pid) else {
         return false;
     };

@@ -183,6 +183,7 @@ pub fn infer_format(dst: Option<&Path>, world: u64) -> Format {
 
 /// Read `src` and prepare its conversion (`dst` only guides the format choice).
 pub fn prepare(src: &Path, dst: Option<&Path>, opts: &ConvertOptions) -> Result<Job> {
+    opts.layout.check()?;
     let source = Checkpoint::open(src)?;
     let world = opts.layout.world();
     let format = opts.format.unwrap_or_else(|| infer_format(dst, world));

@@ -21,6 +21,11 @@ use globset::{Glob, GlobMatcher};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
+/// Most ranks a target mesh may have (2^20): the plan and the writers keep per-rank state,
+/// so a mesh of billions of ranks would be accepted only to exhaust memory. The largest
+/// training runs are around 10^5 ranks.
+pub const MAX_WORLD: u64 = 1 << 20;
+
 /// One rule of a layout file.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -82,9 +87,12 @@ impl LayoutSpec {
             .mesh
             .iter()
             .try_fold(1u64, |a, &b| a.checked_mul(b))
-            .is_none_or(|w| w > u32::MAX as u64)
+            .is_none_or(|w| w > MAX_WORLD)
         {
-            return Err(Error::usage(format!("mesh {:?} is too large", self.mesh)));
+            return Err(Error::usage(format!(
+                "mesh {:?} has more than {MAX_WORLD} ranks, the most reshard lays out",
+                self.mesh
+            )));
         }
         if self.flat && self.mesh.len() != 1 {
             return Err(Error::usage("a flat layout needs a 1-D mesh"));
