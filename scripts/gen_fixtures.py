@@ -65,6 +65,14 @@ CASES: dict[str, dict] = {
         writer="dcp.save({model, optimizer (get_state_dict), scheduler, step, extra}, checkpoint_id=dir)",
         exercises=["FSDP2 DTensor Shard(0)", "bfloat16 params and optimizer state (step stays f32)",
                    "uneven dim-0 shards", "empty chunks", "0-d tensors", "many extra dtypes", "non-contiguous item"]),
+    "fsdp2_w8_f32": dict(
+        kind="fsdp2", world=8, dtype="float32", bench=True,
+        writer="dcp.save({model, optimizer (get_state_dict), scheduler, step, extra}, checkpoint_id=dir)",
+        exercises=["FSDP2 DTensor Shard(0) over 8 ranks (benchmark source for 8 -> 3)", "uneven dim-0 shards"]),
+    "fsdp2_w4_bf16": dict(
+        kind="fsdp2", world=4, dtype="bfloat16", bench=True,
+        writer="dcp.save({model, optimizer (get_state_dict), scheduler, step, extra}, checkpoint_id=dir)",
+        exercises=["FSDP2 DTensor Shard(0) over 4 ranks in bfloat16 (benchmark source)", "uneven dim-0 shards"]),
     "fsdp2_w2_f32": dict(
         kind="fsdp2", world=2, dtype="float32",
         writer="dcp.save({model, optimizer (get_state_dict), scheduler, step, extra}, checkpoint_id=dir)",
@@ -929,7 +937,8 @@ def main(argv=None):
         for n, s in CASES.items():
             print(f"{n:32s} world={s['world']} {s['dtype']:9s} {s['writer']}")
         return 0
-    names = a.only or list(CASES)
+    # bench=True cases are sources for scripts/compare.py, not committed fixtures: only with --only
+    names = a.only or [n for n, c in CASES.items() if not c.get("bench")]
     unknown = [n for n in names + a.skip if n not in CASES]
     if unknown:
         ap.error(f"unknown case(s): {unknown}; known: {list(CASES)}")

@@ -3,7 +3,7 @@
 
 use crate::commit::Staging;
 use crate::error::{Error, Result};
-use crate::exec::{execute, ExecOptions, ExecStats};
+use crate::exec::{execute_with_known, ExecOptions, ExecStats, KnownCrc};
 use crate::formats::{self, Checkpoint, Format, Output, WriteOptions};
 use crate::layout::{DType, TensorLayout};
 use crate::per_rank::{classify, Policy};
@@ -116,8 +116,9 @@ pub struct ConvertOptions {
     /// Write tied tensors ([`crate::ties`]) once per name even where the format could store
     /// them once (`.pt`).
     pub untie: bool,
-    /// Check the CRC-32s the sources record for the bytes the plan reads before writing
-    /// anything ([`crate::verify::sources_of`]).
+    /// Check the CRC-32s the sources record for the bytes the plan reads
+    /// ([`crate::verify::sources_of`], on its own thread while the copy runs); a mismatch
+    /// fails the run before the output is committed.
     pub verify: bool,
 }
 
@@ -363,9 +364,6 @@ fn check_paths(src: &Path, dst: &Path) -> Result<()> {
 /// Write `job`'s output to `dst` atomically.
 pub fn run(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats> {
     check_paths(&job.source.path, dst)?;
-    if opts.verify {
-        crate::verify::sources_of(&job.source, &job.plan)?;
-    }
     let is_dir = job.format.is_dir();
     if !is_dir && dst.is_dir() {
         return Err(Error::usage(format!(
@@ -381,13 +379,40 @@ pub fn run(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats> {
         .iter()
         .map(|f| staging.create(&f.path))
         .collect::<Result<_>>()?;
-    let stats = execute(
-        &job.plan,
-        &job.source.files,
-        &job.output.files,
-        &dest_paths,
-        &opts.exec,
-    )?;
+    // The CRC-32s the sources record: output checksums over whole source records are
+    // combined from them rather than hashed (so kernel copies stay in the kernel).
+    let known: Vec<KnownCrc> = job
+        .source
+        .checksums
+        .iter()
+        .map(|r| KnownCrc {
+            src: r.file,
+            offset: r.offset,
+            len: r.len,
+            crc: r.crc,
+        })
+        .collect();
+    // Source checksums are checked on another thread while the copy runs; a mismatch fails
+    // the run before anything is committed (the staging area is then removed).
+    let (checked, stats) = std::thread::scope(|s| {
+        let check = opts
+            .verify
+            .then(|| s.spawn(|| crate::verify::sources_of(&job.source, &job.plan)));
+        let stats = execute_with_known(
+            &job.plan,
+            &job.source.files,
+            &job.output.files,
+            &dest_paths,
+            &opts.exec,
+            &known,
+        );
+        let checked = check.map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+        (checked, stats)
+    });
+    if let Some(c) = checked {
+        c?;
+    }
+    let stats = stats?;
     staging.commit()?;
     Ok(stats)
 }

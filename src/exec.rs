@@ -66,6 +66,100 @@ struct CrcPart {
     hash: crc32fast::Hasher,
 }
 
+/// The CRC-32 of bytes `offset..offset + len` of source `src`, taken as given (a checksum the
+/// source records). An output checksum over bytes copied whole from a run of such ranges is
+/// combined from them instead of hashed, so a kernel copy (`copy_file_range`) never has to
+/// bring those bytes into user space. If the source bytes do not match their recorded CRC,
+/// the output's CRC does not match its bytes either, and `reshard verify` flags the output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KnownCrc {
+    /// Source file index (as in [`CopyOp::src`]).
+    pub src: u32,
+    /// First byte.
+    pub offset: u64,
+    /// Bytes covered.
+    pub len: u64,
+    /// Their CRC-32.
+    pub crc: u32,
+}
+
+/// The parts of output checksums that `known` source CRCs give without hashing: direct ops
+/// (no cast, one row) whose share of a checksum range is read from a run of consecutive
+/// known source ranges. Returns those parts and, per output file, the destination ranges
+/// they cover (sorted, disjoint), which the windows then leave unhashed.
+fn known_parts(
+    plan: &Plan,
+    outputs: &[OutputFile],
+    ranges: &[Vec<(u32, u64, u64)>],
+    known: &[KnownCrc],
+) -> (Vec<CrcPart>, Vec<Vec<(u64, u64)>>) {
+    let mut parts = vec![];
+    let mut skip: Vec<Vec<(u64, u64)>> = vec![vec![]; outputs.len()];
+    if known.is_empty() {
+        return (parts, skip);
+    }
+    let index: std::collections::HashMap<(u32, u64), (u64, u32)> = known
+        .iter()
+        .filter(|k| k.len > 0)
+        .map(|k| ((k.src, k.offset), (k.len, k.crc)))
+        .collect();
+    for o in plan.ops.iter().filter(|o| o.count == 1 && o.cast.is_none()) {
+        let Some(rs) = ranges.get(o.dst as usize) else {
+            continue;
+        };
+        let (d0, d1) = (o.dst_offset, o.dst_offset + o.len);
+        let first = rs.partition_point(|r| r.2 <= d0);
+        for &(ck, a, b) in rs[first..].iter().take_while(|r| r.1 < d1) {
+            let (x, y) = (a.max(d0), b.min(d1));
+            let (start, end) = (o.src_offset + (x - d0), o.src_offset + (y - d0));
+            let mut hash = crc32fast::Hasher::new();
+            let mut at = start;
+            while at < end {
+                match index.get(&(o.src, at)) {
+                    Some(&(len, crc)) if at + len <= end => {
+                        hash.combine(&crc32fast::Hasher::new_with_initial_len(crc, len));
+                        at += len;
+                    }
+                    _ => break,
+                }
+            }
+            if at == end && x < y {
+                parts.push(CrcPart {
+                    file: o.dst,
+                    ck,
+                    start: x,
+                    len: y - x,
+                    hash,
+                });
+                skip[o.dst as usize].push((x, y));
+            }
+        }
+    }
+    for s in &mut skip {
+        s.sort_unstable();
+    }
+    (parts, skip)
+}
+
+/// The sub-ranges of `a..b` that no range of `skip` (sorted, disjoint) covers.
+fn unknown(a: u64, b: u64, skip: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out = vec![];
+    let mut at = a;
+    for &(x, y) in &skip[skip.partition_point(|s| s.1 <= a)..] {
+        if x >= b {
+            break;
+        }
+        if x > at {
+            out.push((at, x));
+        }
+        at = at.max(y);
+    }
+    if at < b {
+        out.push((at, b));
+    }
+    out
+}
+
 /// The checksum ranges of an output file, as `(index, first, past-the-last byte)`.
 fn ck_ranges(o: &OutputFile) -> Vec<(u32, u64, u64)> {
     let mut r: Vec<_> = o
@@ -286,38 +380,66 @@ fn windows<'a>(plan: &Plan, outputs: &'a [OutputFile], window: u64) -> Vec<Windo
         .collect()
 }
 
-/// Convert `n` elements from `src` bytes (dtype `c.from`) into `dst` bytes (dtype `c.to`).
+/// Convert the elements of `src` bytes (dtype `c.from`) into `dst` bytes (dtype `c.to`).
+///
+/// One loop per dtype pair, chosen once per call: bf16 → f32 is a 16-bit shift and the
+/// others go through `half`'s scalar conversions, each a single round-to-nearest-even from f32
+/// (f64 sources round once from f64). The earlier per-element match over an f64 detour ran at
+/// 5–9 ns per element (`cargo bench --bench casts`); see BENCHMARKS.md for these loops.
 fn convert(c: Cast, src: &[u8], dst: &mut [u8]) {
-    let n = src.len() / c.from.size();
-    let read = |i: usize| -> f64 {
-        let s = &src[i * c.from.size()..];
-        match c.from {
-            DType::F16 => f16::from_bits(u16::from_le_bytes([s[0], s[1]])).to_f64(),
-            DType::BF16 => bf16::from_bits(u16::from_le_bytes([s[0], s[1]])).to_f64(),
-            DType::F32 => f32::from_le_bytes([s[0], s[1], s[2], s[3]]) as f64,
-            DType::F64 => f64::from_le_bytes(s[..8].try_into().unwrap_or_default()),
-            _ => f64::NAN,
+    fn each<const S: usize, const D: usize>(
+        src: &[u8],
+        dst: &mut [u8],
+        f: impl Fn([u8; S]) -> [u8; D],
+    ) {
+        for (s, d) in src.chunks_exact(S).zip(dst.chunks_exact_mut(D)) {
+            let mut a = [0u8; S];
+            a.copy_from_slice(s);
+            d.copy_from_slice(&f(a));
+        }
+    }
+    let f32_of = |b: [u8; 4]| f32::from_le_bytes(b);
+    let f64_of = |b: [u8; 8]| f64::from_le_bytes(b);
+    let bf16_to_f32 = |b: [u8; 2]| f32::from_bits((u16::from_le_bytes(b) as u32) << 16);
+    // NaN payloads are kept bit for bit (`half` sets the quiet bit; torch's c10 does not).
+    let f16_to_f32 = |b: [u8; 2]| {
+        let h = u16::from_le_bytes(b);
+        if h & 0x7c00 == 0x7c00 && h & 0x03ff != 0 {
+            f32::from_bits(((h as u32 & 0x8000) << 16) | 0x7f80_0000 | ((h as u32 & 0x03ff) << 13))
+        } else {
+            f16::from_bits(h).to_f32()
         }
     };
-    // f32 → 16-bit goes through f32 directly so rounding is a single round-to-nearest-even.
-    for i in 0..n {
-        let d = &mut dst[i * c.to.size()..(i + 1) * c.to.size()];
-        match (c.from, c.to) {
-            (DType::F32, DType::BF16) | (DType::F32, DType::F16) => {
-                let s = &src[i * 4..i * 4 + 4];
-                let x = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-                let bits = if c.to == DType::BF16 {
-                    bf16::from_f32(x).to_bits()
-                } else {
-                    f16::from_f32(x).to_bits()
-                };
-                d.copy_from_slice(&bits.to_le_bytes());
-            }
-            (_, DType::F16) => d.copy_from_slice(&f16::from_f64(read(i)).to_bits().to_le_bytes()),
-            (_, DType::BF16) => d.copy_from_slice(&bf16::from_f64(read(i)).to_bits().to_le_bytes()),
-            (_, DType::F32) => d.copy_from_slice(&(read(i) as f32).to_le_bytes()),
-            (_, DType::F64) => d.copy_from_slice(&read(i).to_le_bytes()),
-            _ => {}
+    match (c.from, c.to) {
+        (DType::BF16, DType::F32) => each(src, dst, |b| bf16_to_f32(b).to_le_bytes()),
+        (DType::F16, DType::F32) => each(src, dst, |b| f16_to_f32(b).to_le_bytes()),
+        (DType::BF16, DType::F64) => each(src, dst, |b| (bf16_to_f32(b) as f64).to_le_bytes()),
+        (DType::F16, DType::F64) => each(src, dst, |b| (f16_to_f32(b) as f64).to_le_bytes()),
+        (DType::F32, DType::F64) => each(src, dst, |b| (f32_of(b) as f64).to_le_bytes()),
+        (DType::F32, DType::BF16) => each(src, dst, |b| {
+            bf16::from_f32(f32_of(b)).to_bits().to_le_bytes()
+        }),
+        (DType::F32, DType::F16) => each(src, dst, |b| {
+            f16::from_f32(f32_of(b)).to_bits().to_le_bytes()
+        }),
+        // bf16 and f16 are exact in f32, so one rounding
+        (DType::F16, DType::BF16) => each(src, dst, |b| {
+            bf16::from_f32(f16_to_f32(b)).to_bits().to_le_bytes()
+        }),
+        (DType::BF16, DType::F16) => each(src, dst, |b| {
+            f16::from_f32(bf16_to_f32(b)).to_bits().to_le_bytes()
+        }),
+        (DType::F64, DType::F32) => each(src, dst, |b| (f64_of(b) as f32).to_le_bytes()),
+        (DType::F64, DType::BF16) => each(src, dst, |b| {
+            bf16::from_f64(f64_of(b)).to_bits().to_le_bytes()
+        }),
+        (DType::F64, DType::F16) => each(src, dst, |b| {
+            f16::from_f64(f64_of(b)).to_bits().to_le_bytes()
+        }),
+        // same dtype, or pairs the planner never emits (checked when the plan is made)
+        _ => {
+            let n = src.len().min(dst.len());
+            dst[..n].copy_from_slice(&src[..n]);
         }
     }
 }
@@ -465,6 +587,7 @@ fn run_window(
     dst: &File,
     dst_path: &Path,
     ranges: &[(u32, u64, u64)],
+    skip: &[(u64, u64)],
     parts: &mut Vec<CrcPart>,
 ) -> Result<()> {
     let write = |bytes: &[u8], at: u64| dst.write_all_at(bytes, at).at_write(dst_path);
@@ -491,15 +614,17 @@ fn run_window(
         });
     };
     if w.frags.iter().all(Frag::is_direct) {
+        let mut mapped = false;
         for f in &w.frags {
             if let Frag::Op(o) = f {
-                // Hash the run from the source mapping (the kernel copies it below).
+                // Hash the run from the source mapping (the kernel copies it below), unless
+                // known source CRCs give its checksum.
                 let (d0, d1) = (o.dst_offset, o.dst_offset + o.len);
                 for &(ck, a, b) in &hits {
-                    let (x, y) = (a.max(d0), b.min(d1));
-                    if x < y {
+                    for (x, y) in unknown(a.max(d0), b.min(d1), skip) {
                         let s = (o.src_offset + (x - d0)) as usize;
                         hash(ck, x, &srcs[o.src as usize][s..s + (y - x) as usize]);
+                        mapped = true;
                     }
                 }
                 let kernel = COPY_FILE_RANGE.load(Ordering::Relaxed)
@@ -516,7 +641,7 @@ fn run_window(
                 }
             }
         }
-        if hits.is_empty() {
+        if !mapped {
             // copy_file_range read through the page cache, not the mapping: nothing to release.
             return Ok(());
         }
@@ -566,7 +691,9 @@ fn run_window(
                 }
             }
             for &(ck, a, b) in &hits {
-                hash(ck, a, &buf[(a - lo) as usize..(b - lo) as usize]);
+                for (x, y) in unknown(a, b, skip) {
+                    hash(ck, x, &buf[(x - lo) as usize..(y - lo) as usize]);
+                }
             }
             write(&buf, lo)
         })?;
@@ -652,6 +779,19 @@ pub fn execute(
     dest_paths: &[PathBuf],
     opts: &ExecOptions,
 ) -> Result<ExecStats> {
+    execute_with_known(plan, sources, outputs, dest_paths, opts, &[])
+}
+
+/// [`execute`], with the CRC-32s of source ranges the sources record ([`KnownCrc`]): output
+/// checksums over bytes copied whole from them are combined, not hashed.
+pub fn execute_with_known(
+    plan: &Plan,
+    sources: &[PathBuf],
+    outputs: &[OutputFile],
+    dest_paths: &[PathBuf],
+    opts: &ExecOptions,
+    known: &[KnownCrc],
+) -> Result<ExecStats> {
     let maps = map_sources(sources)?;
     let src_files: Vec<File> = sources
         .iter()
@@ -703,6 +843,7 @@ pub fn execute(
     };
     let done = AtomicU64::new(0);
     let ranges: Vec<Vec<(u32, u64, u64)>> = outputs.iter().map(ck_ranges).collect();
+    let (given, skip) = known_parts(plan, outputs, &ranges, known);
     let mut parts: Vec<CrcPart> = pool.install(|| {
         wins.par_iter()
             .map(|w| {
@@ -714,6 +855,7 @@ pub fn execute(
                     &files[w.dst as usize],
                     &dest_paths[w.dst as usize],
                     &ranges[w.dst as usize],
+                    &skip[w.dst as usize],
                     &mut parts,
                 )?;
                 bar.inc(w.end - w.start);
@@ -725,7 +867,8 @@ pub fn execute(
                 Ok(a)
             })
     })?;
-    // Join each checksum's streamed parts and write it in place.
+    // Join each checksum's streamed and given parts and write it in place.
+    parts.extend(given);
     parts.sort_by_key(|p| (p.file, p.ck, p.start));
     let mut rest = parts.as_slice();
     for (f, o) in outputs.iter().enumerate() {
@@ -949,6 +1092,172 @@ mod tests {
             assert_eq!(&got[8..12], &0u32.to_le_bytes(), "window {window}");
             assert_eq!(&got[100..20_100], &data[..20_000]);
             assert!(got[25_200..28_000].iter().all(|&b| b == 0));
+        }
+    }
+
+    #[test]
+    fn known_source_crcs_are_combined_instead_of_hashed() {
+        // Record 1 of the output is copied from source records [0, 8000) + [8000, 20000);
+        // record 2 from [40000, 45000) and a strided gather (which must be hashed).
+        let d = tempfile::tempdir().unwrap();
+        let src = d.path().join("src");
+        let data: Vec<u8> = (0..50_000u32).map(|i| (i * 7 % 253) as u8).collect();
+        std::fs::write(&src, &data).unwrap();
+        let op = |dst_offset, src_offset, len, count, stride| CopyOp {
+            src: 0,
+            src_offset,
+            dst: 0,
+            dst_offset,
+            len,
+            count,
+            src_stride: stride,
+            dst_stride: len,
+            cast: None,
+        };
+        let plan = Plan {
+            ops: vec![
+                op(0, 0, 20_000, 1, 0),
+                op(20_000, 20_000, 100, 50, 300),
+                op(25_000, 40_000, 5_000, 1, 0),
+            ],
+            tensors: vec![],
+        };
+        let known = |a: u64, b: u64, crc: u32| KnownCrc {
+            src: 0,
+            offset: a,
+            len: b - a,
+            crc,
+        };
+        let crc = |a: usize, b: usize| crc32fast::hash(&data[a..b]);
+        let good = vec![
+            known(0, 8_000, crc(0, 8_000)),
+            known(8_000, 20_000, crc(8_000, 20_000)),
+            known(40_000, 45_000, crc(40_000, 45_000)),
+            known(45_000, 45_000, 0),
+        ];
+        // A wrong recorded CRC is carried, not recomputed: the output then fails its check.
+        let mut bad = good.clone();
+        bad[1].crc ^= 1;
+        // Records that do not line up with the op (a range starting mid-op) are ignored.
+        let misaligned = vec![known(100, 8_000, crc(100, 8_000))];
+        for (name, known, expect_ok) in [
+            ("none", vec![], true),
+            ("good", good, true),
+            ("bad", bad, false),
+            ("misaligned", misaligned, true),
+        ] {
+            for window in [64, 4096, 1 << 20] {
+                let dst = d.path().join(format!("dst-{name}-{window}"));
+                std::fs::File::create(&dst).unwrap();
+                let out = OutputFile {
+                    path: "dst".into(),
+                    size: 30_008,
+                    literals: vec![],
+                    checksums: vec![
+                        Checksum {
+                            range: (0, 20_000),
+                            at: vec![30_000],
+                            hex: false,
+                        },
+                        Checksum {
+                            range: (20_000, 30_000),
+                            at: vec![30_004],
+                            hex: false,
+                        },
+                    ],
+                };
+                let opts = ExecOptions {
+                    window,
+                    sync: false,
+                    ..Default::default()
+                };
+                execute_with_known(
+                    &plan,
+                    std::slice::from_ref(&src),
+                    &[out],
+                    std::slice::from_ref(&dst),
+                    &opts,
+                    &known,
+                )
+                .unwrap();
+                let got = std::fs::read(&dst).unwrap();
+                let one = crc32fast::hash(&got[0..20_000]).to_le_bytes();
+                let two = crc32fast::hash(&got[20_000..30_000]).to_le_bytes();
+                assert_eq!(&got[30_004..30_008], &two, "{name} window {window}");
+                assert_eq!(
+                    got[30_000..30_004] == one,
+                    expect_ok,
+                    "{name} window {window}"
+                );
+                assert_eq!(&got[..20_000], &data[..20_000]);
+            }
+        }
+        assert_eq!(
+            unknown(0, 10, &[(2, 4), (6, 7)]),
+            vec![(0, 2), (4, 6), (7, 10)]
+        );
+        assert_eq!(unknown(3, 5, &[(0, 4), (4, 9)]), vec![]);
+    }
+
+    #[test]
+    fn casts_agree_with_half_for_every_16_bit_pattern() {
+        let all: Vec<u8> = (0..=u16::MAX).flat_map(|b| b.to_le_bytes()).collect();
+        let cast = |from, to| Cast { from, to };
+        let mut out = vec![0u8; 65536 * 4];
+        // 16-bit -> f32 is exact; NaN payloads are kept as torch's c10 conversions keep them
+        // (`half` would set the quiet bit).
+        let nan16 = |b: u16| b & 0x7c00 == 0x7c00 && b & 0x03ff != 0;
+        convert(cast(DType::BF16, DType::F32), &all, &mut out);
+        for (b, o) in (0..=u16::MAX).zip(out.chunks_exact(4)) {
+            let got = u32::from_le_bytes(o.try_into().unwrap());
+            assert_eq!(got, (b as u32) << 16, "bf16 {b:#06x}");
+            let x = bf16::from_bits(b);
+            if !x.is_nan() {
+                assert_eq!(got, x.to_f32().to_bits(), "bf16 {b:#06x}");
+            }
+        }
+        convert(cast(DType::F16, DType::F32), &all, &mut out);
+        for (b, o) in (0..=u16::MAX).zip(out.chunks_exact(4)) {
+            let got = u32::from_le_bytes(o.try_into().unwrap());
+            let want = if nan16(b) {
+                ((b as u32 & 0x8000) << 16) | 0x7f80_0000 | ((b as u32 & 0x03ff) << 13)
+            } else {
+                f16::from_bits(b).to_f32().to_bits()
+            };
+            assert_eq!(got, want, "f16 {b:#06x}");
+        }
+        // f32 -> 16-bit: round to nearest even, as half (and torch) do, specials included
+        let mut vals: Vec<u32> = (0..200_000u32)
+            .map(|i| i.wrapping_mul(2_654_435_761))
+            .collect();
+        vals.extend([
+            0,
+            0x8000_0000,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7fc0_0001,
+            0x3f80_8000,
+            0x3f81_8000,
+        ]);
+        let src: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut half_out = vec![0u8; vals.len() * 2];
+        convert(cast(DType::F32, DType::BF16), &src, &mut half_out);
+        for (v, o) in vals.iter().zip(half_out.chunks_exact(2)) {
+            let want = bf16::from_f32(f32::from_bits(*v)).to_bits();
+            assert_eq!(
+                u16::from_le_bytes([o[0], o[1]]),
+                want,
+                "f32 {v:#010x} -> bf16"
+            );
+        }
+        convert(cast(DType::F32, DType::F16), &src, &mut half_out);
+        for (v, o) in vals.iter().zip(half_out.chunks_exact(2)) {
+            let want = f16::from_f32(f32::from_bits(*v)).to_bits();
+            assert_eq!(
+                u16::from_le_bytes([o[0], o[1]]),
+                want,
+                "f32 {v:#010x} -> f16"
+            );
         }
     }
 

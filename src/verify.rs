@@ -4,8 +4,9 @@
 //! conflicting overlaps, shapes and sizes against the files — is checked when a checkpoint is
 //! opened; this module checks the data.
 //!
-//! Records are read with `pread` in blocks of at most 8 MiB per worker thread, so memory stays
-//! bounded whatever the record size, and checked in parallel.
+//! Records are read from read-only mappings in blocks of at most 8 MiB per worker thread
+//! (populated in one call, released after hashing), so memory stays bounded whatever the
+//! record size, and checked in parallel.
 
 use crate::error::{Error, IoContext, Result};
 use crate::formats::{Checkpoint, RecordCrc};
@@ -57,6 +58,48 @@ pub struct Report {
     pub mismatches: Vec<Mismatch>,
 }
 
+/// How records are read: from a read-only mapping (populated and released per block), or
+/// with `pread` into a buffer. Set by the `RESHARD_VERIFY_READ` environment variable
+/// (`mmap` or `pread`) for measurements; see BENCHMARKS.md.
+fn use_mmap() -> bool {
+    static MMAP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *MMAP.get_or_init(|| std::env::var("RESHARD_VERIFY_READ").map_or(true, |v| v != "pread"))
+}
+
+/// CRC-32 of `len` bytes of `m` (the mapping of `path`) from `offset`: each block's pages are
+/// populated in one call and released after hashing, so resident memory stays bounded.
+fn crc_of_map(m: &memmap2::Mmap, path: &std::path::Path, offset: u64, len: u64) -> Result<u32> {
+    const PAGE: usize = 4096;
+    let end = offset
+        .checked_add(len)
+        .filter(|&e| e <= m.len() as u64)
+        .ok_or_else(|| {
+            Error::format(
+                path,
+                format!(
+                    "record bytes {offset}..{} lie past the end of the file",
+                    offset + len
+                ),
+            )
+        })?;
+    let mut h = crc32fast::Hasher::new();
+    let mut at = offset as usize;
+    while at < end as usize {
+        let n = (end as usize - at).min(BLOCK);
+        let a = at / PAGE * PAGE;
+        let b = ((at + n).div_ceil(PAGE) * PAGE).min(m.len());
+        let _ = m.advise_range(memmap2::Advice::PopulateRead, a, b - a);
+        h.update(&m[at..at + n]);
+        // SAFETY: a read-only shared file mapping; dropping its pages only makes later reads
+        // fault them in again from the page cache. No reference into the range is held.
+        unsafe {
+            let _ = m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, a, b - a);
+        }
+        at += n;
+    }
+    Ok(h.finalize())
+}
+
 /// CRC-32 of `len` bytes of `f` from `offset`.
 fn crc_of(f: &File, path: &std::path::Path, offset: u64, len: u64) -> Result<u32> {
     thread_local! {
@@ -84,11 +127,26 @@ fn check(ck: &Checkpoint, records: &[&RecordCrc]) -> Result<Report> {
         .iter()
         .map(|p| File::open(p).at(p))
         .collect::<Result<_>>()?;
+    let maps: Vec<Option<memmap2::Mmap>> = if use_mmap() {
+        files
+            .iter()
+            .zip(&ck.files)
+            .map(|(f, p)| {
+                // SAFETY: opened read-only; reshard never writes to sources (see exec.rs).
+                unsafe { memmap2::Mmap::map(f) }.at(p).map(Some)
+            })
+            .collect::<Result<_>>()?
+    } else {
+        files.iter().map(|_| None).collect()
+    };
     let results: Vec<Result<Option<Mismatch>>> = records
         .par_iter()
         .map(|r| {
             let path = &ck.files[r.file as usize];
-            let actual = crc_of(&files[r.file as usize], path, r.offset, r.len)?;
+            let actual = match &maps[r.file as usize] {
+                Some(m) => crc_of_map(m, path, r.offset, r.len)?,
+                None => crc_of(&files[r.file as usize], path, r.offset, r.len)?,
+            };
             let shown = &ck.files[r.shown.unwrap_or(r.file) as usize];
             Ok((actual != r.crc).then(|| Mismatch {
                 file: shown.clone(),
