@@ -577,17 +577,16 @@ thread_local! {
     static BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Run one window.
 /// Run one window; `ranges` are its destination file's checksum ranges (sorted, disjoint),
-/// and the window's share of each is hashed into `parts`.
+/// and the window's share of each is hashed into `parts`, except for the destination ranges
+/// in `skip`, whose parts known source CRCs give ([`known_parts`]).
 fn run_window(
     w: &Window,
     srcs: &[Mmap],
     src_files: &[File],
     dst: &File,
     dst_path: &Path,
-    ranges: &[(u32, u64, u64)],
-    skip: &[(u64, u64)],
+    (ranges, skip): (&[(u32, u64, u64)], &[(u64, u64)]),
     parts: &mut Vec<CrcPart>,
 ) -> Result<()> {
     let write = |bytes: &[u8], at: u64| dst.write_all_at(bytes, at).at_write(dst_path);
@@ -854,8 +853,7 @@ pub fn execute_with_known(
                     &src_files,
                     &files[w.dst as usize],
                     &dest_paths[w.dst as usize],
-                    &ranges[w.dst as usize],
-                    &skip[w.dst as usize],
+                    (&ranges[w.dst as usize], &skip[w.dst as usize]),
                     &mut parts,
                 )?;
                 bar.inc(w.end - w.start);
