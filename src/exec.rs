@@ -160,6 +160,9 @@ fn unknown(a: u64, b: u64, skip: &[(u64, u64)]) -> Vec<(u64, u64)> {
     out
 }
 
+/// A checksum range of an output file: `(index, first, past-the-last byte)`.
+type CkRange = (u32, u64, u64);
+
 /// The checksum ranges of an output file, as `(index, first, past-the-last byte)`.
 fn ck_ranges(o: &OutputFile) -> Vec<(u32, u64, u64)> {
     let mut r: Vec<_> = o
@@ -586,7 +589,7 @@ fn run_window(
     src_files: &[File],
     dst: &File,
     dst_path: &Path,
-    (ranges, skip): (&[(u32, u64, u64)], &[(u64, u64)]),
+    (ranges, skip): (&[CkRange], &[(u64, u64)]),
     parts: &mut Vec<CrcPart>,
 ) -> Result<()> {
     let write = |bytes: &[u8], at: u64| dst.write_all_at(bytes, at).at_write(dst_path);
