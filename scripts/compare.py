@@ -190,8 +190,12 @@ class Case:
         self.rows.append((label, kind, inp, cmd, ext))
 
 
+# the generated checkpoints hold per-rank RNG state (extra.rng); M > 1 keeps rank 0's
+PER_RANK = ["--per-rank-state", "rank0"]
+
+
 def reshard_cmd(reshard, src, to, *extra):
-    return lambda d: [reshard, "convert", src, d, "--to", str(to), "-q", *extra]
+    return lambda d: [reshard, "convert", src, d, "--to", str(to), "-q", *PER_RANK, *extra]
 
 
 def build_case(key: str, gib: float, args, full: bool) -> Case:
@@ -212,7 +216,7 @@ def build_case(key: str, gib: float, args, full: bool) -> Case:
         d = w / "check"
         remove(d)
         out = d.with_suffix(judge[1]) if judge[1] else d
-        run([rs, "convert", src, out, "-q", *dst_args])
+        run([rs, "convert", src, out, "-q", *PER_RANK, *dst_args])
         if judge[0] == "file":
             got = load_tensors(out)
         elif judge[0] == "dcp":
@@ -285,7 +289,7 @@ def build_case(key: str, gib: float, args, full: bool) -> Case:
         # the same shards as HF storage, for torch's consolidate_safetensors_files
         hf = args.work / f"hf4-{key}-{gib:g}"
         if not hf.is_dir():
-            run([rs, "convert", src, hf, "--to", "4", "--format", "hf-storage", "-q"])
+            run([rs, "convert", src, hf, "--to", "4", "--format", "hf-storage", "-q", *PER_RANK])
         t = w / "hf-judge"
         run([PY, "-c", CONSOLIDATE_HF, hf, t, "2"])
         got = load_tensors(t)

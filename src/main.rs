@@ -219,6 +219,12 @@ impl TargetArgs {
             exec: ExecOptions {
                 threads: self.threads,
                 progress: !quiet && std::io::stderr().is_terminal(),
+                // RESHARD_WINDOW (bytes): the work-unit size, for the executor measurements
+                // in BENCHMARKS.md; not a user setting.
+                window: std::env::var("RESHARD_WINDOW")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(ExecOptions::default().window),
                 ..Default::default()
             },
             force: false,

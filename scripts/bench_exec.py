@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Executor experiments (issue #5): one reshard conversion under several settings, paired
+rounds against `cp -r` of the same source, medians. Prints a Markdown table.
+
+    .venv/bin/python scripts/bench_exec.py --ckpt /work/big/gen-1/fsdp2_w4_f32/checkpoint \\
+        --to 1 --ext .safetensors --rounds 9 --experiment threads
+
+Experiments (each a set of variants of `reshard convert CKPT OUT --to M -q --no-fsync`):
+  threads   --threads 1 / 2 / 4, with and without the source CRC check (--no-verify)
+  window    RESHARD_WINDOW (work-unit bytes) 1 MiB / 8 MiB (default) / 64 MiB
+  verify    the source CRC check reading by mmap (default) or by pread
+            (RESHARD_VERIFY_READ=pread), and off
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import measure  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+EXPERIMENTS = {
+    "threads": [("--threads 1", ["--threads", "1"], {}), ("--threads 2", ["--threads", "2"], {}),
+                ("--threads 4", ["--threads", "4"], {}),
+                ("--threads 1 --no-verify", ["--threads", "1", "--no-verify"], {}),
+                ("--threads 2 --no-verify", ["--threads", "2", "--no-verify"], {})],
+    "window": [("window 1 MiB", [], {"RESHARD_WINDOW": str(1 << 20)}), ("window 8 MiB", [], {}),
+               ("window 64 MiB", [], {"RESHARD_WINDOW": str(64 << 20)})],
+    "verify": [("check by mmap (default)", [], {}), ("check by pread", [], {"RESHARD_VERIFY_READ": "pread"}),
+               ("--no-verify", ["--no-verify"], {})],
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ckpt", type=Path, required=True)
+    ap.add_argument("--to", default="1")
+    ap.add_argument("--ext", default=".safetensors", help="output suffix ('' for a directory)")
+    ap.add_argument("--extra", default="", help="more convert arguments, space-separated")
+    ap.add_argument("--experiment", choices=EXPERIMENTS, required=True)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--reshard", type=Path, default=ROOT / "target/release/reshard")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/reshard-bench-exec"))
+    a = ap.parse_args()
+    shutil.rmtree(a.work, ignore_errors=True)
+    a.work.mkdir(parents=True)
+    src = a.ckpt.resolve()
+    variants = [("`cp -r`", None, {})] + EXPERIMENTS[a.experiment]
+    res = {v[0]: [] for v in variants}
+    for p in src.iterdir():
+        p.read_bytes()
+    for r in range(a.rounds):
+        for label, args, env in variants:
+            out = a.work / f"out{a.ext}"
+            shutil.rmtree(out, ignore_errors=True)
+            out.unlink(missing_ok=True)
+            os.sync()
+            if args is None:
+                cmd = ["cp", "-r", str(src), str(out)]
+            else:
+                cmd = [str(a.reshard), "convert", str(src), str(out), "--to", a.to, "-q", "--no-fsync",
+                       *a.extra.split(), *args]
+            old = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                res[label].append(measure(cmd))
+            finally:
+                for k, v in old.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        print(f"round {r + 1}/{a.rounds}", file=sys.stderr, flush=True)
+    cp = statistics.median(x[0] for x in res["`cp -r`"])
+    size = sum(p.stat().st_size for p in src.iterdir() if p.is_file())
+    print(f"`{a.experiment}`: {src} ({size / 2**30:.2f} GiB) → --to {a.to} {a.ext or 'directory'} {a.extra}, "
+          f"{a.rounds} paired rounds, medians\n")
+    print("| variant | median wall (s) | × `cp -r` | min–max (s) | peak RSS (MiB) | peak RssAnon (MiB) |")
+    print("|---|---|---|---|---|---|")
+    for label, rs in res.items():
+        w = [x[0] for x in rs]
+        m = statistics.median(w)
+        print(f"| {label} | {m:.3f} | {m / cp:.2f} | {min(w):.3f}–{max(w):.3f} | {max(x[1] for x in rs) / 2**20:.0f} "
+              f"| {max(x[2] for x in rs) / 2**20:.1f} |")
+    shutil.rmtree(a.work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
