@@ -4,6 +4,8 @@
 #
 #   scripts/setup_venv.sh                 main venv: newest torch + safetensors + numpy
 #   scripts/setup_venv.sh --lightning     ... plus Lightning (fixture cases fabric_*)
+#   scripts/setup_venv.sh --bench         ... plus Lightning, accelerate and matplotlib
+#                                          (scripts/compare.py)
 #   scripts/setup_venv.sh --torch21       ... plus a second venv with torch==2.1.0
 #                                          (fixture case fabric_fsdp1_w4_f32_torch21)
 #
@@ -22,11 +24,13 @@ LIGHTNING_SPEC="${RESHARD_LIGHTNING_SPEC:-lightning==2.6.6}"
 
 want_torch21=0
 want_lightning=0
+want_bench=0
 for arg in "$@"; do
   case "$arg" in
     --torch21) want_torch21=1 ;;
     --lightning) want_lightning=1 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    --bench) want_lightning=1; want_bench=1 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "setup_venv.sh: unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -58,6 +62,9 @@ CHECK_L='import torch, safetensors, numpy, lightning; print("torch", torch.__ver
 ensure_venv "$VENV" "$CHECK" torch safetensors numpy
 if [ "$want_lightning" = 1 ]; then
   ensure_venv "$VENV" "$CHECK_L" "$LIGHTNING_SPEC"
+fi
+if [ "$want_bench" = 1 ]; then
+  ensure_venv "$VENV" 'import accelerate, matplotlib; print("accelerate", accelerate.__version__, "matplotlib", matplotlib.__version__)' accelerate matplotlib
 fi
 
 # <repo>/.venv -> main venv
