@@ -382,12 +382,9 @@ def plot(curve: list[Case], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-    labels = []
-    for c in curve:
-        for lab in c.results.get("warm", {}):
-            if lab not in labels:
-                labels.append(lab)
+    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
+    labels = ["`cp -r`", "reshard 4→1 `.safetensors`", "reshard 4→1 `.pt`", "torch `dcp_to_torch_save`",
+              "Lightning `consolidate_checkpoint`"]
     for lab in labels:
         pts = [(c.bytes / 2**30, c.results["warm"][lab]["wall"]) for c in curve if lab in c.results.get("warm", {})]
         if len(pts) < 2:
@@ -398,7 +395,8 @@ def plot(curve: list[Case], path: Path) -> None:
     ax.set_ylabel("median wall time (s), page cache warm")
     ax.set_title("Consolidating a DCP checkpoint to one file (2 cores)")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.set_yscale("log")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path)
 
