@@ -447,7 +447,9 @@ fn convert(c: Cast, src: &[u8], dst: &mut [u8]) {
     }
 }
 
-fn release(map: &Mmap, a: u64, b: u64) {
+/// Drop the pages of bytes `a..b` of a source mapping (rounded out to whole pages), so
+/// resident memory stays bounded; later reads fault them in again from the page cache.
+pub(crate) fn release(map: &Mmap, a: u64, b: u64) {
     const PAGE: u64 = 4096;
     let a = a / PAGE * PAGE;
     let b = b.div_ceil(PAGE) * PAGE;
@@ -988,6 +990,22 @@ pub fn balance(plan: &Plan, outputs: &[OutputFile], threads: usize, window: u64)
 mod tests {
     use super::*;
 
+    /// A copy op of source 0 into destination 0: `count` rows of `len` bytes, rows `stride`
+    /// apart in the source and packed in the destination.
+    fn op(dst_offset: u64, src_offset: u64, len: u64, count: u64, stride: u64) -> CopyOp {
+        CopyOp {
+            src: 0,
+            src_offset,
+            dst: 0,
+            dst_offset,
+            len,
+            count,
+            src_stride: stride,
+            dst_stride: len,
+            cast: None,
+        }
+    }
+
     #[test]
     fn clip_strided_op_into_windows_keeps_every_byte_once() {
         let op = CopyOp {
@@ -1085,17 +1103,6 @@ mod tests {
         let src = d.path().join("src");
         let data: Vec<u8> = (0..50_000u32).map(|i| (i * 13 % 251) as u8).collect();
         std::fs::write(&src, &data).unwrap();
-        let op = |dst_offset, src_offset, len, count, stride| CopyOp {
-            src: 0,
-            src_offset,
-            dst: 0,
-            dst_offset,
-            len,
-            count,
-            src_stride: stride,
-            dst_stride: len,
-            cast: None,
-        };
         let plan = Plan {
             ops: vec![
                 op(100, 0, 20_000, 1, 0),
@@ -1162,17 +1169,6 @@ mod tests {
         let src = d.path().join("src");
         let data: Vec<u8> = (0..50_000u32).map(|i| (i * 7 % 253) as u8).collect();
         std::fs::write(&src, &data).unwrap();
-        let op = |dst_offset, src_offset, len, count, stride| CopyOp {
-            src: 0,
-            src_offset,
-            dst: 0,
-            dst_offset,
-            len,
-            count,
-            src_stride: stride,
-            dst_stride: len,
-            cast: None,
-        };
         let plan = Plan {
             ops: vec![
                 op(0, 0, 20_000, 1, 0),

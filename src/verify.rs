@@ -90,11 +90,7 @@ fn crc_of_map(m: &memmap2::Mmap, path: &std::path::Path, offset: u64, len: u64) 
         let b = ((at + n).div_ceil(PAGE) * PAGE).min(m.len());
         let _ = m.advise_range(memmap2::Advice::PopulateRead, a, b - a);
         h.update(&m[at..at + n]);
-        // SAFETY: a read-only shared file mapping; dropping its pages only makes later reads
-        // fault them in again from the page cache. No reference into the range is held.
-        unsafe {
-            let _ = m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, a, b - a);
-        }
+        crate::exec::release(m, at as u64, (at + n) as u64);
         at += n;
     }
     Ok(h.finalize())
