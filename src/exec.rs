@@ -990,6 +990,44 @@ pub fn balance(plan: &Plan, outputs: &[OutputFile], threads: usize, window: u64)
 mod tests {
     use super::*;
 
+    /// A checksum over `a..b` written as 4 bytes at each of `at`.
+    fn ck(a: u64, b: u64, at: &[u64]) -> Checksum {
+        Checksum {
+            range: (a, b),
+            at: at.to_vec(),
+            hex: false,
+        }
+    }
+
+    /// Run `plan` from `src` into a fresh file `dst` laid out as `out`, in windows of
+    /// `window` bytes, with `known` source CRCs; returns the file's bytes.
+    fn run_to(
+        plan: &Plan,
+        src: &Path,
+        dst: &Path,
+        out: OutputFile,
+        window: u64,
+        known: &[KnownCrc],
+    ) -> Vec<u8> {
+        std::fs::File::create(dst).unwrap();
+        let opts = ExecOptions {
+            window,
+            sync: false,
+            ..Default::default()
+        };
+        let (src, dst) = (src.to_path_buf(), dst.to_path_buf());
+        execute_with_known(
+            plan,
+            &[src],
+            &[out],
+            std::slice::from_ref(&dst),
+            &opts,
+            known,
+        )
+        .unwrap();
+        std::fs::read(&dst).unwrap()
+    }
+
     /// A copy op of source 0 into destination 0: `count` rows of `len` bytes, rows `stride`
     /// apart in the source and packed in the destination.
     fn op(dst_offset: u64, src_offset: u64, len: u64, count: u64, stride: u64) -> CopyOp {
@@ -1113,43 +1151,17 @@ mod tests {
         };
         for window in [8, 64, 4096, 10_000, 1 << 20] {
             let dst = d.path().join(format!("dst{window}"));
-            std::fs::File::create(&dst).unwrap();
             let out = OutputFile {
                 path: "dst".into(),
                 size: 33_100,
                 literals: vec![(0, vec![0xAA; 100]), (33_000, vec![0x55; 100])],
                 checksums: vec![
-                    Checksum {
-                        range: (100, 20_100),
-                        at: vec![0],
-                        hex: false,
-                    },
-                    Checksum {
-                        range: (20_200, 33_000),
-                        at: vec![4, 33_010],
-                        hex: false,
-                    },
-                    Checksum {
-                        range: (50, 50),
-                        at: vec![8],
-                        hex: false,
-                    },
+                    ck(100, 20_100, &[0]),
+                    ck(20_200, 33_000, &[4, 33_010]),
+                    ck(50, 50, &[8]),
                 ],
             };
-            let opts = ExecOptions {
-                window,
-                sync: false,
-                ..Default::default()
-            };
-            execute(
-                &plan,
-                std::slice::from_ref(&src),
-                &[out],
-                std::slice::from_ref(&dst),
-                &opts,
-            )
-            .unwrap();
-            let got = std::fs::read(&dst).unwrap();
+            let got = run_to(&plan, &src, &dst, out, window, &[]);
             let one = crc32fast::hash(&got[100..20_100]).to_le_bytes();
             let two = crc32fast::hash(&got[20_200..33_000]).to_le_bytes();
             assert_eq!(&got[0..4], &one, "window {window}");
@@ -1203,39 +1215,13 @@ mod tests {
         ] {
             for window in [64, 4096, 1 << 20] {
                 let dst = d.path().join(format!("dst-{name}-{window}"));
-                std::fs::File::create(&dst).unwrap();
                 let out = OutputFile {
                     path: "dst".into(),
                     size: 30_008,
                     literals: vec![],
-                    checksums: vec![
-                        Checksum {
-                            range: (0, 20_000),
-                            at: vec![30_000],
-                            hex: false,
-                        },
-                        Checksum {
-                            range: (20_000, 30_000),
-                            at: vec![30_004],
-                            hex: false,
-                        },
-                    ],
+                    checksums: vec![ck(0, 20_000, &[30_000]), ck(20_000, 30_000, &[30_004])],
                 };
-                let opts = ExecOptions {
-                    window,
-                    sync: false,
-                    ..Default::default()
-                };
-                execute_with_known(
-                    &plan,
-                    std::slice::from_ref(&src),
-                    &[out],
-                    std::slice::from_ref(&dst),
-                    &opts,
-                    &known,
-                )
-                .unwrap();
-                let got = std::fs::read(&dst).unwrap();
+                let got = run_to(&plan, &src, &dst, out, window, &known);
                 let one = crc32fast::hash(&got[0..20_000]).to_le_bytes();
                 let two = crc32fast::hash(&got[20_000..30_000]).to_le_bytes();
                 assert_eq!(&got[30_004..30_008], &two, "{name} window {window}");
