@@ -147,7 +147,7 @@ fn bench_convert(c: &mut Criterion, dir: &Path) {
         let dst = dir.join("out.safetensors");
         let mut opts = ConvertOptions::to(1);
         opts.dtype = Some(to);
-        opts.format = Some(Format::Safetensors);
+        opts.format = Some(Format::SAFETENSORS);
         let job = prepare(&src, Some(&dst), &opts).unwrap();
         assert!(job.plan.ops.iter().all(|o| o.cast.is_some()));
         let dests = vec![dst.clone()];

@@ -70,7 +70,7 @@ fn options(layout: LayoutSpec, format: Format) -> ConvertOptions {
 /// Reshard `model` into `dir` as 4 per-rank shards laid out by `layout` (JSON layout file).
 fn shard(model: &Path, dir: &Path, layout: &str) {
     let spec = LayoutSpec::from_json(layout.as_bytes()).unwrap();
-    convert(model, dir, &options(spec, Format::HfStorage)).unwrap();
+    convert(model, dir, &options(spec, Format::HF_STORAGE)).unwrap();
 }
 
 /// Panic unless `out` holds the same tensors, byte for byte, as `model`.
@@ -113,7 +113,7 @@ fn bench(c: &mut Criterion) {
         let src = tmp.path().join("src");
         shard(&model, &src, layout);
         let dst = tmp.path().join("out.safetensors");
-        let opts = options(LayoutSpec::fsdp(1), Format::Safetensors);
+        let opts = options(LayoutSpec::fsdp(1), Format::SAFETENSORS);
         let job = prepare(&src, Some(&dst), &opts).unwrap();
         let dests: Vec<PathBuf> = vec![dst.clone()];
         g.throughput(Throughput::Bytes(job.plan.bytes_written()));

@@ -49,7 +49,7 @@ fn write_dcp(tmp: &Path, dir: &Path, n: usize) {
     let model = tmp.join("model.safetensors");
     safetensors::serialize_to_file(views, None, &model).unwrap();
     let mut opts = ConvertOptions::to(WORLD);
-    opts.format = Some(Format::Dcp);
+    opts.format = Some(Format::DCP);
     opts.exec.sync = false;
     convert(&model, dir, &opts).unwrap();
     std::fs::remove_file(&model).unwrap();

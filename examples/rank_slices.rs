@@ -27,7 +27,7 @@ fn main() -> reshard::Result<()> {
         eprintln!("RANK must be below M, and M at least 1");
         std::process::exit(2);
     }
-    let ck = Checkpoint::open(&PathBuf::from(path))?;
+    let ck = Checkpoint::open(PathBuf::from(path))?;
     let wanted: Vec<_> = ck
         .tensors
         .iter()

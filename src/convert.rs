@@ -4,101 +4,21 @@
 use crate::commit::Staging;
 use crate::error::{Error, Result};
 use crate::exec::{execute_with_known, ExecOptions, ExecStats, KnownCrc};
-use crate::formats::{self, Checkpoint, Format, Output, WriteOptions};
+use crate::formats::{self, Aliasing, Checkpoint, Choice, Format, Output, WriteOptions};
 use crate::layout::{DType, TensorLayout};
 use crate::per_rank::{classify, Policy};
 use crate::plan::{plan, Plan};
+pub use crate::select::Selection;
 use crate::target::LayoutSpec;
-use globset::{Glob, GlobSet, GlobSetBuilder};
 use std::path::{Path, PathBuf};
-
-/// Which tensors to keep: names matching any `include` glob (all when empty) and no
-/// `exclude` glob (`*` matches across dots); and how kept names are renamed: `strip_prefix`
-/// is removed where a name starts with it, then `add_prefix` is put in front.
-#[derive(Clone, Debug, Default)]
-pub struct Selection {
-    /// Globs of names to keep.
-    pub include: Vec<String>,
-    /// Globs of names to drop.
-    pub exclude: Vec<String>,
-    /// Prefix removed from names that start with it.
-    pub strip_prefix: Option<String>,
-    /// Prefix added to every name.
-    pub add_prefix: Option<String>,
-}
-
-fn globset(globs: &[String]) -> Result<GlobSet> {
-    let mut b = GlobSetBuilder::new();
-    for g in globs {
-        b.add(Glob::new(g).map_err(|e| Error::usage(format!("bad glob `{g}`: {e}")))?);
-    }
-    b.build().map_err(|e| Error::usage(e.to_string()))
-}
-
-impl Selection {
-    /// The output name of `name`.
-    pub fn rename(&self, name: &str) -> String {
-        let stripped = match &self.strip_prefix {
-            Some(p) => name.strip_prefix(p.as_str()).unwrap_or(name),
-            None => name,
-        };
-        format!("{}{stripped}", self.add_prefix.as_deref().unwrap_or(""))
-    }
-
-    /// Rename `names`, refusing two names that would become one.
-    pub fn rename_all<'a>(&self, names: impl Iterator<Item = &'a str>) -> Result<Vec<String>> {
-        let mut seen: std::collections::HashMap<String, &str> = Default::default();
-        let mut out = vec![];
-        for n in names {
-            let r = self.rename(n);
-            if r.is_empty() {
-                return Err(Error::usage(format!(
-                    "`{n}` would be renamed to an empty name"
-                )));
-            }
-            if let Some(prev) = seen.insert(r.clone(), n) {
-                return Err(Error::usage(format!(
-                    "`{prev}` and `{n}` would both be named `{r}`"
-                )));
-            }
-            out.push(r);
-        }
-        Ok(out)
-    }
-
-    /// True when `name` passes the include and exclude globs.
-    pub fn keeps(&self, name: &str) -> bool {
-        let inc = self.include.is_empty() || globset(&self.include).is_ok_and(|g| g.is_match(name));
-        inc && !globset(&self.exclude).is_ok_and(|g| g.is_match(name))
-    }
-
-    /// The names of `ck`'s tensors that are selected, in checkpoint order.
-    pub fn apply<'a>(&self, ck: &'a Checkpoint) -> Result<Vec<&'a crate::layout::TensorLayout>> {
-        let inc = globset(&self.include)?;
-        let exc = globset(&self.exclude)?;
-        let v: Vec<_> = ck
-            .tensors
-            .iter()
-            .filter(|t| {
-                (self.include.is_empty() || inc.is_match(&t.name)) && !exc.is_match(&t.name)
-            })
-            .collect();
-        if v.is_empty() && !ck.tensors.is_empty() {
-            return Err(Error::usage(format!(
-                "no tensor of {} matches the --include/--exclude patterns",
-                ck.path.display()
-            )));
-        }
-        Ok(v)
-    }
-}
 
 /// Everything a conversion needs besides the paths.
 #[derive(Clone, Debug)]
 pub struct ConvertOptions {
     /// The target layout (mesh and placements); its world size is the target M.
     pub layout: LayoutSpec,
-    /// Output format; `None` infers it from the destination and M.
+    /// Output format; `None` chooses it from the destination, M and the source
+    /// ([`formats::choose`]).
     pub format: Option<Format>,
     /// Tensors to keep.
     pub select: Selection,
@@ -114,7 +34,7 @@ pub struct ConvertOptions {
     /// [`Policy::resolve`] does.
     pub per_rank: Option<Policy>,
     /// Write tied tensors ([`crate::ties`]) once per name even where the format could store
-    /// them once (`.pt`).
+    /// them once ([`Aliasing::StoresOnce`]).
     pub untie: bool,
     /// Check the CRC-32s the sources record for the bytes the plan reads
     /// ([`crate::verify::sources_of`], on its own thread while the copy runs); a mismatch
@@ -147,14 +67,16 @@ pub struct Job {
     pub source: Checkpoint,
     /// The output format.
     pub format: Format,
+    /// Why that format: given, or chosen from the destination, M and the source.
+    pub format_reason: String,
     /// Target world size.
     pub world: u32,
     /// Output files and tensor layouts.
     pub output: Output,
     /// The copy plan.
     pub plan: Plan,
-    /// Non-tensor entries carried into the output (as JSON under [`EXTRAS_KEY`] in the
-    /// safetensors `__metadata__`).
+    /// Non-tensor entries carried into the output (kept as the format's
+    /// [`formats::Capabilities::extras_kept`] says).
     pub extras: usize,
     /// The per-rank state policy applied.
     pub per_rank: Policy,
@@ -164,30 +86,21 @@ pub struct Job {
     pub ties: Vec<Vec<String>>,
 }
 
-pub use crate::formats::EXTRAS_KEY;
-
-/// The output format for `dst` at world size `world` when none is given: for one rank a
-/// `.safetensors` or `.pt`/`.pth` file as named, a Hugging Face sharded directory otherwise;
-/// per-rank shards for more.
-pub fn infer_format(dst: Option<&Path>, world: u64) -> Format {
-    let ext = dst
-        .and_then(|d| d.extension())
-        .and_then(|e| e.to_str())
-        .unwrap_or("");
-    match (world, ext) {
-        (1, "safetensors") => Format::Safetensors,
-        (1, "pt" | "pth") => Format::Pt,
-        (1, _) => Format::Hf,
-        _ => Format::HfStorage,
-    }
-}
-
 /// Read `src` and prepare its conversion (`dst` only guides the format choice).
 pub fn prepare(src: &Path, dst: Option<&Path>, opts: &ConvertOptions) -> Result<Job> {
     opts.layout.check()?;
     let source = Checkpoint::open(src)?;
     let world = opts.layout.world();
-    let format = opts.format.unwrap_or_else(|| infer_format(dst, world));
+    let Choice {
+        format,
+        reason: format_reason,
+    } = match opts.format {
+        Some(format) => Choice {
+            format,
+            reason: "as asked".into(),
+        },
+        None => formats::choose(dst, world, source.format),
+    };
     let selected = opts.select.apply(&source)?;
     let kept_extras: Vec<_> = source
         .extras
@@ -242,7 +155,7 @@ pub fn prepare(src: &Path, dst: Option<&Path>, opts: &ConvertOptions) -> Result<
     if let Some(d) = opts.dtype {
         if !d.is_castable_float() {
             return Err(Error::usage(format!(
-                "--dtype {d}: only floating dtypes (f16, bf16, f32, f64) can be targets"
+                "cannot cast to {d}: only floating dtypes (f16, bf16, f32, f64) can be targets"
             )));
         }
     }
@@ -251,21 +164,12 @@ pub fn prepare(src: &Path, dst: Option<&Path>, opts: &ConvertOptions) -> Result<
     for (k, v) in &source.metadata {
         wopts.metadata.entry(k.clone()).or_insert_with(|| v.clone());
     }
-    wopts
-        .metadata
-        .entry("format".into())
-        .or_insert_with(|| "pt".into());
-    let extras: serde_json::Map<String, serde_json::Value> = kept_extras
-        .iter()
-        .zip(extra_names)
-        .map(|(e, name)| (name.clone(), e.value.clone()))
-        .collect();
-    // Formats that hold Python values get the entries themselves, and the nesting when names
-    // are unchanged (renamed names are written flat).
+    // The non-tensor entries under their output names, and the nesting when names are
+    // unchanged (renamed names are written flat); each format keeps them its own way.
     wopts.extras = kept_extras
         .iter()
         .zip(extra_names)
-        .map(|(e, name)| crate::formats::Extra {
+        .map(|(e, name)| formats::Extra {
             name: name.clone(),
             ..(*e).clone()
         })
@@ -273,45 +177,7 @@ pub fn prepare(src: &Path, dst: Option<&Path>, opts: &ConvertOptions) -> Result<
     if opts.select.strip_prefix.is_none() && opts.select.add_prefix.is_none() {
         wopts.paths = source.paths.clone();
     }
-    if !extras.is_empty() && !matches!(format, Format::Pt | Format::Dcp) {
-        wopts.metadata.insert(
-            EXTRAS_KEY.into(),
-            serde_json::Value::Object(extras.clone()).to_string(),
-        );
-        // the exact Python values, for a later .pt or DCP output
-        let pickles: serde_json::Map<String, serde_json::Value> = wopts
-            .extras
-            .iter()
-            .map(|e| {
-                let bytes = formats::torch_save::pickle(&e.py_value());
-                (e.name.clone(), formats::to_hex(&bytes).into())
-            })
-            .collect();
-        wopts.metadata.insert(
-            formats::EXTRAS_PICKLE_KEY.into(),
-            serde_json::Value::Object(pickles).to_string(),
-        );
-    }
-    if !wopts.paths.is_empty() && !matches!(format, Format::Pt | Format::Dcp) {
-        // the nesting of the names written (tensors and non-tensor entries)
-        let written: std::collections::HashSet<&str> = tensor_names
-            .iter()
-            .chain(extra_names)
-            .map(String::as_str)
-            .collect();
-        let kept: std::collections::BTreeMap<&String, &Vec<formats::KeyPart>> = wopts
-            .paths
-            .iter()
-            .filter(|(n, _)| written.contains(n.as_str()))
-            .collect();
-        if !kept.is_empty() {
-            wopts.metadata.insert(
-                formats::PATHS_KEY.into(),
-                serde_json::to_string(&kept).map_err(|e| Error::usage(e.to_string()))?,
-            );
-        }
-    }
-    if format == Format::Pt && !opts.untie {
+    if format.capabilities().aliasing == Aliasing::StoresOnce && !opts.untie {
         wopts.ties = crate::ties::find(&source.files, &selected)?
             .into_iter()
             .map(|g| g.into_iter().map(|i| tensor_names[i].clone()).collect())
@@ -330,10 +196,11 @@ pub fn prepare(src: &Path, dst: Option<&Path>, opts: &ConvertOptions) -> Result<
     Ok(Job {
         source,
         format,
+        format_reason,
         world: world as u32,
         output,
         plan,
-        extras: extras.len(),
+        extras: wopts.extras.len(),
         per_rank: policy,
         dropped,
         ties: wopts.ties,
@@ -422,29 +289,4 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<(Job, Ex
     let job = prepare(src, Some(dst), opts)?;
     let stats = run(&job, dst, opts)?;
     Ok((job, stats))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn renaming_strips_adds_and_refuses_collisions() {
-        let sel = Selection {
-            strip_prefix: Some("model.".into()),
-            add_prefix: Some("s.".into()),
-            ..Default::default()
-        };
-        assert_eq!(sel.rename("model.w"), "s.w");
-        assert_eq!(sel.rename("opt.w"), "s.opt.w");
-        let sel = Selection {
-            strip_prefix: Some("a.".into()),
-            ..Default::default()
-        };
-        let e = sel
-            .rename_all(["a.x", "x"].into_iter())
-            .unwrap_err()
-            .to_string();
-        assert_eq!(e, "`a.x` and `x` would both be named `x`");
-    }
 }

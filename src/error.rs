@@ -2,8 +2,10 @@
 
 use std::path::{Path, PathBuf};
 
-/// Everything that can go wrong in reshard. `Display` is a single line meant for people.
+/// Everything that can go wrong in reshard. `Display` is a single line meant for people; it
+/// names no command-line flag, so that every front end can add its own [`Hint`].
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// An I/O error on a named file.
     #[error("{}: {source}", one_line(&path.display().to_string()))]
@@ -32,6 +34,39 @@ pub enum Error {
     /// A request that cannot be carried out as asked (bad option, refused cast, existing output).
     #[error("{}", one_line(.0))]
     Usage(String),
+    /// A request that a different setting would allow; [`Hint`] says which.
+    #[error("{}", one_line(msg))]
+    Refused {
+        /// What is wrong.
+        msg: String,
+        /// The setting that would allow it.
+        hint: Hint,
+    },
+    /// An output format asked to hold more ranks than it can.
+    #[error("{noun} holds {}, not {world}", if *max == 1 { "one rank".to_string() } else { format!("at most {max} ranks") })]
+    TooManyRanks {
+        /// The format's name.
+        format: &'static str,
+        /// How the format is named in a sentence (`a .pt file`).
+        noun: &'static str,
+        /// The most ranks it holds.
+        max: u32,
+        /// The ranks asked for.
+        world: u64,
+    },
+}
+
+/// The setting that would let a [`Error::Refused`] (or [`Error::TooManyRanks`]) request
+/// through, for front ends to word as their own flag or argument.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Hint {
+    /// Replace an existing destination.
+    Force,
+    /// Say what to do with per-rank state (drop it, or keep rank 0's).
+    PerRankState,
+    /// Ask for fewer target ranks, or an output format that holds more.
+    WorldSize,
 }
 
 /// `text` with its control characters (newlines, carriage returns, terminal escapes) written
@@ -75,6 +110,23 @@ impl Error {
     /// A usage error.
     pub fn usage(msg: impl Into<String>) -> Self {
         Error::Usage(msg.into())
+    }
+
+    /// A request that `hint`'s setting would allow.
+    pub fn refused(msg: impl Into<String>, hint: Hint) -> Self {
+        Error::Refused {
+            msg: msg.into(),
+            hint,
+        }
+    }
+
+    /// The setting that would let this request through, if any.
+    pub fn hint(&self) -> Option<Hint> {
+        match self {
+            Error::Refused { hint, .. } => Some(*hint),
+            Error::TooManyRanks { .. } => Some(Hint::WorldSize),
+            _ => None,
+        }
     }
 }
 

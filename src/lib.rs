@@ -11,6 +11,7 @@
 //!   entries belong to one rank and what a conversion does with them.
 
 pub mod array;
+pub mod checkpoint;
 pub mod commit;
 pub mod convert;
 pub mod diff;
@@ -21,8 +22,9 @@ pub mod layout;
 pub mod load;
 pub mod per_rank;
 pub mod plan;
+pub mod select;
 pub mod target;
 pub mod ties;
 pub mod verify;
 
-pub use error::{Error, Result};
+pub use error::{Error, Hint, Result};

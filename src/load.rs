@@ -2,12 +2,12 @@
 //! from the checkpoint's files with no process group — each rank independently, touching
 //! only the bytes of its own shards.
 
-use crate::convert::Selection;
 use crate::error::{Error, Result};
 use crate::exec::read_many;
 use crate::formats::Checkpoint;
 use crate::layout::{DType, Loc, Piece, Region};
 use crate::plan::fill;
+use crate::select::Selection;
 use crate::target::LayoutSpec;
 
 /// One region of one tensor held by the loading rank, with its bytes.

@@ -55,7 +55,7 @@ enum Cmd {
     },
     /// Reshard SRC to M ranks (M = 1 consolidates) and write DST atomically.
     #[command(
-        after_help = "Examples:\n  reshard convert ckpt/ model.safetensors --to 1\n  reshard convert ckpt/ out/ --to 2\n  reshard convert ckpt/ hf/ --to 1 --format hf --max-shard-size 2GB\n  reshard convert ckpt/ out/ --to 8 --exclude 'optimizer.*' --dtype bf16\n\nThe output format follows DST: a .safetensors file for M = 1, a Hugging Face sharded\ndirectory (model.safetensors.index.json) for M = 1 otherwise, and per-rank shards\n(shard-0000R-model-…safetensors with DCP_SHARDING_INFO) for M > 1."
+        after_help = convert_help()
     )]
     Convert {
         /// Source checkpoint.
@@ -113,8 +113,7 @@ struct TargetArgs {
     /// Target layout file (JSON: mesh and per-name-glob placements); see the README.
     #[arg(long, value_name = "FILE")]
     layout: Option<PathBuf>,
-    /// Output format: safetensors, hf or hf-storage (default: from DST and M).
-    #[arg(long)]
+    #[arg(long, value_name = "FORMAT", help = format_help())]
     format: Option<Format>,
     /// Keep only tensors whose name matches this glob (repeatable; `*` crosses dots).
     #[arg(long, value_name = "GLOB")]
@@ -146,6 +145,47 @@ struct TargetArgs {
     /// too, instead of sharing one storage as torch.save of a tied model does.
     #[arg(long)]
     untie: bool,
+}
+
+/// The `--format` help: every registered format's name.
+fn format_help() -> String {
+    format!(
+        "Output format: {} (default: from DST, M and the source; see `reshard convert --help`)",
+        Format::names()
+    )
+}
+
+/// The `convert` help's closing text: examples, how the output format is chosen, the formats.
+fn convert_help() -> String {
+    format!("Examples:\n  reshard convert ckpt/ model.safetensors --to 1\n  reshard convert ckpt/ out/ --to 2\n  reshard convert ckpt/ hf/ --to 1 --format hf --max-shard-size 2GB\n  reshard convert ckpt/ out/ --to 8 --exclude 'optimizer.*' --dtype bf16\n\nWithout --format, the output format follows DST, M and the source: for M = 1 a file named\n*.safetensors or *.pt/*.pth is that file, any other name a Hugging Face sharded directory\nfor M > 1 a DCP source gives DCP, a safetensors\nsource per-rank safetensors shards. `plan` and `convert` say which format they chose and why.\nFormats:\n{}", format_list())
+}
+
+/// One line per registered format: name and summary.
+fn format_list() -> String {
+    Format::all()
+        .map(|f| format!("  {:12} {}", f.name(), f.capabilities().summary))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The command-line words for what would let a refused request through.
+fn cli_hint(e: &Error) -> String {
+    use reshard::Hint;
+    match (e.hint(), e) {
+        (Some(Hint::Force), _) => " (use --force to replace it)".into(),
+        (Some(Hint::PerRankState), _) => {
+            ": add --per-rank-state drop (leave it out) or --per-rank-state rank0 (keep rank 0's)"
+                .into()
+        }
+        (Some(Hint::WorldSize), Error::TooManyRanks { world, .. }) => {
+            let more: Vec<&str> = Format::all()
+                .filter(|f| f.holds(*world))
+                .map(Format::name)
+                .collect();
+            format!(": use --to 1, or --format {}", more.join(" or "))
+        }
+        _ => String::new(),
+    }
 }
 
 fn parse_size(s: &str) -> std::result::Result<u64, String> {
@@ -324,6 +364,25 @@ fn tie_names(ck: &Checkpoint) -> Result<Vec<Vec<String>>> {
         .collect())
 }
 
+/// What `inspect` adds to a group of tied tensors: how the format stores them, and which
+/// format would store them once.
+fn tie_note(format: Format) -> String {
+    use reshard::formats::Aliasing;
+    let once = Format::all()
+        .find(|f| f.capabilities().aliasing == Aliasing::StoresOnce)
+        .map(|f| format!("a .{} output stores it once", f.name()))
+        .unwrap_or_default();
+    let c = format.capabilities();
+    match c.aliasing {
+        Aliasing::StoresOnce => String::new(),
+        Aliasing::Forbidden => format!(
+            "; {} cannot alias, so each name keeps a copy ({once})",
+            c.family.name()
+        ),
+        _ => format!("; {once}"),
+    }
+}
+
 fn inspect(path: &std::path::Path, json: bool) -> Result<()> {
     let ck = Checkpoint::open(path)?;
     let mut out = std::io::stdout().lock();
@@ -392,16 +451,7 @@ fn inspect(path: &std::path::Path, json: bool) -> Result<()> {
             out,
             "tied: {} (same dtype, shape and bytes){}",
             g.join(" = "),
-            if ck.format == Format::Safetensors
-                || ck.format == Format::Hf
-                || ck.format == Format::HfStorage
-            {
-                "; safetensors cannot alias, so each name keeps a copy (a .pt output stores it once)"
-            } else if ck.format == Format::Pt {
-                ""
-            } else {
-                "; a .pt output stores it once"
-            }
+            tie_note(ck.format)
         );
     }
     let per_rank = per_rank_entries(&ck);
@@ -423,7 +473,7 @@ fn print_plan(job: &Job, opts: &ConvertOptions, ops: bool, json: bool) -> Result
     if json {
         let v = serde_json::json!({
             "source": {"path": job.source.path, "format": job.source.format, "ranks": job.source.ranks, "files": job.source.files},
-            "target": {"format": job.format, "ranks": job.world,
+            "target": {"format": job.format, "format_reason": job.format_reason, "ranks": job.world,
                        "files": job.output.files.iter().map(|f| serde_json::json!({"path": f.path, "size": f.size})).collect::<Vec<_>>()},
             "bytes_read": job.plan.bytes_read(),
             "bytes_written": job.plan.bytes_written(),
@@ -437,8 +487,8 @@ fn print_plan(job: &Job, opts: &ConvertOptions, ops: bool, json: bool) -> Result
     let p = &job.plan;
     let _ = writeln!(
         out,
-        "plan: {} ({} rank(s)) -> {} ({} rank(s))",
-        job.source.format, job.source.ranks, job.format, job.world
+        "plan: {} ({} rank(s)) -> {} ({} rank(s)); output format {}: {}",
+        job.source.format, job.source.ranks, job.format, job.world, job.format, job.format_reason
     );
     let _ = writeln!(
         out,
@@ -662,6 +712,9 @@ fn run(cli: Cli) -> Result<()> {
                     secs,
                     human((stats.bytes_written as f64 / secs.max(1e-9)) as u64)
                 );
+                if opts.format.is_none() {
+                    println!("output format {}: {}", job.format, job.format_reason);
+                }
                 if !job.dropped.is_empty() {
                     println!(
                         "left out {} per-rank entr{} ({}): {}",
@@ -680,16 +733,10 @@ fn run(cli: Cli) -> Result<()> {
                 if job.extras > 0 {
                     let n = job.extras;
                     let entries = if n == 1 { "entry" } else { "entries" };
-                    if job.format == Format::Pt {
-                        println!("kept {n} non-tensor {entries} as Python values");
-                    } else if job.format == Format::Dcp {
-                        println!("kept {n} non-tensor {entries} as BYTE_IO items (Lightning's meta.pt keys in meta.pt)");
-                    } else {
-                        println!(
-                            "kept {n} non-tensor {entries} as JSON in the safetensors __metadata__ key `{}`",
-                            convert::EXTRAS_KEY
-                        );
-                    }
+                    println!(
+                        "kept {n} non-tensor {entries} {}",
+                        job.format.capabilities().extras_kept
+                    );
                 }
             }
             Ok(())
@@ -707,7 +754,7 @@ fn main() {
     let result = std::panic::catch_unwind(|| run(cli));
     let msg = match result {
         Ok(Ok(())) => return,
-        Ok(Err(e)) => e.to_string(),
+        Ok(Err(e)) => format!("{e}{}", cli_hint(&e)),
         Err(p) => {
             let what = p
                 .downcast_ref::<String>()

@@ -13,7 +13,7 @@
 //! Scalars, step counters, `param_groups` and scheduler state are not per-rank and are always
 //! carried as they are.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Hint, Result};
 use serde::Serialize;
 use std::fmt;
 use std::str::FromStr;
@@ -130,10 +130,13 @@ impl Policy {
                     1 => String::new(),
                     n => format!(" (and {} more)", n - 1),
                 };
-                Err(Error::usage(format!(
-                    "`{}`{more} is per-rank state saved by {source_ranks} rank(s), which cannot be resharded to {target_ranks}: add --per-rank-state drop (leave it out) or --per-rank-state rank0 (keep rank 0's)",
-                    names[0]
-                )))
+                Err(Error::refused(
+                    format!(
+                        "`{}`{more} is per-rank state saved by {source_ranks} rank(s), which cannot be resharded to {target_ranks}",
+                        names[0]
+                    ),
+                    Hint::PerRankState,
+                ))
             }
         }
     }

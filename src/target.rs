@@ -15,7 +15,6 @@
 //! `Replicate` on the others.
 
 use crate::error::{Error, IoContext, Result};
-use crate::formats::TargetTensor;
 use crate::layout::{flat_ranges, DType, Mesh, Placement, Region, Sharding};
 use globset::{Glob, GlobMatcher};
 use serde::{Deserialize, Serialize};
@@ -252,4 +251,18 @@ mod tests {
             |r: usize| -> u64 { t.iter().flat_map(|x| &x.ranks[r]).map(|g| g.volume()).sum() };
         assert_eq!((vol(0), vol(1), vol(2)), (3, 3, 1));
     }
+}
+
+/// What a writer is asked to produce for one tensor: its dtype and shape in the output, and
+/// the regions each target rank holds.
+#[derive(Clone, Debug)]
+pub struct TargetTensor {
+    /// Output name.
+    pub name: String,
+    /// Output dtype.
+    pub dtype: DType,
+    /// Global shape.
+    pub shape: Vec<u64>,
+    /// Per target rank, the regions it holds.
+    pub ranks: Vec<Vec<Region>>,
 }

@@ -123,8 +123,8 @@ fn assert_same(case: &str, what: &str, got: &Tensors, want: &Tensors) {
 #[test]
 fn every_fixture_reads_exactly_like_its_oracle() {
     for case in CASES {
-        let ck = Checkpoint::open(&checkpoint(case)).unwrap_or_else(|e| panic!("{case}: {e}"));
-        assert_eq!(ck.format, Format::Dcp, "{case}");
+        let ck = Checkpoint::open(checkpoint(case)).unwrap_or_else(|e| panic!("{case}: {e}"));
+        assert_eq!(ck.format, Format::DCP, "{case}");
         let want = oracle(case);
         let mut got = Tensors::new();
         for t in &ck.tensors {
@@ -178,7 +178,7 @@ fn ranks_files_producer_and_meta_pt() {
         ("fabric_fsdp1_w4_f32_torch21", 4, 4),
     ];
     for (case, ranks, files) in expect {
-        let ck = Checkpoint::open(&checkpoint(case)).unwrap();
+        let ck = Checkpoint::open(checkpoint(case)).unwrap();
         assert_eq!((ck.ranks, ck.files.len()), (ranks, files), "{case}");
     }
     for (case, producer) in [
@@ -189,18 +189,18 @@ fn ranks_files_producer_and_meta_pt() {
             "torch 2.1–2.3 (no DCP version)",
         ),
     ] {
-        let ck = Checkpoint::open(&checkpoint(case)).unwrap();
+        let ck = Checkpoint::open(checkpoint(case)).unwrap();
         assert_eq!(ck.producer.as_deref(), Some(producer), "{case}");
     }
     for case in ["fabric_fsdp1_w4_f32", "fabric_fsdp1_w4_f32_torch21"] {
-        let ck = Checkpoint::open(&checkpoint(case)).unwrap();
+        let ck = Checkpoint::open(checkpoint(case)).unwrap();
         let meta: Vec<_> = ck.extras.iter().filter(|x| x.origin == "meta.pt").collect();
         assert_eq!(meta.len(), 1, "{case}");
         assert_eq!(meta[0].name, "step");
         assert_eq!(meta[0].value, serde_json::json!(1));
     }
     // The threads2 ranks each wrote two files; pieces carry the rank of their file.
-    let ck = Checkpoint::open(&checkpoint("fsdp2_w4_f32_threads2")).unwrap();
+    let ck = Checkpoint::open(checkpoint("fsdp2_w4_f32_threads2")).unwrap();
     for t in &ck.tensors {
         for p in &t.pieces {
             let name = ck.files[p.loc.file as usize].file_name().unwrap();
@@ -223,7 +223,7 @@ fn piece_offsets_match_the_manifests() {
     ] {
         let text = std::fs::read_to_string(case_dir(case).join("oracle/manifest.json")).unwrap();
         let m: serde_json::Value = serde_json::from_str(&text).unwrap();
-        let ck = Checkpoint::open(&checkpoint(case)).unwrap();
+        let ck = Checkpoint::open(checkpoint(case)).unwrap();
         let mut checked = 0;
         for t in &ck.tensors {
             let chunks = m["keys"][&t.name]["chunks"].as_array().unwrap();
@@ -620,7 +620,15 @@ fn non_tensor_entries_survive_n_to_m_to_one() {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         String::from_utf8(o.stdout).unwrap()
     };
-    let out = stdout(&["convert", s(&checkpoint(case)), s(&mid), "--to", "2"]);
+    let out = stdout(&[
+        "convert",
+        s(&checkpoint(case)),
+        s(&mid),
+        "--to",
+        "2",
+        "--format",
+        "hf-storage",
+    ]);
     assert!(out.contains("kept 2 non-tensor entries as JSON"), "{out}");
     let back = tmp.path().join("one.safetensors");
     ok(&["convert", s(&mid), s(&back), "--to", "1"]);
@@ -632,4 +640,43 @@ fn non_tensor_entries_survive_n_to_m_to_one() {
     assert_eq!(groups[0]["betas"], serde_json::json!([0.9, 0.95]));
     let insp = stdout(&["inspect", s(&back)]);
     assert!(insp.contains("step [reshard.extras] = 1"), "{insp}");
+}
+
+#[test]
+fn a_dcp_source_resharded_to_m_ranks_stays_dcp_and_says_why() {
+    let tmp = tempfile::tempdir().unwrap();
+    let case = "fsdp2_w4_f32";
+    let run = |args: &[&str]| -> String {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_reshard"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let drop = ["--per-rank-state", "drop"];
+    let plan = run(&[&["plan", s(&checkpoint(case)), "--to", "2"][..], &drop].concat());
+    assert!(
+        plan.contains("-> dcp (2 rank(s)); output format dcp: the source's format"),
+        "{plan}"
+    );
+    let out = tmp.path().join("two");
+    let text = run(&[
+        &["convert", s(&checkpoint(case)), s(&out), "--to", "2"][..],
+        &drop,
+    ]
+    .concat());
+    assert!(
+        text.contains("output format dcp: the source's format"),
+        "{text}"
+    );
+    let ck = reshard::formats::Checkpoint::open(&out).unwrap();
+    assert_eq!((ck.format, ck.ranks), (reshard::formats::Format::DCP, 2));
+    // one rank into a directory is still a consolidated Hugging Face checkpoint
+    let one = tmp.path().join("one");
+    let text = run(&["convert", s(&checkpoint(case)), s(&one), "--to", "1"]);
+    assert!(
+        text.contains("output format hf: a consolidated model in a directory"),
+        "{text}"
+    );
 }

@@ -200,15 +200,15 @@ fn hop() -> impl Strategy<Value = Hop> {
         layout: LayoutSpec::fsdp(1),
     };
     prop_oneof![
-        Just(single(Format::Safetensors)),
-        Just(single(Format::Hf)),
-        Just(single(Format::Pt)),
+        Just(single(Format::SAFETENSORS)),
+        Just(single(Format::HF)),
+        Just(single(Format::PT)),
         layout().prop_map(|layout| Hop {
-            format: Format::HfStorage,
+            format: Format::HF_STORAGE,
             layout
         }),
         layout().prop_map(|layout| Hop {
-            format: Format::Dcp,
+            format: Format::DCP,
             layout
         }),
     ]
@@ -237,10 +237,12 @@ fn write_source(path: &Path, ts: &[T], extras: &BTreeMap<String, serde_json::Val
 }
 
 fn dest(dir: &Path, k: usize, f: Format) -> PathBuf {
-    dir.join(match f {
-        Format::Safetensors => format!("hop{k}.safetensors"),
-        Format::Pt => format!("hop{k}.pt"),
-        _ => format!("hop{k}"),
+    dir.join(if f == Format::SAFETENSORS {
+        format!("hop{k}.safetensors")
+    } else if f == Format::PT {
+        format!("hop{k}.pt")
+    } else {
+        format!("hop{k}")
     })
 }
 
@@ -357,11 +359,11 @@ fn every_reader_writer_pair() {
         layout: LayoutSpec::fsdp(w),
     };
     let all = [
-        hops(Format::Safetensors, 1),
-        hops(Format::Hf, 1),
-        hops(Format::HfStorage, 3),
-        hops(Format::Dcp, 5),
-        hops(Format::Pt, 1),
+        hops(Format::SAFETENSORS, 1),
+        hops(Format::HF, 1),
+        hops(Format::HF_STORAGE, 3),
+        hops(Format::DCP, 5),
+        hops(Format::PT, 1),
     ];
     for a in &all {
         for b in &all {
@@ -389,15 +391,15 @@ fn regression_zero_size_tensor_keeps_its_shape_in_hf_storage() {
     };
     let hops = [
         Hop {
-            format: Format::Dcp,
+            format: Format::DCP,
             layout: flat5,
         },
         Hop {
-            format: Format::Hf,
+            format: Format::HF,
             layout: LayoutSpec::fsdp(1),
         },
         Hop {
-            format: Format::HfStorage,
+            format: Format::HF_STORAGE,
             layout: LayoutSpec::fsdp(6),
         },
     ];
@@ -423,15 +425,15 @@ fn regression_float_values_survive_json_exactly() {
     .collect();
     let hops = [
         Hop {
-            format: Format::Dcp,
+            format: Format::DCP,
             layout: LayoutSpec::fsdp(6),
         },
         Hop {
-            format: Format::Safetensors,
+            format: Format::SAFETENSORS,
             layout: LayoutSpec::fsdp(1),
         },
         Hop {
-            format: Format::HfStorage,
+            format: Format::HF_STORAGE,
             layout: LayoutSpec::fsdp(7),
         },
     ];

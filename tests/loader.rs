@@ -51,7 +51,7 @@ fn every_rank_of_every_world_size_gets_exactly_its_shards() {
         "dtensor2d_w4",
         "hf_storage_w3_bf16",
     ] {
-        let ck = Checkpoint::open(&fixture(case).join("checkpoint")).unwrap();
+        let ck = Checkpoint::open(fixture(case).join("checkpoint")).unwrap();
         let oracle = read_safetensors(&fixture(case).join("oracle/full.safetensors"));
         for m in [1u64, 2, 3, 5, 8] {
             let mut covered: std::collections::BTreeMap<String, u64> = Default::default();

@@ -149,8 +149,8 @@ fn torch_or_skip_note() -> Option<PathBuf> {
 #[test]
 fn every_fixture_reads_exactly_like_its_oracle() {
     for case in CASES {
-        let ck = Checkpoint::open(&model(case)).unwrap_or_else(|e| panic!("{case}: {e}"));
-        assert_eq!(ck.format, Format::Pt, "{case}");
+        let ck = Checkpoint::open(model(case)).unwrap_or_else(|e| panic!("{case}: {e}"));
+        assert_eq!(ck.format, Format::PT, "{case}");
         assert_eq!((ck.ranks, ck.files.len()), (1, 1), "{case}");
         assert!(ck.producer.as_deref().unwrap().starts_with("torch.save"));
         assert_oracle(case, "read_region", &ck);
@@ -169,7 +169,7 @@ fn every_fixture_reads_exactly_like_its_oracle() {
 fn typed_reads_of_views_and_tied_weights() {
     // views: the transposed tensor reads as the transpose of its base, the offset slice as
     // the right elements, the stride-0 expansion as repeated rows
-    let ck = Checkpoint::open(&model("views")).unwrap();
+    let ck = Checkpoint::open(model("views")).unwrap();
     let full = |n: &str| Region::full(&ck.tensor(n).unwrap().shape);
     let base = ck.read_array::<f32>("base", &full("base")).unwrap();
     let t = ck
@@ -192,12 +192,12 @@ fn typed_reads_of_views_and_tied_weights() {
     assert_eq!(part[[0, 0]], whole[[1, 1]]);
     assert_eq!(part[[1, 1]], whole[[2, 2]]);
     // tied: two keys, one storage record
-    let ck = Checkpoint::open(&model("tied")).unwrap();
+    let ck = Checkpoint::open(model("tied")).unwrap();
     let a = &ck.tensor("embed.weight").unwrap().pieces[0].loc;
     let b = &ck.tensor("lm_head.weight").unwrap().pieces[0].loc;
     assert_eq!(a, b);
     // bf16 converts on read
-    let ck = Checkpoint::open(&model("flat_dtypes")).unwrap();
+    let ck = Checkpoint::open(model("flat_dtypes")).unwrap();
     let p = ck
         .read_array::<f32>("proj", &Region::full(&[3, 13]))
         .unwrap();
@@ -209,7 +209,7 @@ fn typed_reads_of_views_and_tied_weights() {
 
 #[test]
 fn nesting_follows_dcp_flattening() {
-    let ck = Checkpoint::open(&model("training")).unwrap();
+    let ck = Checkpoint::open(model("training")).unwrap();
     let k = |s: &str| KeyPart::Key(s.into());
     assert_eq!(
         ck.paths["optimizer.state.1.exp_avg_sq"],
@@ -231,7 +231,7 @@ fn nesting_follows_dcp_flattening() {
     );
     assert_eq!(ck.paths["hparams.betas"], vec![k("hparams"), k("betas")]);
     assert!(!ck.paths.contains_key("step"));
-    let ck = Checkpoint::open(&model("ordered")).unwrap();
+    let ck = Checkpoint::open(model("ordered")).unwrap();
     assert_eq!(
         ck.paths["layers.1.w"],
         vec![k("layers"), KeyPart::Index(1), k("w")]
@@ -266,7 +266,7 @@ fn pt_to_pt_round_trips() {
     for case in CASES {
         let out = d.path().join(format!("{case}.pt"));
         ok(&["convert", s(&model(case)), s(&out), "--to", "1", "-q"]);
-        let src = Checkpoint::open(&model(case)).unwrap();
+        let src = Checkpoint::open(model(case)).unwrap();
         let ck = Checkpoint::open(&out).unwrap_or_else(|e| panic!("{case}: {e}"));
         assert_oracle(case, ".pt -> .pt", &ck);
         assert_eq!(ck.paths, src.paths, "{case}: nesting");
@@ -303,7 +303,7 @@ fn pt_to_dcp_at_three_ranks_and_back_round_trips() {
             "-q",
         ]);
         let mid = Checkpoint::open(&dcp).unwrap_or_else(|e| panic!("{case}: {e}"));
-        assert_eq!((mid.format, mid.ranks), (Format::Dcp, 3), "{case}");
+        assert_eq!((mid.format, mid.ranks), (Format::DCP, 3), "{case}");
         assert_same(case, "dcp", &read_all(&mid), &oracle(case));
         ok(&["convert", s(&dcp), s(&back), "--to", "1", "-q"]);
         let ck = Checkpoint::open(&back).unwrap_or_else(|e| panic!("{case}: {e}"));
@@ -404,7 +404,7 @@ fn unsupported_contents_are_refused_with_one_line() {
         "`w`: storage `0` has 48 bytes but its record holds 20",
     );
     // The legacy format is detected as a .pt and named, by the library and the CLI.
-    let e = Checkpoint::open(&bad("legacy.pt")).unwrap_err().to_string();
+    let e = Checkpoint::open(bad("legacy.pt")).unwrap_err().to_string();
     assert!(
         e.starts_with(&format!("{}: ", bad("legacy.pt").display()))
             && e.contains("legacy torch.save format; re-save with torch>=1.6 default"),

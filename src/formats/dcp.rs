@@ -852,7 +852,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         Some(v) => format!("torch >= 2.4 (DCP {v})"),
     });
     Ok(Checkpoint {
-        format: Format::Dcp,
+        format: Format::DCP,
         path: dir.to_path_buf(),
         files: sources.into_iter().map(|s| s.path).collect(),
         ranks,

@@ -5,7 +5,11 @@
 use super::safetensors::{
     align_order, full_layouts, output_file, read_header, recorded_crcs, Entry,
 };
-use super::{Checkpoint, Format, Output, TargetTensor, WriteOptions};
+use super::safetensors::{checkpoint, header_metadata};
+use super::{
+    Aliasing, Capabilities, Checkpoint, Codec, Container, Family, Format, Output, Probe,
+    Recognition, TargetTensor, WriteOptions,
+};
 use crate::error::{Error, IoContext, Result};
 use crate::exec::OutputFile;
 use crate::layout::{Loc, Piece, Region, TensorLayout};
@@ -32,6 +36,42 @@ pub fn index_path(dir: &Path) -> Option<PathBuf> {
         });
     let first = found.next()?;
     found.next().is_none().then_some(first)
+}
+
+/// Hugging Face sharded safetensors.
+pub struct Hf;
+
+static CAPS: Capabilities = Capabilities {
+    name: "hf",
+    aliases: &["hf-sharded"],
+    summary: "Hugging Face sharded safetensors: model.safetensors.index.json + model-0000i-of-0000N.safetensors (one rank)",
+    noun: "the hf format (a consolidated model)",
+    container: Container::Directory,
+    extensions: &[],
+    max_world: Some(1),
+    family: Family::Safetensors,
+    python_values: false,
+    extras_kept: "as JSON in the safetensors __metadata__ key `reshard.extras`",
+    aliasing: Aliasing::Forbidden,
+};
+
+impl Codec for Hf {
+    fn capabilities(&self) -> &'static Capabilities {
+        &CAPS
+    }
+    fn recognize(&self, probe: &Probe) -> Result<Recognition> {
+        Ok(if !probe.is_file && index_path(probe.path).is_some() {
+            Recognition::Marker
+        } else {
+            Recognition::No
+        })
+    }
+    fn read(&self, path: &Path) -> Result<Checkpoint> {
+        read(path)
+    }
+    fn write(&self, target: &[TargetTensor], _world: u32, opts: &WriteOptions) -> Result<Output> {
+        write(target, opts)
+    }
 }
 
 /// Read a Hugging Face sharded checkpoint.
@@ -111,7 +151,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             ));
         }
     }
-    let mut ck = Checkpoint::of_tensors(Format::Hf, dir, files, 1, tensors, metadata);
+    let mut ck = checkpoint(Format::HF, dir, files, 1, tensors, metadata)?;
     ck.checksums = checksums;
     Ok(ck)
 }
@@ -147,13 +187,14 @@ pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
         groups.push(vec![]);
     }
     let n = groups.len();
+    let metadata = header_metadata(target, opts)?;
     let mut files = vec![];
     let mut tensors = vec![];
     let mut weight_map = serde_json::Map::new();
     let mut total = 0u64;
     for (i, g) in groups.iter().enumerate() {
         let name = format!("model-{:05}-of-{:05}.safetensors", i + 1, n);
-        let (file, offsets) = output_file(PathBuf::from(&name), g, &opts.metadata)?;
+        let (file, offsets) = output_file(PathBuf::from(&name), g, &metadata)?;
         for e in g {
             weight_map.insert(e.name.clone(), name.clone().into());
             total += e.shape.iter().product::<u64>() * e.dtype.size() as u64;

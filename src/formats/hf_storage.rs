@@ -9,8 +9,14 @@
 //! A directory of plain safetensors files without `DCP_SHARDING_INFO` reads the same way,
 //! every tensor at offset 0, as torch's `HuggingFaceStorageReader` does.
 
-use super::safetensors::{align_order, files_in, output_file, read_header, recorded_crcs, Entry};
-use super::{Checkpoint, Format, Output, TargetTensor, WriteOptions};
+use super::safetensors::{
+    align_order, checkpoint, files_in, header_metadata, output_file, read_header, recorded_crcs,
+    Entry,
+};
+use super::{
+    Aliasing, Capabilities, Checkpoint, Codec, Container, Family, Format, Output, Probe,
+    Recognition, TargetTensor, WriteOptions,
+};
 use crate::error::{Error, Result};
 use crate::layout::{Loc, Piece, Region, TensorLayout};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -29,6 +35,43 @@ fn rank_of(path: &Path) -> Option<u32> {
     let rest = name.strip_prefix("shard-")?;
     let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
     digits.parse::<u32>().ok()?.checked_sub(1)
+}
+
+/// torch's per-rank safetensors shards (`HuggingFaceStorageWriter(save_distributed=True)`).
+pub struct HfStorage;
+
+static CAPS: Capabilities = Capabilities {
+    name: "hf-storage",
+    aliases: &["hf-distributed"],
+    summary: "per-rank safetensors shards with DCP_SHARDING_INFO, as torch's HuggingFaceStorageWriter(save_distributed=True) writes (any world size)",
+    noun: "a directory of per-rank safetensors shards",
+    container: Container::Directory,
+    extensions: &[],
+    max_world: None,
+    family: Family::Safetensors,
+    python_values: false,
+    extras_kept: "as JSON in the safetensors __metadata__ key `reshard.extras`",
+    aliasing: Aliasing::Forbidden,
+};
+
+impl Codec for HfStorage {
+    fn capabilities(&self) -> &'static Capabilities {
+        &CAPS
+    }
+    fn recognize(&self, probe: &Probe) -> Result<Recognition> {
+        // any directory of *.safetensors files that no index or metadata file claims
+        Ok(if !probe.is_file && !files_in(probe.path)?.is_empty() {
+            Recognition::Fallback
+        } else {
+            Recognition::No
+        })
+    }
+    fn read(&self, path: &Path) -> Result<Checkpoint> {
+        read(path)
+    }
+    fn write(&self, target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
+        write(target, world, opts)
+    }
 }
 
 /// Read a directory of per-rank shards.
@@ -187,7 +230,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             l
         })
         .collect();
-    let mut ck = Checkpoint::of_tensors(Format::HfStorage, dir, files, ranks, tensors, metadata);
+    let mut ck = checkpoint(Format::HF_STORAGE, dir, files, ranks, tensors, metadata)?;
     ck.checksums = checksums;
     Ok(ck)
 }
@@ -243,6 +286,7 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
             }
         }
     }
+    let metadata = header_metadata(target, opts)?;
     let mut files = vec![];
     let mut pieces: HashMap<String, Vec<Piece>> = HashMap::new();
     for (r, rank_files) in per_rank.iter_mut().enumerate() {
@@ -256,7 +300,7 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
             for (e, offs) in group.iter() {
                 info.insert(e.name.clone(), serde_json::json!({"saved_offsets": offs}));
             }
-            let mut meta = opts.metadata.clone();
+            let mut meta = metadata.clone();
             meta.insert(
                 SHARDING_INFO.into(),
                 serde_json::Value::Object(info).to_string(),

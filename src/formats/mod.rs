@@ -1,16 +1,25 @@
-//! Checkpoint formats: readers turn files into tensor layouts plus byte locations, writers
-//! turn a target layout into destination files. One module per format; nothing outside this
-//! module knows a file format.
+//! Checkpoint formats, behind one interface and one registry. Nothing outside this module
+//! knows a file format: the rest of reshard reads a [`Checkpoint`], writes through
+//! [`write`], and asks a [`Format`] what it can hold ([`Capabilities`]) instead of matching
+//! on it.
 //!
-//! - [`safetensors`]: one `.safetensors` file (a consolidated checkpoint);
-//! - [`hf`]: Hugging Face sharded safetensors (`model.safetensors.index.json` + files);
-//! - [`hf_storage`]: the per-rank safetensors shards PyTorch's
-//!   `HuggingFaceStorageWriter(save_distributed=True)` writes, with each chunk's global
-//!   offsets under `DCP_SHARDING_INFO`;
-//! - [`dcp`]: PyTorch Distributed Checkpoints (`.metadata` + `.distcp` files), read only;
-//!   [`torch_zip`] reads the `torch.save` archives they hold;
-//! - [`pt_read`] and [`pt`]: one `torch.save` (`.pt`) file holding a state dict, read and
-//!   written.
+//! | module | format |
+//! |---|---|
+//! | [`safetensors`] | one `.safetensors` file, and the header code the family shares |
+//! | [`hf`] | Hugging Face sharded safetensors (`model.safetensors.index.json` + files) |
+//! | [`hf_storage`] | the per-rank shards of torch's `HuggingFaceStorageWriter(save_distributed=True)` |
+//! | [`dcp`], [`dcp_write`] | PyTorch Distributed Checkpoints (`.metadata` + `__R_I.distcp`) |
+//! | [`pt_read`], [`pt`] | one `torch.save` file (`.pt`) holding a state dict |
+//! | [`pickle`], [`torch_zip`], [`torch_save`] | the torch.save machinery DCP and `.pt` share |
+//!
+//! # Adding a format
+//! 1. Write a module with a unit struct implementing [`Codec`]: its [`Capabilities`], how it
+//!    recognizes a path ([`Codec::recognize`]: a marker only it uses, or a fallback), and its
+//!    reader (files → [`Checkpoint`]) and writer ([`TargetTensor`]s → [`Output`]).
+//! 2. Add one line to [`REGISTRY`]. Detection, `--format`, its help text, the output-format
+//!    choice and the CLI's messages follow from the capabilities.
+//!
+//! Byte-level notes on the torch formats, with their traps: `docs/pytorch-formats.md`.
 
 pub mod dcp;
 pub mod dcp_write;
@@ -20,50 +29,218 @@ pub mod pickle;
 pub mod pt;
 pub mod pt_read;
 pub mod safetensors;
+mod torch_codecs;
 pub mod torch_save;
 pub mod torch_zip;
 
+pub use crate::checkpoint::{Checkpoint, Extra, KeyPart, RecordCrc};
+pub use crate::target::TargetTensor;
+pub use safetensors::{EXTRAS_KEY, EXTRAS_PICKLE_KEY, PATHS_KEY};
+
 use crate::error::{Error, IoContext, Result};
 use crate::exec::OutputFile;
-use crate::layout::{Region, TensorLayout};
+use crate::layout::TensorLayout;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::str::FromStr;
 
-/// The formats reshard reads and writes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Format {
-    /// A single `.safetensors` file.
-    Safetensors,
-    /// Hugging Face sharded safetensors with `model.safetensors.index.json`.
-    Hf,
-    /// Per-rank safetensors shards with `DCP_SHARDING_INFO` (torch's HF storage layout).
-    HfStorage,
-    /// A PyTorch Distributed Checkpoint directory (`.metadata` + `__R_I.distcp`).
-    Dcp,
-    /// One `torch.save` file (zip format) holding a state dict: read as one rank, written
-    /// so that `torch.load(weights_only=True)` opens it.
-    Pt,
+/// Every format reshard reads and writes, in the order help texts list them.
+pub const REGISTRY: &[Format] = &[
+    Format::SAFETENSORS,
+    Format::HF,
+    Format::HF_STORAGE,
+    Format::DCP,
+    Format::PT,
+];
+
+/// One checkpoint format: what it can hold, how to recognize it, its reader and its writer.
+///
+/// Implemented by a unit struct in the format's module and listed once in [`REGISTRY`].
+pub trait Codec: Sync + std::panic::RefUnwindSafe + 'static {
+    /// What the format is and what it can hold.
+    fn capabilities(&self) -> &'static Capabilities;
+    /// Whether `probe` looks like this format.
+    fn recognize(&self, probe: &Probe) -> Result<Recognition>;
+    /// Read the checkpoint at `path` (validation of the layouts is done by the caller).
+    fn read(&self, path: &Path) -> Result<Checkpoint>;
+    /// Lay out `target`, held by `world` ranks, as this format's files. `world` is within
+    /// [`Capabilities::max_world`].
+    fn write(&self, target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output>;
 }
 
-impl Format {
-    /// The name used on the command line.
+/// What a [`Codec`] says of a path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Recognition {
+    /// Not this format.
+    No,
+    /// A marker only this format uses (a magic number, an index or metadata file).
+    Marker,
+    /// Could be this format and nothing more specific matched: the reader will say what is
+    /// wrong if it is not.
+    Fallback,
+}
+
+/// Whether a format's output is one file or a directory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
+pub enum Container {
+    /// One file.
+    File,
+    /// A directory of files.
+    Directory,
+}
+
+/// The family a format belongs to, which decides the default output for a source.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
+pub enum Family {
+    /// safetensors files (no Python values; tensors only, string metadata).
+    Safetensors,
+    /// `torch.save` and `torch.distributed.checkpoint` (Python values, nested state dicts).
+    Torch,
+}
+
+impl Family {
+    /// The family's name.
     pub fn name(self) -> &'static str {
         match self {
-            Format::Safetensors => "safetensors",
-            Format::Hf => "hf",
-            Format::HfStorage => "hf-storage",
-            Format::Dcp => "dcp",
-            Format::Pt => "pt",
+            Family::Safetensors => "safetensors",
+            Family::Torch => "torch",
         }
+    }
+}
+
+/// How a format stores tensors that share their bytes (tied weights, [`crate::ties`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
+pub enum Aliasing {
+    /// Stores a tied group once, every name pointing at it (`torch.save` storages).
+    StoresOnce,
+    /// Forbids aliasing: every name keeps its own copy (safetensors).
+    Forbidden,
+    /// Stores one copy per name (DCP: one item per key).
+    CopyPerName,
+}
+
+/// What a format is and what it can hold: callers ask these instead of matching on formats.
+#[derive(Clone, Debug, Serialize)]
+#[non_exhaustive]
+pub struct Capabilities {
+    /// The name used on the command line and in messages (`hf-storage`).
+    pub name: &'static str,
+    /// Other names accepted for it.
+    pub aliases: &'static [&'static str],
+    /// A short description for help texts.
+    pub summary: &'static str,
+    /// How a user names it in a sentence (`a .pt file`).
+    pub noun: &'static str,
+    /// One file or a directory.
+    pub container: Container,
+    /// File name extensions that choose this format for a one-rank output (`pt`, `pth`).
+    pub extensions: &'static [&'static str],
+    /// The largest world size it holds; `None` when any.
+    pub max_world: Option<u32>,
+    /// Its family.
+    pub family: Family,
+    /// Keeps non-tensor entries as Python values and the nesting of the state dict itself;
+    /// otherwise reshard records them in string metadata.
+    pub python_values: bool,
+    /// How it keeps non-tensor entries, in words (`as Python values`).
+    pub extras_kept: &'static str,
+    /// How it stores tied tensors.
+    pub aliasing: Aliasing,
+}
+
+/// Facts about a path gathered once for [`Codec::recognize`].
+#[derive(Debug)]
+pub struct Probe<'a> {
+    /// The path.
+    pub path: &'a Path,
+    /// True when it is a file (otherwise a directory).
+    pub is_file: bool,
+    /// The first bytes of a file (up to 16), empty for a directory.
+    pub head: Vec<u8>,
+}
+
+/// A format: a handle on its [`Codec`], compared, printed and parsed by name.
+#[derive(Clone, Copy)]
+pub struct Format(&'static dyn Codec);
+
+impl Format {
+    /// One `.safetensors` file.
+    pub const SAFETENSORS: Format = Format(&safetensors::Safetensors);
+    /// Hugging Face sharded safetensors with `model.safetensors.index.json`.
+    pub const HF: Format = Format(&hf::Hf);
+    /// Per-rank safetensors shards with `DCP_SHARDING_INFO` (torch's HF storage layout).
+    pub const HF_STORAGE: Format = Format(&hf_storage::HfStorage);
+    /// A PyTorch Distributed Checkpoint directory (`.metadata` + `__R_I.distcp`).
+    pub const DCP: Format = Format(&torch_codecs::Dcp);
+    /// One `torch.save` file holding a state dict, which `torch.load(weights_only=True)`
+    /// opens.
+    pub const PT: Format = Format(&torch_codecs::Pt);
+
+    /// The name used on the command line.
+    pub fn name(self) -> &'static str {
+        self.capabilities().name
+    }
+
+    /// What the format can hold.
+    pub fn capabilities(self) -> &'static Capabilities {
+        self.0.capabilities()
     }
 
     /// True when the format's output is a directory.
     pub fn is_dir(self) -> bool {
-        !matches!(self, Format::Safetensors | Format::Pt)
+        self.capabilities().container == Container::Directory
+    }
+
+    /// True when it holds `world` ranks.
+    pub fn holds(self, world: u64) -> bool {
+        self.capabilities()
+            .max_world
+            .is_none_or(|m| world <= m as u64)
+    }
+
+    /// The registered formats.
+    pub fn all() -> impl Iterator<Item = Format> {
+        REGISTRY.iter().copied()
+    }
+
+    /// The format named `name` (or one of its aliases).
+    pub fn named(name: &str) -> Option<Format> {
+        Format::all().find(|f| {
+            let c = f.capabilities();
+            c.name == name || c.aliases.contains(&name)
+        })
+    }
+
+    /// The registered names, as `a, b, c or d`.
+    pub fn names() -> String {
+        or_list(Format::all().map(Format::name))
+    }
+
+    pub(crate) fn codec(self) -> &'static dyn Codec {
+        self.0
+    }
+}
+
+impl PartialEq for Format {
+    fn eq(&self, other: &Format) -> bool {
+        self.name() == other.name()
+    }
+}
+
+impl Eq for Format {}
+
+impl fmt::Debug for Format {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -73,417 +250,150 @@ impl fmt::Display for Format {
     }
 }
 
+impl Serialize for Format {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
 impl FromStr for Format {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "safetensors" | "st" => Ok(Format::Safetensors),
-            "hf" | "hf-sharded" => Ok(Format::Hf),
-            "hf-storage" | "hf-distributed" => Ok(Format::HfStorage),
-            "dcp" => Ok(Format::Dcp),
-            "pt" | "torch" => Ok(Format::Pt),
-            _ => Err(format!(
-                "unknown format `{s}` (expected safetensors, hf, hf-storage, dcp or pt)"
-            )),
-        }
+        Format::named(s)
+            .ok_or_else(|| format!("unknown format `{s}` (expected {})", Format::names()))
     }
 }
 
-/// One element of a key's path in the nested state dict: a dict key or a list index
-/// (DCP's `planner_data`), or an int dict key (`optimizer.state_dict()["state"]` is keyed by
-/// parameter number; DCP turns such keys into strings, `torch.save` files keep them).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
-#[serde(untagged)]
-pub enum KeyPart {
-    /// A dict key.
-    Key(String),
-    /// A list index.
-    Index(i64),
-    /// An int dict key (JSON: `{"int": 3}`).
-    IntKey {
-        /// The key.
-        int: i64,
-    },
-}
-
-impl KeyPart {
-    /// The text this part adds to a flat name (Python's `str` of the key or index).
-    pub fn text(&self) -> String {
-        match self {
-            KeyPart::Key(k) => k.clone(),
-            KeyPart::Index(i) | KeyPart::IntKey { int: i } => i.to_string(),
-        }
-    }
-}
-
-/// A non-tensor entry of a checkpoint: a DCP `BYTE_IO` item (step counters, `param_groups`,
-/// scheduler state) or a key of Lightning's `meta.pt`.
-#[derive(Clone, Debug, Serialize)]
-pub struct Extra {
-    /// The flat key (`optimizer.param_groups.0.lr`, `step`).
-    pub name: String,
-    /// The decoded value, JSON-ified for display (tuples become lists, None null; values JSON
-    /// cannot hold exactly are shown as strings such as `"<bytes: 12>"`).
-    pub value: serde_json::Value,
-    /// The decoded pickle value, for writers that re-emit it.
-    #[serde(skip)]
-    pub pickle: Option<pickle::Value>,
-    /// Where the original serialized item lives: (file index, offset, length).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub raw: Option<(u32, u64, u64)>,
-    /// Where it came from (`dcp`, `meta.pt`).
-    pub origin: &'static str,
-}
-
-/// The safetensors `__metadata__` key under which reshard keeps non-tensor entries (DCP
-/// `BYTE_IO` items, Lightning `meta.pt` keys), as one JSON object `{flat key: value}`.
-pub const EXTRAS_KEY: &str = "reshard.extras";
-
-/// The safetensors `__metadata__` key under which reshard keeps the nesting of flat names in
-/// the original state dict (DCP `planner_data`), as one JSON object `{flat key: [key or
-/// index, ...]}`, so that a later `.pt` or DCP output rebuilds the same structure.
-pub const PATHS_KEY: &str = "reshard.paths";
-
-/// Take the nesting reshard stored in a safetensors `__metadata__` map.
-pub fn paths_from_metadata(
-    path: &Path,
-    metadata: &mut BTreeMap<String, String>,
-) -> Result<BTreeMap<String, Vec<KeyPart>>> {
-    let Some(text) = metadata.remove(PATHS_KEY) else {
-        return Ok(BTreeMap::new());
-    };
-    serde_json::from_str(&text).map_err(|e| {
-        Error::format(
-            path,
-            format!("`{PATHS_KEY}` in the header is not a JSON object of key paths: {e}"),
-        )
-    })
-}
-
-/// Take the non-tensor entries reshard stored in a safetensors `__metadata__` map.
-pub fn extras_from_metadata(
-    path: &Path,
-    metadata: &mut BTreeMap<String, String>,
-) -> Result<Vec<Extra>> {
-    let pickles = metadata.remove(EXTRAS_PICKLE_KEY);
-    let Some(text) = metadata.remove(EXTRAS_KEY) else {
-        return Ok(vec![]);
-    };
-    let Ok(serde_json::Value::Object(m)) = serde_json::from_str(&text) else {
-        return Err(Error::format(
-            path,
-            format!("`{EXTRAS_KEY}` in the header is not a JSON object"),
-        ));
-    };
-    let pickles: BTreeMap<String, String> = match pickles {
-        None => BTreeMap::new(),
-        Some(p) => serde_json::from_str(&p).map_err(|_| {
-            Error::format(
-                path,
-                format!("`{EXTRAS_PICKLE_KEY}` in the header is not a JSON object of strings"),
-            )
-        })?,
-    };
-    m.into_iter()
-        .map(|(name, value)| {
-            let pickle = match pickles.get(&name) {
-                None => None,
-                Some(hex) => {
-                    let bytes = from_hex(hex).ok_or_else(|| {
-                        Error::format(
-                            path,
-                            format!("`{EXTRAS_PICKLE_KEY}` of `{name}` is not hex"),
-                        )
-                    })?;
-                    let v = pickle::parse(&bytes, &pickle::torch_save_globals()).map_err(|e| {
-                        Error::format(path, format!("`{EXTRAS_PICKLE_KEY}` of `{name}`: {e}"))
-                    })?;
-                    Some(v)
-                }
-            };
-            Ok(Extra {
-                name,
-                value,
-                pickle,
-                raw: None,
-                origin: "reshard.extras",
-            })
-        })
-        .collect()
-}
-
-/// The safetensors `__metadata__` key holding, next to [`EXTRAS_KEY`]'s JSON, each non-tensor
-/// entry as a hex-encoded pickle, so Python types JSON cannot tell apart (tuples, bytes,
-/// non-string keys) survive a trip through safetensors.
-pub const EXTRAS_PICKLE_KEY: &str = "reshard.extras.pickle";
-
-/// Lower-case hex of `bytes`.
-pub fn to_hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Bytes of a hex string, `None` when it is not one.
-fn from_hex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
-        return None;
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect()
-}
-
-impl Extra {
-    /// The entry as a Python value: its decoded pickle when it can be re-emitted, its JSON
-    /// otherwise.
-    pub fn py_value(&self) -> torch_save::PyValue {
-        self.pickle
-            .as_ref()
-            .and_then(torch_save::from_pickle)
-            .unwrap_or_else(|| torch_save::from_json(&self.value))
-    }
-}
-
-/// A checkpoint as a reader sees it: its files, and every tensor's layout over them.
-#[derive(Clone, Debug, Serialize)]
-pub struct Checkpoint {
-    /// The format it was read as.
-    pub format: Format,
-    /// The path given (file or directory).
-    pub path: PathBuf,
-    /// Data files; [`crate::layout::Loc::file`] indexes this list.
-    pub files: Vec<PathBuf>,
-    /// Number of ranks (shards) it was written by.
-    pub ranks: u32,
-    /// The tensors, in the checkpoint's own order.
-    pub tensors: Vec<TensorLayout>,
-    /// String metadata carried by the checkpoint (safetensors `__metadata__`).
-    pub metadata: BTreeMap<String, String>,
-    /// Non-tensor entries, in checkpoint order.
-    pub extras: Vec<Extra>,
-    /// Nesting of flat keys (tensors and extras) in the original state dict, when the format
-    /// records it (DCP `planner_data`); keys absent here are top-level.
-    pub paths: BTreeMap<String, Vec<KeyPart>>,
-    /// What wrote the checkpoint, where that can be told (e.g. `torch >= 2.4 (DCP 1.0.0)`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub producer: Option<String>,
-    /// Scratch files the reader created (e.g. decompressed zstd items listed in `files`);
-    /// they are deleted when the last clone of the checkpoint is dropped.
-    #[serde(skip)]
-    pub scratch: Vec<std::sync::Arc<tempfile::TempPath>>,
-    /// CRC-32s the files record of their own bytes: torch.save data records (DCP items,
-    /// `.pt`), and the `reshard.crc32` of safetensors files reshard wrote.
-    #[serde(skip)]
-    pub checksums: Vec<RecordCrc>,
-}
-
-/// A byte range of a checkpoint file and the CRC-32 the file records for it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RecordCrc {
-    /// Index into [`Checkpoint::files`].
-    pub file: u32,
-    /// First byte.
-    pub offset: u64,
-    /// Length in bytes.
-    pub len: u64,
-    /// The recorded CRC-32.
-    pub crc: u32,
-    /// What the range holds, for messages (`record archive/data/3`, `tensor w`).
-    pub what: String,
-    /// The file to name in messages when it is not `file` (the `.distcp` file a
-    /// zstd-compressed item came from, whose decoded bytes `file` holds).
-    pub shown: Option<u32>,
-}
-
-impl Checkpoint {
-    /// Open a checkpoint of any supported format, detected from `path`, and validate it.
-    pub fn open(path: &Path) -> Result<Checkpoint> {
-        let mut ck = match detect(path)? {
-            Format::Safetensors => safetensors::read(path)?,
-            Format::Hf => hf::read(path)?,
-            Format::HfStorage => hf_storage::read(path)?,
-            Format::Dcp => dcp::read(path)?,
-            Format::Pt => pt_read::read(path)?,
-        };
-        if ck.extras.is_empty() {
-            ck.extras = extras_from_metadata(path, &mut ck.metadata)?;
-        }
-        if ck.paths.is_empty() {
-            ck.paths = paths_from_metadata(path, &mut ck.metadata)?;
-        }
-        ck.validate().map_err(|e| match e {
-            Error::Layout { .. } => Error::format(path, e.to_string()),
-            e => e,
-        })?;
-        Ok(ck)
-    }
-
-    /// A checkpoint holding only tensors and string metadata (the safetensors family): no
-    /// non-tensor entries, no nesting, no known producer.
-    pub fn of_tensors(
-        format: Format,
-        path: &Path,
-        files: Vec<PathBuf>,
-        ranks: u32,
-        tensors: Vec<TensorLayout>,
-        metadata: BTreeMap<String, String>,
-    ) -> Checkpoint {
-        Checkpoint {
-            format,
-            path: path.to_path_buf(),
-            files,
-            ranks,
-            tensors,
-            metadata,
-            extras: vec![],
-            paths: BTreeMap::new(),
-            producer: None,
-            scratch: vec![],
-            checksums: vec![],
-        }
-    }
-
-    /// Check every tensor's pieces tile it exactly and lie within their files.
-    pub fn validate(&self) -> Result<()> {
-        let sizes: Vec<u64> = self
-            .files
-            .iter()
-            .map(|f| std::fs::metadata(f).map(|m| m.len()).at(f))
-            .collect::<Result<_>>()?;
-        for t in &self.tensors {
-            t.validate()?;
-            let elem = t.dtype.size() as u64;
-            for p in &t.pieces {
-                let end = p.loc.offset.saturating_add(p.span_bytes(elem));
-                let size = sizes.get(p.loc.file as usize).copied().unwrap_or(0);
-                if end > size {
-                    let f = self
-                        .files
-                        .get(p.loc.file as usize)
-                        .cloned()
-                        .unwrap_or_default();
-                    return Err(Error::format(
-                        f,
-                        format!(
-                            "is truncated: tensor `{}` {} needs bytes up to {end}, the file has {size}",
-                            t.name, p.region
-                        ),
-                    ));
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// The tensor called `name`.
-    pub fn tensor(&self, name: &str) -> Option<&TensorLayout> {
-        self.tensors.iter().find(|t| t.name == name)
-    }
-
-    /// Read `region` of tensor `name` as row-major little-endian bytes of `dtype` (the
-    /// tensor's own dtype when `None`), touching only the bytes of the pieces that overlap it.
-    pub fn read_region(
-        &self,
-        name: &str,
-        region: &Region,
-        dtype: Option<crate::layout::DType>,
-    ) -> Result<Vec<u8>> {
-        let t = self
-            .tensor(name)
-            .ok_or_else(|| Error::usage(format!("{}: no tensor `{name}`", self.path.display())))?;
-        let dtype = dtype.unwrap_or(t.dtype);
-        if region.ndim() != t.shape.len() || !Region::full(&t.shape).contains(region) {
-            return Err(Error::layout(
-                name,
-                format!("region {region} is outside the shape {:?}", t.shape),
-            ));
-        }
-        if !t.dtype.can_cast_to(dtype) {
-            return Err(Error::layout(
-                name,
-                format!("cannot convert {} to {dtype}", t.dtype),
-            ));
-        }
-        let piece = crate::layout::Piece {
-            rank: 0,
-            region: region.clone(),
-            loc: crate::layout::Loc {
-                file: 0,
-                offset: 0,
-                strides: None,
-            },
-        };
-        let mut ops = vec![];
-        crate::plan::fill(t, std::slice::from_ref(&piece), dtype, &mut ops);
-        let mut out = vec![0u8; (region.volume() as usize) * dtype.size()];
-        crate::exec::read_into(&ops, &self.files, &mut out)?;
-        Ok(out)
-    }
-
-    /// Total bytes of all tensors (each counted once).
-    pub fn nbytes(&self) -> u64 {
-        self.tensors.iter().map(|t| t.nbytes()).sum()
-    }
-}
-
-/// Tell which format `path` holds.
+/// Tell which format `path` holds: the one format whose marker it carries, else the one that
+/// takes it as a fallback.
 pub fn detect(path: &Path) -> Result<Format> {
     let meta = std::fs::metadata(path).at(path)?;
+    let mut head = vec![];
     if meta.is_file() {
-        // a zip (torch.save) or a legacy torch.save pickle is a .pt; anything else is
-        // taken for safetensors, whose reader says what is wrong with it
-        let mut head = [0u8; 16];
+        let mut buf = [0u8; 16];
         let n = std::fs::File::open(path)
-            .and_then(|mut f| std::io::Read::read(&mut f, &mut head))
+            .and_then(|mut f| std::io::Read::read(&mut f, &mut buf))
             .unwrap_or(0);
-        let head = &head[..n];
-        let pt = head.starts_with(b"PK\x03\x04") || pt_read::is_legacy(head);
-        return Ok(if pt { Format::Pt } else { Format::Safetensors });
+        head.extend_from_slice(&buf[..n]);
     }
-    if hf::index_path(path).is_some() {
-        return Ok(Format::Hf);
-    }
-    if dcp::is_dcp(path)? {
-        return Ok(Format::Dcp);
-    }
-    if !safetensors::files_in(path)?.is_empty() {
-        return Ok(Format::HfStorage);
-    }
-    Err(Error::format(
+    let probe = Probe {
         path,
-        "is not a checkpoint: expected a .safetensors file, or a directory with \
-         model.safetensors.index.json, *.safetensors shards or a DCP .metadata",
-    ))
+        is_file: meta.is_file(),
+        head,
+    };
+    let mut markers = vec![];
+    let mut fallbacks = vec![];
+    for f in Format::all() {
+        match f.codec().recognize(&probe)? {
+            Recognition::Marker => markers.push(f),
+            Recognition::Fallback => fallbacks.push(f),
+            Recognition::No => {}
+        }
+    }
+    let found = if markers.is_empty() {
+        fallbacks
+    } else {
+        markers
+    };
+    match found.as_slice() {
+        [f] => Ok(*f),
+        [] => Err(Error::format(
+            path,
+            format!(
+                "is not a checkpoint: expected {}",
+                or_list(Format::all().map(|f| f.capabilities().noun))
+            ),
+        )),
+        several => Err(Error::format(
+            path,
+            format!(
+                "is ambiguous: it looks like {}",
+                or_list(several.iter().map(|f| f.capabilities().noun))
+            ),
+        )),
+    }
 }
 
-/// What a writer is asked to produce for one tensor: its dtype and shape in the output, and
-/// the regions each target rank holds.
-#[derive(Clone, Debug)]
-pub struct TargetTensor {
-    /// Output name.
-    pub name: String,
-    /// Output dtype.
-    pub dtype: crate::layout::DType,
-    /// Global shape.
-    pub shape: Vec<u64>,
-    /// Per target rank, the regions it holds.
-    pub ranks: Vec<Vec<Region>>,
+/// `a, b or c`.
+fn or_list<'a>(items: impl Iterator<Item = &'a str>) -> String {
+    let v: Vec<&str> = items.collect();
+    match v.split_last() {
+        Some((last, [])) => last.to_string(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
+    }
+}
+
+/// The output format chosen when none is given, and why.
+#[derive(Clone, Debug, Serialize)]
+pub struct Choice {
+    /// The format.
+    pub format: Format,
+    /// Why it was chosen, in words (`DST ends in .pt`).
+    pub reason: String,
+}
+
+/// The output format for `dst` at world size `world` from a `source` checkpoint. For one
+/// rank: the file format whose extension `dst` has, else the consolidated directory format
+/// (Hugging Face sharded safetensors). For more: the source's own format when it holds them
+/// in a directory (DCP stays DCP), else the directory format of the source's family that
+/// does (per-rank safetensors shards for a safetensors source).
+pub fn choose(dst: Option<&Path>, world: u64, source: Format) -> Choice {
+    let ext = dst
+        .and_then(|d| d.extension())
+        .and_then(|e| e.to_str())
+        .unwrap_or("");
+    let dirs = || Format::all().filter(|f| f.is_dir() && f.holds(world));
+    if world == 1 {
+        if let Some(f) =
+            Format::all().find(|f| !ext.is_empty() && f.capabilities().extensions.contains(&ext))
+        {
+            return Choice {
+                format: f,
+                reason: format!("the destination ends in .{ext}"),
+            };
+        }
+        let format = dirs()
+            .find(|f| f.capabilities().max_world == Some(1))
+            .unwrap_or(Format::HF);
+        return Choice {
+            format,
+            reason: "a consolidated model in a directory".into(),
+        };
+    }
+    if source.is_dir() && source.holds(world) {
+        return Choice {
+            format: source,
+            reason: "the source's format".into(),
+        };
+    }
+    let family = source.capabilities().family;
+    match dirs().find(|f| f.capabilities().family == family) {
+        Some(format) => Choice {
+            format,
+            reason: format!("the {} family's format for {world} ranks", family.name()),
+        },
+        None => Choice {
+            format: dirs().next().unwrap_or(Format::HF_STORAGE),
+            reason: format!("a format that holds {world} ranks"),
+        },
+    }
 }
 
 /// Writer settings.
 #[derive(Clone, Debug)]
 pub struct WriteOptions {
-    /// Largest data file for [`Format::Hf`] outputs.
+    /// Largest data file of a Hugging Face sharded output.
     pub max_shard_size: u64,
     /// String metadata to carry into safetensors headers.
     pub metadata: BTreeMap<String, String>,
-    /// Non-tensor entries, for formats that hold Python values (`.pt`).
+    /// Non-tensor entries: formats with [`Capabilities::python_values`] store them as
+    /// values, the others record them in their string metadata.
     pub extras: Vec<Extra>,
-    /// Nesting of flat names, for formats that rebuild the nested state dict (`.pt`); names
-    /// absent here are top-level keys.
+    /// Nesting of flat names in the original state dict; names absent here are top-level.
     pub paths: BTreeMap<String, Vec<KeyPart>>,
-    /// Groups of tied target names ([`crate::ties`]), stored once by formats that can alias
-    /// (`.pt`); other formats write every name.
+    /// Groups of tied target names ([`crate::ties`]), stored once by formats whose
+    /// [`Capabilities::aliasing`] is [`Aliasing::StoresOnce`]; other formats write every name.
     pub ties: Vec<Vec<String>>,
 }
 
@@ -508,39 +418,21 @@ pub struct Output {
     pub tensors: Vec<TensorLayout>,
 }
 
-/// Lay out `target` (over `world` ranks) in `format`.
+/// Lay out `target` (over `world` ranks) in `format`; refused when the format holds fewer
+/// ranks.
 pub fn write(
     format: Format,
     target: &[TargetTensor],
     world: u32,
     opts: &WriteOptions,
 ) -> Result<Output> {
-    match format {
-        Format::Safetensors => {
-            if world != 1 {
-                return Err(Error::usage(format!(
-                    "a single .safetensors file holds one rank, not {world}: use --to 1, or a directory output"
-                )));
-            }
-            safetensors::write(target, opts)
-        }
-        Format::Hf => {
-            if world != 1 {
-                return Err(Error::usage(format!(
-                    "the hf format holds a consolidated model (one rank), not {world}: use --to 1, or --format hf-storage"
-                )));
-            }
-            hf::write(target, opts)
-        }
-        Format::HfStorage => hf_storage::write(target, world, opts),
-        Format::Dcp => dcp_write::write(target, world, opts),
-        Format::Pt => {
-            if world != 1 {
-                return Err(Error::usage(format!(
-                    "a .pt file holds a consolidated state dict (one rank), not {world}: use --to 1"
-                )));
-            }
-            pt::write(target, opts)
-        }
+    if !format.holds(world as u64) {
+        return Err(Error::TooManyRanks {
+            format: format.name(),
+            noun: format.capabilities().noun,
+            max: format.capabilities().max_world.unwrap_or(u32::MAX),
+            world: world as u64,
+        });
     }
+    format.codec().write(target, world, opts)
 }

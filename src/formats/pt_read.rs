@@ -101,7 +101,7 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
         None => "torch.save (zip)".to_string(),
     };
     Ok(Checkpoint {
-        format: Format::Pt,
+        format: Format::PT,
         path: path.to_path_buf(),
         files: vec![path.to_path_buf()],
         ranks: 1,

@@ -6,7 +6,10 @@
 //! tensors in data order, are padded with spaces so data starts 8-byte aligned, and place
 //! tensors by decreasing element size so every tensor is aligned to its dtype.
 
-use super::{Checkpoint, Format, Output, TargetTensor, WriteOptions};
+use super::{
+    pickle, torch_save, Aliasing, Capabilities, Checkpoint, Codec, Container, Extra, Family,
+    Format, KeyPart, Output, Probe, Recognition, TargetTensor, WriteOptions,
+};
 use crate::error::{Error, IoContext, Result};
 use crate::exec::{Checksum, OutputFile};
 use crate::layout::{DType, Loc, Piece, Region, TensorLayout};
@@ -291,6 +294,222 @@ pub fn recorded_crcs(
         .collect()
 }
 
+// ---------------------------------------------------------------------------------------------
+// reshard's own `__metadata__` keys
+
+/// The safetensors `__metadata__` key under which reshard keeps non-tensor entries (DCP
+/// `BYTE_IO` items, Lightning `meta.pt` keys), as one JSON object `{flat key: value}`.
+pub const EXTRAS_KEY: &str = "reshard.extras";
+
+/// The safetensors `__metadata__` key under which reshard keeps the nesting of flat names in
+/// the original state dict (DCP `planner_data`), as one JSON object `{flat key: [key or
+/// index, ...]}`, so that a later `.pt` or DCP output rebuilds the same structure.
+pub const PATHS_KEY: &str = "reshard.paths";
+
+/// Take the nesting reshard stored in a safetensors `__metadata__` map.
+pub fn paths_from_metadata(
+    path: &Path,
+    metadata: &mut BTreeMap<String, String>,
+) -> Result<BTreeMap<String, Vec<KeyPart>>> {
+    let Some(text) = metadata.remove(PATHS_KEY) else {
+        return Ok(BTreeMap::new());
+    };
+    serde_json::from_str(&text).map_err(|e| {
+        Error::format(
+            path,
+            format!("`{PATHS_KEY}` in the header is not a JSON object of key paths: {e}"),
+        )
+    })
+}
+
+/// Take the non-tensor entries reshard stored in a safetensors `__metadata__` map.
+pub fn extras_from_metadata(
+    path: &Path,
+    metadata: &mut BTreeMap<String, String>,
+) -> Result<Vec<Extra>> {
+    let pickles = metadata.remove(EXTRAS_PICKLE_KEY);
+    let Some(text) = metadata.remove(EXTRAS_KEY) else {
+        return Ok(vec![]);
+    };
+    let Ok(serde_json::Value::Object(m)) = serde_json::from_str(&text) else {
+        return Err(Error::format(
+            path,
+            format!("`{EXTRAS_KEY}` in the header is not a JSON object"),
+        ));
+    };
+    let pickles: BTreeMap<String, String> = match pickles {
+        None => BTreeMap::new(),
+        Some(p) => serde_json::from_str(&p).map_err(|_| {
+            Error::format(
+                path,
+                format!("`{EXTRAS_PICKLE_KEY}` in the header is not a JSON object of strings"),
+            )
+        })?,
+    };
+    m.into_iter()
+        .map(|(name, value)| {
+            let pickle = match pickles.get(&name) {
+                None => None,
+                Some(hex) => {
+                    let bytes = from_hex(hex).ok_or_else(|| {
+                        Error::format(
+                            path,
+                            format!("`{EXTRAS_PICKLE_KEY}` of `{name}` is not hex"),
+                        )
+                    })?;
+                    let v = pickle::parse(&bytes, &pickle::torch_save_globals()).map_err(|e| {
+                        Error::format(path, format!("`{EXTRAS_PICKLE_KEY}` of `{name}`: {e}"))
+                    })?;
+                    Some(v)
+                }
+            };
+            Ok(Extra {
+                name,
+                value,
+                pickle,
+                raw: None,
+                origin: "reshard.extras",
+            })
+        })
+        .collect()
+}
+
+/// The safetensors `__metadata__` key holding, next to [`EXTRAS_KEY`]'s JSON, each non-tensor
+/// entry as a hex-encoded pickle, so Python types JSON cannot tell apart (tuples, bytes,
+/// non-string keys) survive a trip through safetensors.
+pub const EXTRAS_PICKLE_KEY: &str = "reshard.extras.pickle";
+
+/// Lower-case hex of `bytes`.
+fn to_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Bytes of a hex string, `None` when it is not one.
+fn from_hex(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// The string metadata a safetensors-family header carries for `opts`: the caller's
+/// metadata, `format: pt` (the Hugging Face convention) unless set, and what safetensors
+/// cannot hold itself — non-tensor entries as JSON under [`EXTRAS_KEY`] (and their exact
+/// Python values under [`EXTRAS_PICKLE_KEY`]), and the nesting of the names written (tensors
+/// in `target`, entries in `opts.extras`) under [`PATHS_KEY`].
+pub fn header_metadata(
+    target: &[TargetTensor],
+    opts: &WriteOptions,
+) -> Result<BTreeMap<String, String>> {
+    let mut metadata = opts.metadata.clone();
+    metadata
+        .entry("format".into())
+        .or_insert_with(|| "pt".into());
+    if !opts.extras.is_empty() {
+        let json: serde_json::Map<String, serde_json::Value> = opts
+            .extras
+            .iter()
+            .map(|e| (e.name.clone(), e.value.clone()))
+            .collect();
+        metadata.insert(
+            EXTRAS_KEY.into(),
+            serde_json::Value::Object(json).to_string(),
+        );
+        let pickles: serde_json::Map<String, serde_json::Value> = opts
+            .extras
+            .iter()
+            .map(|e| {
+                let bytes = torch_save::pickle(&e.py_value());
+                (e.name.clone(), to_hex(&bytes).into())
+            })
+            .collect();
+        metadata.insert(
+            EXTRAS_PICKLE_KEY.into(),
+            serde_json::Value::Object(pickles).to_string(),
+        );
+    }
+    if !opts.paths.is_empty() {
+        let written: std::collections::HashSet<&str> = target
+            .iter()
+            .map(|t| t.name.as_str())
+            .chain(opts.extras.iter().map(|e| e.name.as_str()))
+            .collect();
+        let kept: BTreeMap<&String, &Vec<KeyPart>> = opts
+            .paths
+            .iter()
+            .filter(|(n, _)| written.contains(n.as_str()))
+            .collect();
+        if !kept.is_empty() {
+            metadata.insert(
+                PATHS_KEY.into(),
+                serde_json::to_string(&kept).map_err(|e| Error::usage(e.to_string()))?,
+            );
+        }
+    }
+    Ok(metadata)
+}
+
+/// A safetensors-family checkpoint: tensors and string metadata, with the non-tensor entries
+/// and nesting reshard recorded in the metadata taken out of it.
+pub fn checkpoint(
+    format: Format,
+    path: &Path,
+    files: Vec<PathBuf>,
+    ranks: u32,
+    tensors: Vec<TensorLayout>,
+    mut metadata: BTreeMap<String, String>,
+) -> Result<Checkpoint> {
+    let extras = extras_from_metadata(path, &mut metadata)?;
+    let paths = paths_from_metadata(path, &mut metadata)?;
+    let mut ck = Checkpoint::of_tensors(format, path, files, ranks, tensors, metadata);
+    ck.extras = extras;
+    ck.paths = paths;
+    Ok(ck)
+}
+
+// ---------------------------------------------------------------------------------------------
+// the single-file format
+
+/// The single `.safetensors` file format.
+pub struct Safetensors;
+
+static CAPS: Capabilities = Capabilities {
+    name: "safetensors",
+    aliases: &["st"],
+    summary: "one .safetensors file (a consolidated model)",
+    noun: "a single .safetensors file",
+    container: Container::File,
+    extensions: &["safetensors"],
+    max_world: Some(1),
+    family: Family::Safetensors,
+    python_values: false,
+    extras_kept: "as JSON in the safetensors __metadata__ key `reshard.extras`",
+    aliasing: Aliasing::Forbidden,
+};
+
+impl Codec for Safetensors {
+    fn capabilities(&self) -> &'static Capabilities {
+        &CAPS
+    }
+    fn recognize(&self, probe: &Probe) -> Result<Recognition> {
+        // any file that no format with a magic number claims; the reader says what is wrong
+        Ok(if probe.is_file {
+            Recognition::Fallback
+        } else {
+            Recognition::No
+        })
+    }
+    fn read(&self, path: &Path) -> Result<Checkpoint> {
+        read(path)
+    }
+    fn write(&self, target: &[TargetTensor], _world: u32, opts: &WriteOptions) -> Result<Output> {
+        write(target, opts)
+    }
+}
+
 /// Read a single safetensors file as a one-rank checkpoint.
 pub fn read(path: &Path) -> Result<Checkpoint> {
     let mut h = read_header(path)?;
@@ -313,14 +532,14 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
             shape: t.shape,
         })
         .collect();
-    let mut ck = Checkpoint::of_tensors(
-        Format::Safetensors,
+    let mut ck = checkpoint(
+        Format::SAFETENSORS,
         path,
         vec![path.to_path_buf()],
         1,
         tensors,
         h.metadata,
-    );
+    )?;
     ck.checksums = checksums;
     Ok(ck)
 }
@@ -336,8 +555,8 @@ pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
         })
         .collect();
     align_order(&mut entries);
-    let (file, offsets) =
-        output_file(PathBuf::from("model.safetensors"), &entries, &opts.metadata)?;
+    let metadata = header_metadata(target, opts)?;
+    let (file, offsets) = output_file(PathBuf::from("model.safetensors"), &entries, &metadata)?;
     Ok(Output {
         files: vec![file],
         tensors: full_layouts(&entries, &offsets, 0),

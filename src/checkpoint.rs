@@ -1,0 +1,246 @@
+//! The format-neutral model of a checkpoint: what every reader produces and every other part
+//! of reshard consumes — the files, each tensor's [`TensorLayout`] over them, non-tensor
+//! entries ([`Extra`]), the nesting of flat keys ([`KeyPart`]) and the checksums the files
+//! record ([`RecordCrc`]). Opening detects the format through the registry in
+//! [`crate::formats`] and validates the result; nothing here knows a file format.
+
+use crate::error::{Error, IoContext, Result};
+use crate::formats::{self, pickle, Format};
+use crate::layout::{DType, Region, TensorLayout};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// One element of a key's path in the nested state dict: a dict key or a list index
+/// (DCP's `planner_data`), or an int dict key (`optimizer.state_dict()["state"]` is keyed by
+/// parameter number; DCP turns such keys into strings, `torch.save` files keep them).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
+#[serde(untagged)]
+pub enum KeyPart {
+    /// A dict key.
+    Key(String),
+    /// A list index.
+    Index(i64),
+    /// An int dict key (JSON: `{"int": 3}`).
+    IntKey {
+        /// The key.
+        int: i64,
+    },
+}
+
+impl KeyPart {
+    /// The text this part adds to a flat name (Python's `str` of the key or index).
+    pub fn text(&self) -> String {
+        match self {
+            KeyPart::Key(k) => k.clone(),
+            KeyPart::Index(i) | KeyPart::IntKey { int: i } => i.to_string(),
+        }
+    }
+}
+
+/// A non-tensor entry of a checkpoint: a DCP `BYTE_IO` item (step counters, `param_groups`,
+/// scheduler state) or a key of Lightning's `meta.pt`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Extra {
+    /// The flat key (`optimizer.param_groups.0.lr`, `step`).
+    pub name: String,
+    /// The decoded value, JSON-ified for display (tuples become lists, None null; values JSON
+    /// cannot hold exactly are shown as strings such as `"<bytes: 12>"`).
+    pub value: serde_json::Value,
+    /// The decoded pickle value, for writers that re-emit it.
+    #[serde(skip)]
+    pub pickle: Option<pickle::Value>,
+    /// Where the original serialized item lives: (file index, offset, length).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub raw: Option<(u32, u64, u64)>,
+    /// Where it came from (`dcp`, `meta.pt`).
+    pub origin: &'static str,
+}
+
+impl Extra {
+    /// The entry as a Python value: its decoded pickle when it can be re-emitted, its JSON
+    /// otherwise.
+    pub fn py_value(&self) -> crate::formats::torch_save::PyValue {
+        self.pickle
+            .as_ref()
+            .and_then(crate::formats::torch_save::from_pickle)
+            .unwrap_or_else(|| crate::formats::torch_save::from_json(&self.value))
+    }
+}
+
+/// A checkpoint as a reader sees it: its files, and every tensor's layout over them.
+#[derive(Clone, Debug, Serialize)]
+pub struct Checkpoint {
+    /// The format it was read as.
+    pub format: Format,
+    /// The path given (file or directory).
+    pub path: PathBuf,
+    /// Data files; [`crate::layout::Loc::file`] indexes this list.
+    pub files: Vec<PathBuf>,
+    /// Number of ranks (shards) it was written by.
+    pub ranks: u32,
+    /// The tensors, in the checkpoint's own order.
+    pub tensors: Vec<TensorLayout>,
+    /// String metadata carried by the checkpoint (safetensors `__metadata__`).
+    pub metadata: BTreeMap<String, String>,
+    /// Non-tensor entries, in checkpoint order.
+    pub extras: Vec<Extra>,
+    /// Nesting of flat keys (tensors and extras) in the original state dict, when the format
+    /// records it (DCP `planner_data`); keys absent here are top-level.
+    pub paths: BTreeMap<String, Vec<KeyPart>>,
+    /// What wrote the checkpoint, where that can be told (e.g. `torch >= 2.4 (DCP 1.0.0)`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub producer: Option<String>,
+    /// Scratch files the reader created (e.g. decompressed zstd items listed in `files`);
+    /// they are deleted when the last clone of the checkpoint is dropped.
+    #[serde(skip)]
+    pub scratch: Vec<std::sync::Arc<tempfile::TempPath>>,
+    /// CRC-32s the files record of their own bytes: torch.save data records (DCP items,
+    /// `.pt`), and the `reshard.crc32` of safetensors files reshard wrote.
+    #[serde(skip)]
+    pub checksums: Vec<RecordCrc>,
+}
+
+/// A byte range of a checkpoint file and the CRC-32 the file records for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecordCrc {
+    /// Index into [`Checkpoint::files`].
+    pub file: u32,
+    /// First byte.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// The recorded CRC-32.
+    pub crc: u32,
+    /// What the range holds, for messages (`record archive/data/3`, `tensor w`).
+    pub what: String,
+    /// The file to name in messages when it is not `file` (the `.distcp` file a
+    /// zstd-compressed item came from, whose decoded bytes `file` holds).
+    pub shown: Option<u32>,
+}
+
+impl Checkpoint {
+    /// Open a checkpoint of any supported format, detected from `path`, and validate it.
+    pub fn open(path: impl AsRef<Path>) -> Result<Checkpoint> {
+        let path = path.as_ref();
+        Checkpoint::open_as(path, formats::detect(path)?)
+    }
+
+    /// Open `path` as a checkpoint of `format` (no detection), and validate it.
+    pub fn open_as(path: impl AsRef<Path>, format: Format) -> Result<Checkpoint> {
+        let path = path.as_ref();
+        let ck = format.codec().read(path)?;
+        ck.validate().map_err(|e| match e {
+            Error::Layout { .. } => Error::format(path, e.to_string()),
+            e => e,
+        })?;
+        Ok(ck)
+    }
+
+    /// A checkpoint holding only tensors and string metadata (the safetensors family): no
+    /// non-tensor entries, no nesting, no known producer.
+    pub fn of_tensors(
+        format: Format,
+        path: &Path,
+        files: Vec<PathBuf>,
+        ranks: u32,
+        tensors: Vec<TensorLayout>,
+        metadata: BTreeMap<String, String>,
+    ) -> Checkpoint {
+        Checkpoint {
+            format,
+            path: path.to_path_buf(),
+            files,
+            ranks,
+            tensors,
+            metadata,
+            extras: vec![],
+            paths: BTreeMap::new(),
+            producer: None,
+            scratch: vec![],
+            checksums: vec![],
+        }
+    }
+
+    /// Check every tensor's pieces tile it exactly and lie within their files.
+    pub fn validate(&self) -> Result<()> {
+        let sizes: Vec<u64> = self
+            .files
+            .iter()
+            .map(|f| std::fs::metadata(f).map(|m| m.len()).at(f))
+            .collect::<Result<_>>()?;
+        for t in &self.tensors {
+            t.validate()?;
+            let elem = t.dtype.size() as u64;
+            for p in &t.pieces {
+                let end = p.loc.offset.saturating_add(p.span_bytes(elem));
+                let size = sizes.get(p.loc.file as usize).copied().unwrap_or(0);
+                if end > size {
+                    let f = self
+                        .files
+                        .get(p.loc.file as usize)
+                        .cloned()
+                        .unwrap_or_default();
+                    return Err(Error::format(
+                        f,
+                        format!(
+                            "is truncated: tensor `{}` {} needs bytes up to {end}, the file has {size}",
+                            t.name, p.region
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The tensor called `name`.
+    pub fn tensor(&self, name: &str) -> Option<&TensorLayout> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// Read `region` of tensor `name` as row-major little-endian bytes of `dtype` (the
+    /// tensor's own dtype when `None`), touching only the bytes of the pieces that overlap it.
+    pub fn read_region(
+        &self,
+        name: &str,
+        region: &Region,
+        dtype: Option<DType>,
+    ) -> Result<Vec<u8>> {
+        let t = self
+            .tensor(name)
+            .ok_or_else(|| Error::usage(format!("{}: no tensor `{name}`", self.path.display())))?;
+        let dtype = dtype.unwrap_or(t.dtype);
+        if region.ndim() != t.shape.len() || !Region::full(&t.shape).contains(region) {
+            return Err(Error::layout(
+                name,
+                format!("region {region} is outside the shape {:?}", t.shape),
+            ));
+        }
+        if !t.dtype.can_cast_to(dtype) {
+            return Err(Error::layout(
+                name,
+                format!("cannot convert {} to {dtype}", t.dtype),
+            ));
+        }
+        let piece = crate::layout::Piece {
+            rank: 0,
+            region: region.clone(),
+            loc: crate::layout::Loc {
+                file: 0,
+                offset: 0,
+                strides: None,
+            },
+        };
+        let mut ops = vec![];
+        crate::plan::fill(t, std::slice::from_ref(&piece), dtype, &mut ops);
+        let mut out = vec![0u8; (region.volume() as usize) * dtype.size()];
+        crate::exec::read_into(&ops, &self.files, &mut out)?;
+        Ok(out)
+    }
+
+    /// Total bytes of all tensors (each counted once).
+    pub fn nbytes(&self) -> u64 {
+        self.tensors.iter().map(|t| t.nbytes()).sum()
+    }
+}
