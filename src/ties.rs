@@ -226,3 +226,13 @@ mod tests {
         assert_eq!(g, vec![vec![0, 1], vec![3, 5]]);
     }
 }
+
+/// Groups of tied tensors of `ck` by name: each group two or more names in checkpoint order,
+/// the groups in the order [`find`] gives them.
+pub fn tied_names(ck: &crate::formats::Checkpoint) -> Result<Vec<Vec<String>>> {
+    let all: Vec<&TensorLayout> = ck.tensors.iter().collect();
+    Ok(find(&ck.files, &all)?
+        .into_iter()
+        .map(|g| g.into_iter().map(|i| all[i].name.clone()).collect())
+        .collect())
+}
