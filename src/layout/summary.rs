@@ -69,7 +69,10 @@ mod tests {
 
     #[test]
     fn whole_replicated_and_empty() {
-        assert_eq!(summary(&layout(&[4, 2], &[(3, &[0, 0], &[4, 2])])), "whole on rank 3");
+        assert_eq!(
+            summary(&layout(&[4, 2], &[(3, &[0, 0], &[4, 2])])),
+            "whole on rank 3"
+        );
         let both = [(0, &[0u64, 0][..], &[4u64, 2][..]), (1, &[0, 0], &[4, 2])];
         assert_eq!(summary(&layout(&[4, 2], &both)), "replicated on 2 ranks");
         assert_eq!(summary(&layout(&[0, 2], &[(0, &[0, 0], &[0, 2])])), "empty");
