@@ -67,8 +67,9 @@ pub struct Job {
     pub source: Checkpoint,
     /// The output format.
     pub format: Format,
-    /// Why that format: given, or chosen from the destination, M and the source.
-    pub format_reason: String,
+    /// Why that format was chosen from the destination, M and the source; `None` when the
+    /// options named it.
+    pub format_reason: Option<String>,
     /// Target world size.
     pub world: u32,
     /// Output files and tensor layouts.
@@ -91,15 +92,12 @@ pub fn prepare(src: &Path, dst: Option<&Path>, opts: &ConvertOptions) -> Result<
     opts.layout.check()?;
     let source = Checkpoint::open(src)?;
     let world = opts.layout.world();
-    let Choice {
-        format,
-        reason: format_reason,
-    } = match opts.format {
-        Some(format) => Choice {
-            format,
-            reason: "as asked".into(),
-        },
-        None => formats::choose(dst, world, source.format),
+    let (format, format_reason) = match opts.format {
+        Some(format) => (format, None),
+        None => {
+            let Choice { format, reason } = formats::choose(dst, world, source.format);
+            (format, Some(reason))
+        }
     };
     let selected = opts.select.apply(&source)?;
     let kept_extras: Vec<_> = source

@@ -226,3 +226,40 @@ mod tests {
         assert_eq!(g, vec![vec![0, 1], vec![3, 5]]);
     }
 }
+
+/// Groups of tied tensors of `ck` by name: each group two or more names in checkpoint order,
+/// the groups in the order [`find`] gives them.
+pub fn tied_names(ck: &crate::formats::Checkpoint) -> Result<Vec<Vec<String>>> {
+    let all: Vec<&TensorLayout> = ck.tensors.iter().collect();
+    Ok(find(&ck.files, &all)?
+        .into_iter()
+        .map(|g| g.into_iter().map(|i| all[i].name.clone()).collect())
+        .collect())
+}
+
+#[cfg(test)]
+mod tied_names_tests {
+    use super::tied_names;
+    use crate::formats::Checkpoint;
+
+    #[test]
+    fn names_tied_tensors_of_an_opened_checkpoint() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("m.safetensors");
+        let values: Vec<u8> = (0..16u32).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        let mut other = values.clone();
+        other[0] ^= 1;
+        let header = serde_json::json!({
+            "a": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]},
+            "b": {"dtype": "F32", "shape": [4, 4], "data_offsets": [64, 128]},
+            "c": {"dtype": "F32", "shape": [4, 4], "data_offsets": [128, 192]},
+        })
+        .to_string();
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(header.as_bytes());
+        file.extend_from_slice(&[values.clone(), values, other].concat());
+        std::fs::write(&path, file).unwrap();
+        let ck = Checkpoint::open(&path).unwrap();
+        assert_eq!(tied_names(&ck).unwrap(), vec![vec!["a", "b"]]);
+    }
+}

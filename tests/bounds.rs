@@ -80,7 +80,7 @@ fn bounded(args: &[&str]) -> Run {
     }
 }
 
-/// Require a bounded failure: exit 1, one line, containing every needle.
+/// Require a bounded failure: exit 2, one line, containing every needle.
 fn fails_bounded(what: &str, args: &[&str], needles: &[&str]) {
     let r = bounded(args);
     eprintln!(
@@ -90,7 +90,7 @@ fn fails_bounded(what: &str, args: &[&str], needles: &[&str]) {
         r.rss >> 20,
         r.stderr.trim()
     );
-    assert_eq!(r.code, Some(1), "{what}: {}", r.stderr);
+    assert_eq!(r.code, Some(2), "{what}: {}", r.stderr);
     assert_eq!(
         r.stderr.trim_end().lines().count(),
         1,
@@ -562,7 +562,7 @@ fn ends_within_bounds(what: &str, args: &[&str], input: u64) -> Run {
         r.stderr.trim()
     );
     if r.code != Some(0) {
-        assert_eq!(r.code, Some(1), "{what}: {}", r.stderr);
+        assert_eq!(r.code, Some(2), "{what}: {}", r.stderr);
         assert_eq!(r.stderr.trim_end().lines().count(), 1, "{}", r.stderr);
         assert!(!r.stderr.contains("internal error"), "{}", r.stderr);
     }
@@ -608,7 +608,7 @@ fn a_million_chunks_without_storage_are_refused_within_bounds() {
         &["inspect", s(&ck)],
         meta.len() as u64,
     );
-    assert_eq!(r.code, Some(1));
+    assert_eq!(r.code, Some(2));
     for n in [".metadata", "no storage_data entry for chunk [0:1] of `w`"] {
         assert!(r.stderr.contains(n), "`{n}` not in {}", r.stderr);
     }

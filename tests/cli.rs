@@ -490,3 +490,166 @@ fn strip_and_add_prefixes_rename_tensors() {
     );
     assert!(!d.path().join("y.safetensors").exists());
 }
+
+/// Run reshard with `args` and return its exit status and standard error.
+fn status(args: &[&str]) -> (Option<i32>, String) {
+    let o = reshard(args);
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn exit_status_is_0_for_equal_1_for_a_finding_and_2_for_errors() {
+    let (d, ck) = setup(2);
+    let one = d.path().join("one.safetensors");
+    ok(&["convert", s(&ck), s(&one), "--to", "1", "-q"]);
+    // diff: equal, different, and unreadable (either side)
+    assert_eq!(status(&["diff", s(&ck), s(&one)]), (Some(0), String::new()));
+    let part = d.path().join("part.safetensors");
+    ok(&[
+        "convert",
+        s(&ck),
+        s(&part),
+        "--to",
+        "1",
+        "--exclude",
+        "model.cls",
+        "-q",
+    ]);
+    let (code, err) = status(&["diff", s(&ck), s(&part)]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.starts_with("reshard: error: ") && err.contains("differ"),
+        "{err}"
+    );
+    let nope = d.path().join("nope");
+    fails(
+        &["diff", s(&ck), s(&nope)],
+        "nope: No such file or directory",
+    );
+    fails(
+        &["diff", s(&nope), s(&ck)],
+        "nope: No such file or directory",
+    );
+    let empty = d.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    fails(&["diff", s(&ck), s(&empty)], "is not a checkpoint");
+    // verify: intact, then one byte of tensor data flipped, then unreadable
+    assert!(ok(&["verify", s(&one)]).contains("all match"));
+    let mut bytes = std::fs::read(&one).unwrap();
+    *bytes.last_mut().unwrap() ^= 0x40;
+    std::fs::write(&one, &bytes).unwrap();
+    common::fails_with(1, &["verify", s(&one)], "is corrupt: its CRC-32 is");
+    fails(&["verify", s(&nope)], "nope: No such file or directory");
+    // usage errors, from clap and from the library
+    for bad in [
+        &["frobnicate"][..],
+        &["convert", s(&ck)],
+        &["inspect", s(&ck), "--no-such-flag"],
+        &["plan", s(&ck), "--to", "two"],
+        &["plan", s(&ck), "--to", "1", "--max-shard-size", "5XB"],
+    ] {
+        let (code, err) = status(bad);
+        assert_eq!(code, Some(2), "reshard {bad:?}: {err}");
+        assert!(!err.is_empty(), "reshard {bad:?}: no message");
+    }
+    fails(&["plan", s(&ck)], "give the target world size with --to M");
+    fails(&["plan", s(&ck), "--to", "0"], "--to must be at least 1");
+    // sizes in decimal and binary units are accepted
+    ok(&[
+        "plan",
+        s(&ck),
+        "--to",
+        "1",
+        "--format",
+        "hf",
+        "--max-shard-size",
+        "500MiB",
+    ]);
+    ok(&[
+        "plan",
+        s(&ck),
+        "--to",
+        "1",
+        "--format",
+        "hf",
+        "--max-shard-size",
+        "2GB",
+    ]);
+}
+
+/// A checkpoint of `n` small tensors (distinct values, so none is tied): `inspect` of it
+/// prints far more than a pipe holds.
+fn many_tensors(dir: &Path, n: usize) -> std::path::PathBuf {
+    let model: std::collections::BTreeMap<String, Full> = (0..n)
+        .map(|i| {
+            let t = Full {
+                dtype: safetensors::Dtype::F32,
+                shape: vec![1],
+                data: (i as f32).to_le_bytes().to_vec(),
+            };
+            (format!("layers.{i:05}.weight"), t)
+        })
+        .collect();
+    let path = dir.join("many.safetensors");
+    write_safetensors(&path, &model);
+    path
+}
+
+/// Run reshard with `args`, read `lines` lines of its standard output and close the pipe
+/// (as `| head -n LINES` does); returns the exit status and standard error.
+fn with_early_close(args: &[&str], lines: usize) -> (Option<i32>, String) {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_reshard"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut reader = std::io::BufReader::new(child.stdout.take().unwrap());
+    for _ in 0..lines {
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+    }
+    drop(reader);
+    let o = child.wait_with_output().unwrap();
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_reader_closing_stdout_early_ends_quietly_with_the_same_status() {
+    let d = tempfile::tempdir().unwrap();
+    let many = many_tensors(d.path(), 5000);
+    let one = d.path().join("one.safetensors");
+    write_safetensors(&one, &model());
+    // Each output is several pipe-fulls, so reshard is still writing when the pipe closes.
+    for args in [
+        &["inspect", s(&many)][..],
+        &["inspect", s(&many), "--json"],
+        &["plan", s(&many), "--to", "1", "--ops"],
+        &["diff", s(&many), s(&many)],
+        &["verify", s(&many)],
+    ] {
+        for lines in [0, 1] {
+            assert_eq!(
+                with_early_close(args, lines),
+                (Some(0), String::new()),
+                "reshard {args:?} | head -{lines}"
+            );
+        }
+    }
+    // a finding keeps its status: the differences are cut short, the verdict is not
+    let (code, err) = with_early_close(&["diff", s(&many), s(&one)], 1);
+    assert_eq!(code, Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with("reshard: error: ") && err.contains("differ"),
+        "{err}"
+    );
+}

@@ -3,7 +3,7 @@
 //! data, a rank file missing, two rank files swapped, chunks moved outside their tensor or onto
 //! another, dtypes and shapes disagreeing, data paths leaving the directory (`../`, absolute,
 //! symlinks) — and the CLI converts each variant. Every variant must either be refused (exit
-//! 1, one line naming a file of the checkpoint, no panic, no output, no temporary file left)
+//! 2, one line naming a file of the checkpoint, no panic, no output, no temporary file left)
 //! or convert to exactly the right tensors (a flipped byte the format does not use). Silent
 //! corruption — an output that differs from the oracle — fails the test. The counts are
 //! printed (`cargo test --test corruption -- --nocapture`).
@@ -347,7 +347,7 @@ fn every_damaged_variant_is_refused_or_converted_exactly() {
                         t.unprotected += 1;
                     }
                 }
-                Some(1) => {
+                Some(2) => {
                     assert_eq!(
                         err.trim_end().lines().count(),
                         1,

@@ -6,7 +6,7 @@
 //!   the next run removes them saying so, and the source stays byte-identical;
 //! - two runs writing one destination: the second stops with a message naming the first;
 //! - disk full (a small tmpfs, when mounting is permitted) and file too large (`ulimit -f`):
-//!   one line naming the output file, exit 1, nothing partial left.
+//!   one line naming the output file, exit 2, nothing partial left.
 
 mod common;
 
@@ -478,7 +478,7 @@ fn a_second_run_writing_the_same_destination_stops_naming_the_first() {
             }
             let o = b.output().unwrap();
             let err = String::from_utf8_lossy(&o.stderr);
-            assert_eq!(o.status.code(), Some(1), "run B: {err}");
+            assert_eq!(o.status.code(), Some(2), "run B: {err}");
             assert_eq!(err.trim_end().lines().count(), 1, "not one line: {err}");
             let want = format!(
                 "reshard: error: another reshard run (pid {pid}) is writing {}",
@@ -542,7 +542,7 @@ fn under_ulimit(blocks: u64, args: &[&str]) -> std::process::Output {
 /// Require a failure with one line naming `file` and containing `what`.
 fn fails_naming(o: &std::process::Output, file: &Path, what: &str) -> String {
     let err = String::from_utf8_lossy(&o.stderr).to_string();
-    assert_eq!(o.status.code(), Some(1), "expected exit 1: {err}");
+    assert_eq!(o.status.code(), Some(2), "expected exit 2: {err}");
     assert_eq!(err.trim_end().lines().count(), 1, "not one line: {err}");
     assert!(
         err.starts_with(&format!("reshard: error: {}", file.display())),

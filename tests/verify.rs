@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{fails, ok, s};
+use common::{fails, fails_with, ok, s};
 use reshard::formats::Checkpoint;
 use std::path::{Path, PathBuf};
 
@@ -126,7 +126,7 @@ fn a_flipped_bit_is_caught_by_verify_and_by_convert() {
     cases.push(hs);
     for case in &cases {
         let file = corrupt(case, "model.embed.weight");
-        let err = fails(&["verify", s(case)], "is corrupt: its CRC-32 is");
+        let err = fails_with(1, &["verify", s(case)], "is corrupt: its CRC-32 is");
         assert!(err.contains(s(&file)), "{err}");
         let out = d.path().join("out.safetensors");
         let err = fails(
@@ -169,7 +169,7 @@ fn a_flipped_bit_is_caught_by_verify_and_by_convert() {
             "--no-verify",
             "-q",
         ]);
-        let err = fails(&["verify", s(&out)], "is corrupt: its CRC-32 is");
+        let err = fails_with(1, &["verify", s(&out)], "is corrupt: its CRC-32 is");
         assert!(err.contains("model.embed.weight"), "{err}");
         let diff = common::reshard(&["diff", s(&src), s(&out)]);
         assert_eq!(diff.status.code(), Some(1));

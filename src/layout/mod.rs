@@ -7,6 +7,7 @@
 mod dtype;
 mod placement;
 mod region;
+mod summary;
 mod tensor;
 
 pub use dtype::DType;
@@ -14,4 +15,5 @@ pub use placement::{
     chunk_range, even_range, flat_range_boxes, flat_ranges, FlatShare, Mesh, Placement, Sharding,
 };
 pub use region::{for_each_run, row_major_strides, Region, Run, Strided};
+pub use summary::summary;
 pub use tensor::{distinct_regions, join, Loc, Piece, TensorLayout};

@@ -207,14 +207,20 @@ pub fn ok(args: &[&str]) -> String {
     String::from_utf8(o.stdout).unwrap()
 }
 
-/// Run reshard and require a failure with a one-line error containing `needle`.
+/// Run reshard and require an error (exit status 2) with a one-line message containing
+/// `needle`.
 pub fn fails(args: &[&str], needle: &str) -> String {
+    fails_with(2, args, needle)
+}
+
+/// Run reshard and require exit status `code` with a one-line error containing `needle`.
+pub fn fails_with(code: i32, args: &[&str], needle: &str) -> String {
     let o = reshard(args);
     let err = String::from_utf8_lossy(&o.stderr).to_string();
     assert_eq!(
         o.status.code(),
-        Some(1),
-        "reshard {args:?}: expected exit 1, stderr: {err}"
+        Some(code),
+        "reshard {args:?}: expected exit {code}, stderr: {err}"
     );
     assert_eq!(err.trim_end().lines().count(), 1, "not one line: {err}");
     assert!(err.starts_with("reshard: error: "), "{err}");

@@ -1,0 +1,313 @@
+//! The command line as clap sees it (subcommands, their arguments and help texts), and the
+//! translation of target arguments into the library's [`ConvertOptions`].
+
+use bytesize::ByteSize;
+use clap::{Args, Parser, Subcommand};
+use reshard::convert::{ConvertOptions, Selection};
+use reshard::exec::ExecOptions;
+use reshard::formats::{Format, WriteOptions};
+use reshard::layout::DType;
+use reshard::target::LayoutSpec;
+use reshard::{Error, Result};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+/// The command line.
+#[derive(Parser)]
+#[command(
+    name = "reshard",
+    version,
+    about = "Move distributed-training checkpoints between world sizes: offline, in bounded memory, at the speed of the disk.",
+    after_help = "Exit status: 0 when all is well, 1 when `diff` finds a difference or `verify` a corrupt record, 2 on any error."
+)]
+pub struct Cli {
+    /// The command to run.
+    #[command(subcommand)]
+    pub cmd: Cmd,
+}
+
+/// The subcommands; each variant's doc comment is its `--help` summary.
+#[derive(Subcommand)]
+pub enum Cmd {
+    /// Show a checkpoint's format, ranks, tensors and layouts.
+    #[command(
+        after_help = "Examples:\n  reshard inspect ckpt/\n  reshard inspect model.safetensors --json"
+    )]
+    Inspect {
+        /// Checkpoint file or directory.
+        path: PathBuf,
+        /// Print JSON (every piece of every tensor) instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Dry run: show what a conversion would read and write, without writing anything.
+    #[command(
+        after_help = "Examples:\n  reshard plan ckpt/ --to 1\n  reshard plan ckpt/ --to 8 --ops\n  reshard plan ckpt/ --layout tp.json --json"
+    )]
+    Plan {
+        /// Source checkpoint.
+        src: PathBuf,
+        #[command(flatten)]
+        target: TargetArgs,
+        /// Also list every copy op.
+        #[arg(long)]
+        ops: bool,
+        /// Print the plan as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Reshard SRC to M ranks (M = 1 consolidates) and write DST atomically.
+    #[command(
+        after_help = convert_help()
+    )]
+    Convert {
+        /// Source checkpoint.
+        src: PathBuf,
+        /// Destination file or directory (must not exist unless --force).
+        dst: PathBuf,
+        #[command(flatten)]
+        target: TargetArgs,
+        #[command(flatten)]
+        flags: ConvertFlags,
+    },
+    /// Check a checkpoint: structure (every tensor covered exactly, no conflicting overlaps,
+    /// shapes and sizes agree with the files) and the CRC-32s its files record; exit status 1
+    /// when a record is corrupt.
+    #[command(after_help = "Examples:\n  reshard verify ckpt/\n  reshard verify model.pt --json")]
+    Verify {
+        /// Checkpoint file or directory.
+        path: PathBuf,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Compare two checkpoints tensor by tensor, in any supported formats and layouts; exit
+    /// status 1 when they differ, 2 when one cannot be read.
+    #[command(
+        after_help = "Examples:\n  reshard diff ckpt/ model.safetensors\n  reshard diff a.pt b/ --json\n\nTensors of one dtype are compared byte for byte; floating tensors of different dtypes\nreport the largest absolute and relative differences."
+    )]
+    Diff {
+        /// First checkpoint.
+        a: PathBuf,
+        /// Second checkpoint.
+        b: PathBuf,
+        /// Print the comparison as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// The switches of `convert` beyond its target.
+#[derive(Args)]
+pub struct ConvertFlags {
+    /// Replace DST if it exists (only once the new output is complete).
+    #[arg(long)]
+    force: bool,
+    /// Print nothing but errors.
+    #[arg(short, long)]
+    pub quiet: bool,
+    /// Skip fsync before the final rename: faster, still atomic against a crash of
+    /// reshard, but a power loss may leave a renamed output whose data never reached disk.
+    #[arg(long)]
+    no_fsync: bool,
+    /// Skip checking the CRC-32s the sources record (torch.save records, reshard's
+    /// safetensors checksums) for the bytes the conversion reads.
+    #[arg(long)]
+    no_verify: bool,
+}
+
+impl ConvertFlags {
+    /// The library's options for a conversion to `target` with these switches.
+    pub fn options(&self, target: &TargetArgs) -> Result<ConvertOptions> {
+        let mut opts = target.options(self.quiet)?;
+        opts.force = self.force;
+        opts.exec.sync = !self.no_fsync;
+        opts.verify = !self.no_verify;
+        Ok(opts)
+    }
+}
+
+/// The target of `plan` and `convert`: layout, format, selection, casts, threads.
+#[derive(Args)]
+pub struct TargetArgs {
+    /// Target world size M (default layout: Shard(0) over M ranks, as FSDP2).
+    #[arg(long, value_name = "M")]
+    to: Option<u64>,
+    /// Target layout file (JSON: mesh and per-name-glob placements); see the README.
+    #[arg(long, value_name = "FILE")]
+    layout: Option<PathBuf>,
+    #[arg(long, value_name = "FORMAT", help = format_help())]
+    format: Option<Format>,
+    /// Keep only tensors whose name matches this glob (repeatable; `*` crosses dots).
+    #[arg(long, value_name = "GLOB")]
+    include: Vec<String>,
+    /// Drop tensors whose name matches this glob (repeatable).
+    #[arg(long, value_name = "GLOB")]
+    exclude: Vec<String>,
+    /// Remove this prefix from names that start with it (e.g. `model.`).
+    #[arg(long, value_name = "PREFIX")]
+    strip_prefix: Option<String>,
+    /// Put this prefix in front of every name.
+    #[arg(long, value_name = "PREFIX")]
+    add_prefix: Option<String>,
+    /// Cast floating tensors (f16, bf16, f32, f64) to this dtype.
+    #[arg(long, value_name = "DTYPE")]
+    dtype: Option<DType>,
+    /// Largest data file of an hf output (e.g. 5GB, 500MiB).
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value = "5GB")]
+    max_shard_size: u64,
+    /// Worker threads (default: one per core).
+    #[arg(long, value_name = "N")]
+    threads: Option<usize>,
+    /// Per-rank state (RNG states, data-loader positions; `inspect` marks it): drop it, keep
+    /// rank 0's, or keep every rank's. Default: rank 0's for --to 1, all of it when M equals
+    /// the source's world size, otherwise an error asking for a choice.
+    #[arg(long, value_name = "drop|rank0|keep")]
+    per_rank_state: Option<reshard::per_rank::Policy>,
+    /// Store tied tensors (two names, same dtype, shape and bytes) once per name in a .pt
+    /// too, instead of sharing one storage as torch.save of a tied model does.
+    #[arg(long)]
+    untie: bool,
+}
+
+/// A size such as `5GB`, `500MiB` or `1024` (bytes): decimal (KB, MB, GB, TB) and binary
+/// (KiB, MiB, GiB, TiB) units, case-insensitive; at least one byte.
+fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let n = s
+        .trim()
+        .parse::<ByteSize>()
+        .map_err(|_| format!("bad size `{s}` (use a number and B, KB, MB, GB, KiB, MiB or GiB)"))?
+        .as_u64();
+    if n < 1 {
+        return Err(format!("size `{s}` must be at least 1 byte"));
+    }
+    Ok(n)
+}
+
+impl TargetArgs {
+    /// The library's conversion options for these arguments (`quiet`: no progress bar);
+    /// `force`, `sync` and `verify` are left at their defaults for the caller to set.
+    pub fn options(&self, quiet: bool) -> Result<ConvertOptions> {
+        Ok(ConvertOptions {
+            layout: self.layout()?,
+            format: self.format,
+            select: Selection {
+                include: self.include.clone(),
+                exclude: self.exclude.clone(),
+                strip_prefix: self.strip_prefix.clone(),
+                add_prefix: self.add_prefix.clone(),
+            },
+            dtype: self.dtype,
+            write: WriteOptions {
+                max_shard_size: self.max_shard_size,
+                ..Default::default()
+            },
+            exec: ExecOptions {
+                threads: self.threads,
+                progress: !quiet && std::io::stderr().is_terminal(),
+                // RESHARD_WINDOW (bytes): the work-unit size, for the executor measurements
+                // in BENCHMARKS.md; not a user setting.
+                window: std::env::var("RESHARD_WINDOW")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(ExecOptions::default().window),
+                ..Default::default()
+            },
+            force: false,
+            per_rank: self.per_rank_state,
+            untie: self.untie,
+            verify: true,
+        })
+    }
+
+    /// The target layout: the `--layout` file (whose world size `--to` must match, if given),
+    /// or Shard(0) over `--to` ranks.
+    fn layout(&self) -> Result<LayoutSpec> {
+        match (&self.layout, self.to) {
+            (Some(p), to) => {
+                let spec = LayoutSpec::from_file(p)?;
+                match to {
+                    Some(m) if m != spec.world() => Err(Error::usage(format!(
+                        "--to {m} disagrees with the layout file's mesh {:?} ({} ranks)",
+                        spec.mesh,
+                        spec.world()
+                    ))),
+                    _ => Ok(spec),
+                }
+            }
+            (None, Some(0)) => Err(Error::usage("--to must be at least 1")),
+            (None, Some(m)) => Ok(LayoutSpec::fsdp(m)),
+            (None, None) => Err(Error::usage(
+                "give the target world size with --to M (or a --layout file)",
+            )),
+        }
+    }
+}
+
+/// The `--format` help: every registered format's name.
+fn format_help() -> String {
+    format!(
+        "Output format: {} (default: from DST, M and the source; see `reshard convert --help`)",
+        Format::names()
+    )
+}
+
+/// The `convert` help's closing text: examples, how the output format is chosen, the formats.
+fn convert_help() -> String {
+    let formats: Vec<String> = Format::all()
+        .map(|f| format!("  {:12} {}", f.name(), f.capabilities().summary))
+        .collect();
+    format!(
+        "Examples:\n  reshard convert ckpt/ model.safetensors --to 1\n  reshard convert ckpt/ out/ --to 2\n  \
+         reshard convert ckpt/ hf/ --to 1 --format hf --max-shard-size 2GB\n  \
+         reshard convert ckpt/ out/ --to 8 --exclude 'optimizer.*' --dtype bf16\n\n\
+         Without --format, the output format follows DST, M and the source: for M = 1 a file\n\
+         named *.safetensors or *.pt/*.pth is that file, any other name a Hugging Face sharded\n\
+         directory; for M > 1 a DCP source gives DCP, a safetensors source per-rank safetensors\n\
+         shards. `plan` and `convert` say which format they chose and why.\n\nFormats:\n{}",
+        formats.join("\n")
+    )
+}
+
+/// The command-line words for the setting that would let a refused request through.
+pub fn hint(e: &Error) -> String {
+    use reshard::Hint;
+    match (e.hint(), e) {
+        (Some(Hint::Force), _) => " (use --force to replace it)".into(),
+        (Some(Hint::PerRankState), _) => {
+            ": add --per-rank-state drop (leave it out) or --per-rank-state rank0 (keep rank 0's)"
+                .into()
+        }
+        (Some(Hint::WorldSize), Error::TooManyRanks { world, .. }) => {
+            let more: Vec<&str> = Format::all()
+                .filter(|f| f.holds(*world))
+                .map(Format::name)
+                .collect();
+            format!(": use --to 1, or --format {}", more.join(" or "))
+        }
+        _ => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_take_decimal_and_binary_units() {
+        assert_eq!(parse_size("5GB"), Ok(5_000_000_000));
+        assert_eq!(parse_size("500MiB"), Ok(500 << 20));
+        assert_eq!(parse_size("2GB"), Ok(2_000_000_000));
+        assert_eq!(parse_size(" 1 kb "), Ok(1000));
+        assert_eq!(parse_size("1.5KiB"), Ok(1536));
+        assert_eq!(parse_size("4096"), Ok(4096));
+    }
+
+    #[test]
+    fn bad_or_empty_sizes_are_refused() {
+        assert!(parse_size("5XB").unwrap_err().contains("bad size `5XB`"));
+        assert!(parse_size("GB").is_err());
+        assert!(parse_size("0").unwrap_err().contains("at least 1 byte"));
+        assert!(parse_size("0.1B").unwrap_err().contains("at least 1 byte"));
+    }
+}

@@ -1,0 +1,160 @@
+//! `reshard inspect`: a checkpoint's format, ranks, tensors and layouts, as a table or JSON.
+
+use crate::text::{clip, json, name_width, shown, size};
+use crate::Outcome;
+use reshard::formats::{Aliasing, Checkpoint, Format};
+use reshard::per_rank::{classify, PerRank};
+use reshard::{Error, Result};
+use std::collections::BTreeMap;
+use std::io::{self, Write};
+use std::path::Path;
+
+/// What `inspect` shows of a checkpoint beyond the checkpoint itself.
+struct Findings<'a> {
+    /// Groups of tied tensor names.
+    ties: Vec<Vec<String>>,
+    /// The per-rank entries (tensors and non-tensor), by name.
+    per_rank: BTreeMap<&'a str, PerRank>,
+}
+
+/// Open `path` and print what it holds to `out`.
+pub fn run(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<Outcome> {
+    let ck = Checkpoint::open(path)?;
+    let found = Findings {
+        ties: reshard::ties::tied_names(&ck)?,
+        per_rank: per_rank_entries(&ck),
+    };
+    if as_json {
+        let mut v = serde_json::to_value(&ck).map_err(|e| Error::usage(e.to_string()))?;
+        v["per_rank"] = serde_json::json!(found.per_rank);
+        v["tied"] = serde_json::json!(found.ties);
+        shown(json(out, &v))?;
+    } else {
+        shown(print_table(out, &ck, &found))?;
+    }
+    Ok(Outcome::Clean)
+}
+
+/// The per-rank entries (tensors and non-tensor) of `ck`, by name.
+fn per_rank_entries(ck: &Checkpoint) -> BTreeMap<&str, PerRank> {
+    ck.tensors
+        .iter()
+        .map(|t| t.name.as_str())
+        .chain(ck.extras.iter().map(|e| e.name.as_str()))
+        .filter_map(|n| classify(n).map(|k| (n, k)))
+        .collect()
+}
+
+/// ` (kind)` after the name of a per-rank entry, nothing after other names.
+fn mark(name: &str) -> String {
+    match classify(name) {
+        Some(k) => format!("  ({k})"),
+        None => String::new(),
+    }
+}
+
+/// The table: a summary line, metadata, one line per tensor, the non-tensor entries, ties
+/// and per-rank state.
+fn print_table(out: &mut dyn Write, ck: &Checkpoint, found: &Findings) -> io::Result<()> {
+    writeln!(
+        out,
+        "{}: {} checkpoint, {} rank(s), {} file(s), {} tensor(s), {}",
+        ck.path.display(),
+        ck.format,
+        ck.ranks,
+        ck.files.len(),
+        ck.tensors.len(),
+        size(ck.nbytes())
+    )?;
+    for (k, v) in &ck.metadata {
+        writeln!(out, "  metadata {k} = {}", clip(v, 60))?;
+    }
+    if let Some(p) = &ck.producer {
+        writeln!(out, "  written by {p}")?;
+    }
+    print_tensors(out, ck)?;
+    if !ck.extras.is_empty() {
+        writeln!(out, "NON-TENSOR ENTRIES ({})", ck.extras.len())?;
+        for e in &ck.extras {
+            let value = clip(&e.value.to_string(), 100);
+            writeln!(
+                out,
+                "  {} [{}] = {value}{}",
+                e.name,
+                e.origin,
+                mark(&e.name)
+            )?;
+        }
+    }
+    print_ties(out, ck, &found.ties)?;
+    let n = found.per_rank.len();
+    if n > 0 {
+        writeln!(
+            out,
+            "{n} per-rank entr{} (state of one rank; not resharded: see --per-rank-state)",
+            if n == 1 { "y" } else { "ies" }
+        )?;
+    }
+    Ok(())
+}
+
+/// One line per tensor: name, dtype, shape, size and layout.
+fn print_tensors(out: &mut dyn Write, ck: &Checkpoint) -> io::Result<()> {
+    let w = name_width(ck.tensors.iter().map(|t| t.name.as_str()));
+    writeln!(
+        out,
+        "{:w$}  {:7} {:16} {:>10}  LAYOUT",
+        "TENSOR", "DTYPE", "SHAPE", "BYTES"
+    )?;
+    for t in &ck.tensors {
+        writeln!(
+            out,
+            "{:w$}  {:7} {:16} {:>10}  {}{}",
+            t.name,
+            t.dtype.name(),
+            format!("{:?}", t.shape),
+            size(t.nbytes()),
+            reshard::layout::summary(t),
+            mark(&t.name)
+        )?;
+    }
+    Ok(())
+}
+
+/// One line per group of tied tensors, saying what outputs do with it.
+fn print_ties(out: &mut dyn Write, ck: &Checkpoint, ties: &[Vec<String>]) -> io::Result<()> {
+    for g in ties {
+        writeln!(
+            out,
+            "tied: {} (same dtype, shape and bytes){}",
+            g.join(" = "),
+            tie_note(ck.format)
+        )?;
+    }
+    Ok(())
+}
+
+/// How `format` stores a group of tied tensors, and which format would store it once.
+fn tie_note(format: Format) -> String {
+    let once = Format::all()
+        .find(|f| f.capabilities().aliasing == Aliasing::StoresOnce)
+        .map(|f| {
+            let ext = f
+                .capabilities()
+                .extensions
+                .first()
+                .copied()
+                .unwrap_or(f.name());
+            format!("a .{ext} output stores it once")
+        })
+        .unwrap_or_default();
+    let c = format.capabilities();
+    match c.aliasing {
+        Aliasing::StoresOnce => String::new(),
+        Aliasing::Forbidden => format!(
+            "; {} cannot alias, so each name keeps a copy ({once})",
+            c.family.name()
+        ),
+        _ => format!("; {once}"),
+    }
+}

@@ -1,0 +1,95 @@
+//! `reshard`: the command-line face of the library. Parsing and printing only; every decision
+//! is made in the library.
+//!
+//! This file owns dispatch and the exit status, as diff(1) and ripgrep use it: 0 when all is
+//! well, 1 when `diff` finds a difference or `verify` a corrupt record, 2 for every error
+//! (bad usage, a checkpoint that cannot be read, a failed write, an internal error). A reader
+//! that closes standard output early (`reshard inspect ck | head -1`) changes nothing: the
+//! rest of the output is dropped quietly and the status is what it would have been.
+
+mod args;
+mod convert;
+mod diff;
+mod inspect;
+mod plan;
+mod text;
+mod verify;
+
+use args::{Cli, Cmd};
+use clap::Parser;
+use reshard::Result;
+use std::io::{self, BufWriter, Write};
+use std::process::ExitCode;
+
+/// Exit status of a `diff` that found a difference or a `verify` that found damage.
+const FOUND: u8 = 1;
+/// Exit status of every error (clap's usage errors exit with it too).
+const TROUBLE: u8 = 2;
+
+/// What a command that ran to the end concluded.
+pub enum Outcome {
+    /// Nothing to report.
+    Clean,
+    /// What `diff` or `verify` looks for was found; the message says what (one line).
+    Found(String),
+}
+
+/// Run the command `cli` names, writing its output to `out`.
+fn run(cli: Cli, out: &mut dyn Write) -> Result<Outcome> {
+    match cli.cmd {
+        Cmd::Inspect { path, json } => inspect::run(&path, json, out),
+        Cmd::Plan {
+            src,
+            target,
+            ops,
+            json,
+        } => plan::run(&src, &target, ops, json, out),
+        Cmd::Convert {
+            src,
+            dst,
+            target,
+            flags,
+        } => convert::run(&src, &dst, &target, &flags, out),
+        Cmd::Verify { path, json } => verify::run(&path, json, out),
+        Cmd::Diff { a, b, json } => diff::run(&a, &b, json, out),
+    }
+}
+
+/// The message of a panic's payload, when it has one.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
+fn main() -> ExitCode {
+    // A file over `ulimit -f` must fail its write with EFBIG (reported, staging removed), not
+    // kill the process with SIGXFSZ.
+    // SAFETY: setting a signal's disposition to SIG_IGN before any thread starts.
+    unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
+    let cli = Cli::parse();
+    std::panic::set_hook(Box::new(|_| {}));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<Outcome> {
+        // Not locked: a line printed from another thread must not wait for the command to end.
+        let mut out = BufWriter::new(io::stdout());
+        let outcome = run(cli, &mut out)?;
+        text::shown(out.flush())?;
+        Ok(outcome)
+    }));
+    let (status, msg) = match result {
+        Ok(Ok(Outcome::Clean)) => return ExitCode::SUCCESS,
+        Ok(Ok(Outcome::Found(msg))) => (FOUND, msg),
+        Ok(Err(e)) => (TROUBLE, format!("{e}{}", args::hint(&e))),
+        Err(payload) => (
+            TROUBLE,
+            format!(
+                "internal error: {} (please report it)",
+                panic_message(payload.as_ref())
+            ),
+        ),
+    };
+    text::complain(&format!("error: {msg}"));
+    ExitCode::from(status)
+}

@@ -1,0 +1,147 @@
+//! `reshard plan`: what a conversion would read and write, without writing anything.
+
+use crate::args::TargetArgs;
+use crate::text::{json, name_width, shown, size};
+use crate::Outcome;
+use reshard::convert::{self, ConvertOptions, Job};
+use reshard::exec::balance;
+use reshard::Result;
+use std::io::{self, Write};
+use std::path::Path;
+
+/// Plan the conversion of `src` to `target` and print it to `out` (`ops`: every copy op too).
+pub fn run(
+    src: &Path,
+    target: &TargetArgs,
+    ops: bool,
+    as_json: bool,
+    out: &mut dyn Write,
+) -> Result<Outcome> {
+    let opts = target.options(true)?;
+    let job = convert::prepare(src, None, &opts)?;
+    shown(print(out, &job, &opts, ops, as_json))?;
+    Ok(Outcome::Clean)
+}
+
+/// The plan as JSON, or as a summary, a table of tensors and (with `ops`) the copy ops.
+fn print(
+    out: &mut dyn Write,
+    job: &Job,
+    opts: &ConvertOptions,
+    ops: bool,
+    as_json: bool,
+) -> io::Result<()> {
+    let threads = opts.exec.threads.unwrap_or_else(rayon::current_num_threads);
+    let load = balance(&job.plan, &job.output.files, threads, opts.exec.window);
+    if as_json {
+        let v = serde_json::json!({
+            "source": {"path": job.source.path, "format": job.source.format, "ranks": job.source.ranks, "files": job.source.files},
+            "target": {"format": job.format, "format_reason": job.format_reason, "ranks": job.world,
+                       "files": job.output.files.iter().map(|f| serde_json::json!({"path": f.path, "size": f.size})).collect::<Vec<_>>()},
+            "bytes_read": job.plan.bytes_read(),
+            "bytes_written": job.plan.bytes_written(),
+            "thread_balance": load,
+            "plan": job.plan,
+        });
+        return json(out, &v);
+    }
+    print_summary(out, job, threads, &load)?;
+    print_tensors(out, job)?;
+    if ops {
+        print_ops(out, job)?;
+    }
+    Ok(())
+}
+
+/// Formats and ranks, bytes read and written, the per-thread balance and the output files.
+fn print_summary(out: &mut dyn Write, job: &Job, threads: usize, load: &[u64]) -> io::Result<()> {
+    let p = &job.plan;
+    writeln!(
+        out,
+        "plan: {} ({} rank(s)) -> {} ({} rank(s)); output format {}: {}",
+        job.source.format,
+        job.source.ranks,
+        job.format,
+        job.world,
+        job.format,
+        job.format_reason.as_deref().unwrap_or("as asked")
+    )?;
+    writeln!(
+        out,
+        "{} tensor(s), {} op(s); read {} from {} of {} file(s); write {} into {} file(s)",
+        p.tensors.len(),
+        p.ops.len(),
+        size(p.bytes_read()),
+        p.src_files().len(),
+        job.source.files.len(),
+        size(job.output.files.iter().map(|f| f.size).sum()),
+        job.output.files.len()
+    )?;
+    let load: Vec<String> = load.iter().map(|b| size(*b)).collect();
+    writeln!(
+        out,
+        "per-thread balance ({threads} thread(s)): {}",
+        load.join(" / ")
+    )?;
+    for f in &job.output.files {
+        writeln!(out, "  -> {} ({})", f.path.display(), size(f.size))?;
+    }
+    Ok(())
+}
+
+/// One line per tensor: dtypes (a cast as `from->to`), shape, pieces before and after, ops
+/// and bytes written.
+fn print_tensors(out: &mut dyn Write, job: &Job) -> io::Result<()> {
+    let p = &job.plan;
+    let w = name_width(p.tensors.iter().map(|t| t.name.as_str()));
+    writeln!(
+        out,
+        "{:w$}  {:11} {:16} {:>13} {:>5} {:>10}",
+        "TENSOR", "DTYPE", "SHAPE", "PIECES", "OPS", "BYTES"
+    )?;
+    for t in &p.tensors {
+        let dt = if t.dtype.0 == t.dtype.1 {
+            t.dtype.0.name().to_string()
+        } else {
+            format!("{}->{}", t.dtype.0, t.dtype.1)
+        };
+        writeln!(
+            out,
+            "{:w$}  {:11} {:16} {:>13} {:>5} {:>10}",
+            t.name,
+            dt,
+            format!("{:?}", t.shape),
+            format!("{} -> {}", t.pieces.0, t.pieces.1),
+            t.ops,
+            size(t.bytes.1)
+        )?;
+    }
+    Ok(())
+}
+
+/// Every copy op: source and destination file and offset, run length and count, strides,
+/// cast.
+fn print_ops(out: &mut dyn Write, job: &Job) -> io::Result<()> {
+    writeln!(
+        out,
+        "OPS (src file:offset -> dst file:offset, bytes x rows, strides)"
+    )?;
+    for o in &job.plan.ops {
+        writeln!(
+            out,
+            "  {}:{} -> {}:{}  {} x {}  ({}, {}){}",
+            job.source.files[o.src as usize].display(),
+            o.src_offset,
+            job.output.files[o.dst as usize].path.display(),
+            o.dst_offset,
+            o.len,
+            o.count,
+            o.src_stride,
+            o.dst_stride,
+            o.cast
+                .map(|c| format!(" cast {}->{}", c.from, c.to))
+                .unwrap_or_default()
+        )?;
+    }
+    Ok(())
+}
