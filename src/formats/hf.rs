@@ -44,7 +44,7 @@ pub struct Hf;
 static CAPS: Capabilities = Capabilities {
     name: "hf",
     aliases: &["hf-sharded"],
-    summary: "Hugging Face sharded safetensors: model.safetensors.index.json + model-0000i-of-0000N.safetensors (one rank)",
+    summary: "Hugging Face sharded safetensors with an index (one rank)",
     noun: "the hf format (a consolidated model)",
     container: Container::Directory,
     extensions: &[],

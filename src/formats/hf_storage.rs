@@ -43,7 +43,7 @@ pub struct HfStorage;
 static CAPS: Capabilities = Capabilities {
     name: "hf-storage",
     aliases: &["hf-distributed"],
-    summary: "per-rank safetensors shards with DCP_SHARDING_INFO, as torch's HuggingFaceStorageWriter(save_distributed=True) writes (any world size)",
+    summary: "per-rank safetensors shards, as torch's HuggingFaceStorageWriter (any M)",
     noun: "a directory of per-rank safetensors shards",
     container: Container::Directory,
     extensions: &[],

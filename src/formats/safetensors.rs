@@ -479,7 +479,7 @@ pub struct Safetensors;
 static CAPS: Capabilities = Capabilities {
     name: "safetensors",
     aliases: &["st"],
-    summary: "one .safetensors file (a consolidated model)",
+    summary: "one .safetensors file (one rank)",
     noun: "a single .safetensors file",
     container: Container::File,
     extensions: &["safetensors"],

@@ -13,7 +13,7 @@ pub struct Dcp;
 static DCP_CAPS: Capabilities = Capabilities {
     name: "dcp",
     aliases: &[],
-    summary: "a PyTorch Distributed Checkpoint: .metadata + __R_0.distcp per rank, which torch.distributed.checkpoint.load reads (any world size)",
+    summary: "PyTorch Distributed Checkpoint, for torch.distributed.checkpoint.load (any M)",
     noun: "a DCP checkpoint",
     container: Container::Directory,
     extensions: &[],
@@ -50,7 +50,7 @@ pub struct Pt;
 static PT_CAPS: Capabilities = Capabilities {
     name: "pt",
     aliases: &["torch"],
-    summary: "one torch.save file (.pt) holding the nested state dict, for torch.load(weights_only=True) (one rank)",
+    summary: "one torch.save file, for torch.load(weights_only=True) (one rank)",
     noun: "a .pt file (a consolidated state dict)",
     container: Container::File,
     extensions: &["pt", "pth"],
