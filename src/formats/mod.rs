@@ -20,6 +20,7 @@ pub mod pickle;
 pub mod pt;
 pub mod pt_read;
 pub mod safetensors;
+pub mod torch;
 pub mod torch_save;
 pub mod torch_zip;
 
