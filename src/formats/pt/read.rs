@@ -20,10 +20,10 @@
 //! inside tuples, sets or other objects, tensor subclasses, duplicate flat keys.
 
 use super::whole_tensor;
+use crate::error::{Error, IoContext, Result};
 use crate::formats::pickle::Value;
 use crate::formats::torch_zip::{self, short, Archive, TensorItem};
 use crate::formats::{dcp, Checkpoint, Extra, Format, KeyPart, RecordCrc};
-use crate::error::{Error, IoContext, Result};
 use crate::layout::TensorLayout;
 use memmap2::Mmap;
 use std::collections::{BTreeMap, HashMap, HashSet};

@@ -7,13 +7,13 @@
 //! ([`WriteOptions::ties`]) share one storage record, as `torch.save` of a tied model does;
 //! only the first of a group is in the output's tensor list, so its bytes are copied once.
 
+use super::whole_tensor;
+use crate::error::{Error, Result};
+use crate::exec::OutputFile;
 use crate::formats::torch_save::{
     layout_archive, output_parts, pickle, standard_records, PyValue, TensorRef,
 };
-use super::whole_tensor;
 use crate::formats::{KeyPart, Output, TargetTensor, WriteOptions};
-use crate::error::{Error, Result};
-use crate::exec::OutputFile;
 use crate::layout::Region;
 use std::collections::HashMap;
 use std::path::PathBuf;
