@@ -298,6 +298,71 @@ pub(crate) fn tensor_of(
     archive: &Archive,
     bytes: &[u8],
 ) -> Result<Option<TensorItem>> {
+    let Some((args, v3)) = rebuild_call(value)? else {
+        return Ok(None);
+    };
+    let pid = args[0]
+        .as_persistent_id()
+        .and_then(Value::as_list)
+        .ok_or_else(|| tensor_err("tensor storage is not a persistent id tuple"))?;
+    if pid.len() < 5 || pid[0].as_str() != Some("storage") {
+        return Err(tensor_err(
+            "tensor storage id is not ('storage', class, key, location, numel)",
+        ));
+    }
+    let (typed, class_name) = storage_class(&pid[1])?;
+    let dtype = if v3 {
+        let d = torch_dtype(&args[6])
+            .ok_or_else(|| tensor_err("tensor dtype argument is not a torch dtype"))?
+            .map_err(tensor_err)?;
+        if typed.is_some_and(|t| t != d) {
+            return Err(tensor_err(format!(
+                "tensor dtype {d} disagrees with its storage type torch.{class_name}"
+            )));
+        }
+        d
+    } else {
+        typed.ok_or_else(|| tensor_err("untyped storage without a dtype argument"))?
+    };
+    let key = match &pid[2] {
+        Value::Str(s) => s.clone(),
+        Value::Int(i) => i.to_string(),
+        _ => return Err(tensor_err("tensor storage key is not a str")),
+    };
+    // A legacy typed storage counts elements, an untyped one bytes.
+    let numel = non_negative(&pid[4], "storage size")?;
+    let storage_bytes = if typed.is_some() {
+        numel.checked_mul(dtype.size() as u64)
+    } else {
+        Some(numel)
+    }
+    .ok_or_else(|| tensor_err("tensor storage size overflows"))?;
+    let storage_offset = non_negative(&args[1], "storage offset")?;
+    let shape = dims(&args[2], "size")?;
+    let strides = dims(&args[3], "stride")?;
+    if shape.len() != strides.len() {
+        return Err(tensor_err(format!(
+            "tensor has {} dims but {} strides",
+            shape.len(),
+            strides.len()
+        )));
+    }
+    let record = archive.record(bytes, &format!("{}/data/{key}", archive.prefix))?;
+    let t = TensorItem {
+        dtype,
+        shape,
+        strides,
+        storage_offset,
+        storage_key: key,
+        record,
+    };
+    check_view(&t, storage_bytes)?;
+    Ok(Some(t))
+}
+
+/// The arguments of the tensor rebuild call `value` (looking through `_rebuild_parameter`),
+/// and whether it is `_rebuild_tensor_v3`; `None` when `value` is no such call.
+fn rebuild_call(value: &Value) -> Result<Option<(&[Value], bool)>> {
     let mut call = value;
     if call.is_object("torch._utils", "_rebuild_parameter")
         || call.is_object("torch._utils", "_rebuild_parameter_with_state")
@@ -319,74 +384,38 @@ pub(crate) fn tensor_of(
             args.len()
         )));
     }
-    let pid = args[0]
-        .as_persistent_id()
-        .and_then(Value::as_list)
-        .ok_or_else(|| tensor_err("tensor storage is not a persistent id tuple"))?;
-    if pid.len() < 5 || pid[0].as_str() != Some("storage") {
-        return Err(tensor_err(
-            "tensor storage id is not ('storage', class, key, location, numel)",
-        ));
-    }
-    let (class_module, class_name) = pid[1]
+    Ok(Some((args, v3)))
+}
+
+/// The storage class of a persistent id: the dtype of a legacy typed storage (`None` for
+/// `torch.storage.UntypedStorage`), and the class name.
+fn storage_class(class: &Value) -> Result<(Option<DType>, &str)> {
+    let (module, name) = class
         .as_global()
         .ok_or_else(|| tensor_err("tensor storage class is not a global"))?;
-    let typed = match (class_module, class_name) {
-        ("torch.storage", "UntypedStorage") => None,
-        ("torch", name) => Some(storage_dtype(name)?),
-        (m, n) => {
-            return Err(tensor_err(format!(
-                "storage type {}.{} is not supported",
-                short(m),
-                short(n)
-            )))
-        }
-    };
-    let dtype = if v3 {
-        let d = torch_dtype(&args[6])
-            .ok_or_else(|| tensor_err("tensor dtype argument is not a torch dtype"))?
-            .map_err(tensor_err)?;
-        if typed.is_some_and(|t| t != d) {
-            return Err(tensor_err(format!(
-                "tensor dtype {d} disagrees with its storage type torch.{class_name}"
-            )));
-        }
-        d
-    } else {
-        typed.ok_or_else(|| tensor_err("untyped storage without a dtype argument"))?
-    };
-    let key = match &pid[2] {
-        Value::Str(s) => s.clone(),
-        Value::Int(i) => i.to_string(),
-        _ => return Err(tensor_err("tensor storage key is not a str")),
-    };
-    let numel = non_negative(&pid[4], "storage size")?;
-    let elem = dtype.size() as u64;
-    let storage_bytes = if typed.is_some() {
-        numel.checked_mul(elem)
-    } else {
-        Some(numel)
+    match (module, name) {
+        ("torch.storage", "UntypedStorage") => Ok((None, name)),
+        ("torch", name) => Ok((Some(storage_dtype(name)?), name)),
+        (m, n) => Err(tensor_err(format!(
+            "storage type {}.{} is not supported",
+            short(m),
+            short(n)
+        ))),
     }
-    .ok_or_else(|| tensor_err("tensor storage size overflows"))?;
-    let storage_offset = non_negative(&args[1], "storage offset")?;
-    let shape = dims(&args[2], "size")?;
-    let strides = dims(&args[3], "stride")?;
-    if shape.len() != strides.len() {
-        return Err(tensor_err(format!(
-            "tensor has {} dims but {} strides",
-            shape.len(),
-            strides.len()
-        )));
-    }
-    let record_name = format!("{}/data/{key}", archive.prefix);
-    let record = archive.record(bytes, &record_name)?;
-    if storage_bytes > record.len {
+}
+
+/// Check that the storage fits its record and the strided view of `t` fits its storage of
+/// `storage_bytes` bytes, so reads of the tensor cannot go out of bounds.
+fn check_view(t: &TensorItem, storage_bytes: u64) -> Result<()> {
+    if storage_bytes > t.record.len {
         return Err(tensor_err(format!(
             "storage `{}` has {storage_bytes} bytes but its record holds {}",
-            short(&key),
-            record.len
+            short(&t.storage_key),
+            t.record.len
         )));
     }
+    let (shape, strides, storage_offset) = (&t.shape, &t.strides, t.storage_offset);
+    let elem = t.dtype.size() as u64;
     let start = storage_offset
         .checked_mul(elem)
         .filter(|&s| s <= storage_bytes)
@@ -395,21 +424,13 @@ pub(crate) fn tensor_of(
                 "tensor storage offset {storage_offset} lies past its {storage_bytes}-byte storage"
             ))
         })?;
-    let span =
-        extent(&shape, &strides, elem).ok_or_else(|| tensor_err("tensor extent overflows"))?;
+    let span = extent(shape, strides, elem).ok_or_else(|| tensor_err("tensor extent overflows"))?;
     if start.checked_add(span).is_none_or(|e| e > storage_bytes) {
         return Err(tensor_err(format!(
             "tensor {shape:?} with strides {strides:?} at offset {storage_offset} overruns its {storage_bytes}-byte storage"
         )));
     }
-    Ok(Some(TensorItem {
-        dtype,
-        shape,
-        strides,
-        storage_offset,
-        storage_key: key,
-        record,
-    }))
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
