@@ -231,6 +231,9 @@ struct Blob {
     sharding: serde_json::Map<String, serde_json::Value>,
 }
 
+/// The safetensors blobs of a checkpoint, by (source index, offset).
+type Blobs = HashMap<(usize, u64), Blob>;
+
 /// True when `offset` starts a safetensors header rather than a zip local header.
 fn is_blob(b: &[u8], offset: u64) -> bool {
     let Some(h) = usize::try_from(offset)
@@ -472,11 +475,8 @@ fn check_item_ranges(works: &[Work], meta: &Meta, sources: &[Source]) -> Result<
 
 /// Safetensors blobs (`serialization_format=SAFETENSORS`): each blob header parsed once, by
 /// (source, offset), and per work item whether it lies in one.
-fn parse_blobs(
-    works: &[Work],
-    sources: &[Source],
-) -> Result<(HashMap<(usize, u64), Blob>, Vec<bool>)> {
-    let mut blobs: HashMap<(usize, u64), Blob> = HashMap::new();
+fn parse_blobs(works: &[Work], sources: &[Source]) -> Result<(Blobs, Vec<bool>)> {
+    let mut blobs: Blobs = HashMap::new();
     let mut blob_of = vec![false; works.len()];
     for (i, w) in works.iter().enumerate() {
         if matches!(w.want, Want::Chunk { .. })
@@ -661,13 +661,7 @@ fn decode_transforms(
 }
 
 /// Parse one item and check it against what the metadata says it holds.
-fn read_item(
-    w: &Work,
-    blob: bool,
-    meta: &Meta,
-    sources: &[Source],
-    blobs: &HashMap<(usize, u64), Blob>,
-) -> Result<Got> {
+fn read_item(w: &Work, blob: bool, meta: &Meta, sources: &[Source], blobs: &Blobs) -> Result<Got> {
     let origin = &sources[w.file];
     let (entry, chunk) = match w.want {
         Want::Chunk { entry, chunk } => (entry, Some(chunk)),

@@ -1,5 +1,6 @@
-//! Pickle opcodes (every protocol, 0–5): one named constant each, used by the reader's VM
-//! and by the writer, and [`opcode_name`] for messages.
+//! Pickle opcodes (every protocol, 0–5): one named constant each, named and valued as in
+//! CPython's `Lib/pickle.py`, used by the reader's VM and by the writer; [`opcode_name`]
+//! names them in messages.
 
 pub const MARK: u8 = b'(';
 pub const STOP: u8 = b'.';

@@ -541,31 +541,7 @@ impl<'g> Machine<'g> {
             (Builtin::Dict, []) => Node::Dict(Vec::new()),
             (Builtin::Dict, [src]) => {
                 let src = *src;
-                if let Node::Dict(_) = self.node(src) {
-                    Node::Dict(self.dict_pairs(src)?)
-                } else {
-                    let items = self.items_of(src, &qual, at)?;
-                    let mut pairs = Vec::with_capacity(items.len());
-                    for item in items {
-                        match self.node(item) {
-                            Node::Tuple(kv) | Node::List(kv) if kv.len() == 2 => {
-                                if let [k, v] = kv.as_slice() {
-                                    pairs.push((*k, *v));
-                                }
-                            }
-                            other => {
-                                return Err(invalid(
-                                    at,
-                                    format!(
-                                        "{qual} expects key/value pairs, got a {}",
-                                        other.kind()
-                                    ),
-                                ))
-                            }
-                        }
-                    }
-                    Node::Dict(pairs)
-                }
+                self.dict_from(src, &qual, at)?
             }
             (Builtin::Set, []) => Node::Set(Vec::new()),
             (Builtin::Set, [src]) => {
@@ -606,6 +582,31 @@ impl<'g> Machine<'g> {
             }
         };
         self.alloc(node, at)
+    }
+
+    /// `dict(src)` / `OrderedDict(src)`: a copy of a dict, or a dict of key/value pairs.
+    fn dict_from(&mut self, src: Id, qual: &str, at: usize) -> Result<Node, PickleError> {
+        if let Node::Dict(_) = self.node(src) {
+            return Ok(Node::Dict(self.dict_pairs(src)?));
+        }
+        let items = self.items_of(src, qual, at)?;
+        let mut pairs = Vec::with_capacity(items.len());
+        for item in items {
+            match self.node(item) {
+                Node::Tuple(kv) | Node::List(kv) if kv.len() == 2 => {
+                    if let [k, v] = kv.as_slice() {
+                        pairs.push((*k, *v));
+                    }
+                }
+                other => {
+                    return Err(invalid(
+                        at,
+                        format!("{qual} expects key/value pairs, got a {}", other.kind()),
+                    ))
+                }
+            }
+        }
+        Ok(Node::Dict(pairs))
     }
 
     /// `_codecs.encode(text, encoding)` / `bytearray(text, encoding)`.
