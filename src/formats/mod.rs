@@ -29,6 +29,7 @@ pub mod pickle;
 pub mod pt;
 pub mod pt_read;
 pub mod safetensors;
+pub mod torch;
 mod torch_codecs;
 pub mod torch_save;
 pub mod torch_zip;

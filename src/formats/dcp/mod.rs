@@ -1,5 +1,6 @@
-//! PyTorch Distributed Checkpoints (`torch.distributed.checkpoint`, torch 2.1 … 2.15), read
-//! only (`docs/pytorch-formats.md` §1–3, §5–6).
+//! PyTorch Distributed Checkpoints (`torch.distributed.checkpoint`, torch 2.1 … 2.15)
+//! (`docs/pytorch-formats.md` §1–3, §5–6). This module reads them; `metadata.rs` decodes
+//! `.metadata`; [`write`] writes them (re-exported at `formats::dcp_write`).
 //!
 //! A DCP directory holds a `.metadata` pickle and data files `__<R>_<I>.distcp`. The metadata
 //! lists every tensor's global shape and dtype and its chunks (boxes of the global index
@@ -24,14 +25,18 @@
 //! missing or short data files, corrupt zip records, items whose dtype or shape disagree with
 //! the metadata, chunks outside their tensor or overlapping (layout validation).
 
-use super::pickle::{self, Value};
+mod metadata;
+pub mod write;
+
+use super::pickle::Value;
 use super::torch_zip::{self, short};
-use super::{Checkpoint, Extra, Format, KeyPart, RecordCrc};
+use super::{Checkpoint, Extra, Format, RecordCrc};
 use crate::error::{Error, IoContext, Result};
-use crate::layout::{DType, Loc, Piece, Region, TensorLayout};
+use crate::layout::{DType, Loc, Piece, TensorLayout};
 use memmap2::Mmap;
+use metadata::{load_metadata, rank_metadata_files, Chunk, IndexKey, Kind, Meta, StorageInfo};
 use rayon::prelude::*;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
@@ -57,368 +62,6 @@ pub fn file_rank(name: &str) -> Option<u32> {
         return None;
     }
     rest[..digits].parse().ok()
-}
-
-/// `__<R>.metadata` files of `dir` (written by `use_collectives=False`), by rank.
-fn rank_metadata_files(dir: &Path) -> Result<Vec<(u32, PathBuf)>> {
-    let mut v = vec![];
-    for e in std::fs::read_dir(dir).at(dir)? {
-        let e = e.at(dir)?;
-        let name = e.file_name();
-        let Some(name) = name.to_str() else { continue };
-        let Some(stem) = name.strip_suffix(".metadata") else {
-            continue;
-        };
-        if let Some(r) = stem
-            .strip_prefix("__")
-            .filter(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
-            .and_then(|d| d.parse::<u32>().ok())
-        {
-            if e.path().is_file() {
-                v.push((r, e.path()));
-            }
-        }
-    }
-    v.sort();
-    Ok(v)
-}
-
-// ---------------------------------------------------------------------------------------------
-// `.metadata`
-
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-struct Chunk {
-    offsets: Vec<u64>,
-    sizes: Vec<u64>,
-}
-
-impl Chunk {
-    fn region(&self) -> Region {
-        Region::new(self.offsets.clone(), self.sizes.clone())
-    }
-}
-
-#[derive(Clone, Debug)]
-enum Kind {
-    Tensor {
-        dtype: DType,
-        size: Vec<u64>,
-        chunks: Vec<Chunk>,
-    },
-    Bytes,
-}
-
-#[derive(Clone, Debug)]
-struct Entry {
-    name: String,
-    kind: Kind,
-    /// Index of the metadata file that first listed it.
-    origin: usize,
-}
-
-#[derive(Clone, Debug)]
-struct StorageInfo {
-    relative_path: String,
-    offset: u64,
-    length: u64,
-    transforms: Vec<String>,
-}
-
-/// `MetadataIndex` equality: `(fqn, offset)`; BYTE_IO entries have no offset.
-type IndexKey = (String, Option<Vec<u64>>);
-
-#[derive(Debug, Default)]
-struct Meta {
-    entries: Vec<Entry>,
-    planner: Vec<(String, Vec<KeyPart>)>,
-    storage: HashMap<IndexKey, StorageInfo>,
-    version: Option<String>,
-}
-
-fn dims(v: Option<&Value>) -> Option<Vec<u64>> {
-    v?.as_int_tuple()?
-        .into_iter()
-        .map(|i| u64::try_from(i).ok())
-        .collect()
-}
-
-fn non_negative(v: Option<&Value>) -> Option<u64> {
-    v?.as_int().and_then(|i| u64::try_from(i).ok())
-}
-
-/// Decode one metadata pickle (`origin` is its index in the list of metadata files).
-fn parse_metadata(path: &Path, bytes: &[u8], origin: usize) -> Result<Meta> {
-    let err = |msg: String| Error::format(path, msg);
-    let root = pickle::parse(bytes, &pickle::dcp_metadata_globals())
-        .map_err(|e| err(format!("cannot decode the metadata pickle: {e}")))?;
-    if root.class().map(|c| c.1) != Some("Metadata") {
-        return Err(err(format!(
-            "does not hold a DCP Metadata object (found a {})",
-            root.kind()
-        )));
-    }
-    let sdm = root
-        .get("state_dict_metadata")
-        .and_then(Value::as_dict)
-        .ok_or_else(|| err("Metadata has no state_dict_metadata dict".into()))?;
-    let mut meta = Meta::default();
-    for (k, v) in sdm {
-        let name = k
-            .as_str()
-            .ok_or_else(|| err(format!("state_dict_metadata has a {} key", k.kind())))?;
-        let kind = match v.class() {
-            Some((_, "TensorStorageMetadata")) => tensor_metadata(name, v).map_err(err)?,
-            Some((_, "BytesStorageMetadata")) => Kind::Bytes,
-            _ => {
-                return Err(err(format!(
-                    "`{}` is described by a {}, not by Tensor/BytesStorageMetadata",
-                    short(name),
-                    v.kind()
-                )))
-            }
-        };
-        meta.entries.push(Entry {
-            name: name.to_string(),
-            kind,
-            origin,
-        });
-    }
-    let sd = root
-        .get("storage_data")
-        .and_then(Value::as_dict)
-        .ok_or_else(|| err("Metadata has no storage_data dict".into()))?;
-    for (k, v) in sd {
-        let fqn = k
-            .get("fqn")
-            .and_then(Value::as_str)
-            .ok_or_else(|| err("storage_data has a key without an fqn".into()))?;
-        let offset = match k.get("offset") {
-            None | Some(Value::None) => None,
-            Some(o) => Some(dims(Some(o)).ok_or_else(|| {
-                err(format!(
-                    "storage_data key of `{}` has a bad offset",
-                    short(fqn)
-                ))
-            })?),
-        };
-        let bad = |what: &str| err(format!("storage of `{}` has no valid {what}", short(fqn)));
-        let relative_path = v
-            .get("relative_path")
-            .and_then(Value::as_str)
-            .ok_or_else(|| bad("relative_path"))?
-            .to_string();
-        let transforms = match v.get("transform_descriptors") {
-            None | Some(Value::None) => vec![],
-            Some(list) => list
-                .as_list()
-                .and_then(|l| {
-                    l.iter()
-                        .map(|t| t.as_str().map(str::to_string))
-                        .collect::<Option<Vec<_>>>()
-                })
-                .ok_or_else(|| bad("transform_descriptors"))?,
-        };
-        let info = StorageInfo {
-            relative_path,
-            offset: non_negative(v.get("offset")).ok_or_else(|| bad("offset"))?,
-            length: non_negative(v.get("length")).ok_or_else(|| bad("length"))?,
-            transforms,
-        };
-        meta.storage
-            .entry((fqn.to_string(), offset))
-            .or_insert(info);
-    }
-    match root.get("planner_data") {
-        None | Some(Value::None) => {}
-        Some(Value::Dict(pairs)) => {
-            for (k, v) in pairs {
-                let name = k
-                    .as_str()
-                    .ok_or_else(|| err("planner_data has a non-str key".into()))?;
-                let parts = v
-                    .as_list()
-                    .and_then(|l| {
-                        l.iter()
-                            .map(|p| match p {
-                                Value::Str(s) => Some(KeyPart::Key(s.clone())),
-                                Value::Int(i) => Some(KeyPart::Index(*i)),
-                                _ => None,
-                            })
-                            .collect::<Option<Vec<_>>>()
-                    })
-                    .ok_or_else(|| {
-                        err(format!(
-                            "planner_data of `{}` is not a tuple of str and int",
-                            short(name)
-                        ))
-                    })?;
-                meta.planner.push((name.to_string(), parts));
-            }
-        }
-        Some(other) => {
-            return Err(err(format!(
-                "planner_data is a {}, not a dict",
-                other.kind()
-            )))
-        }
-    }
-    meta.version = root
-        .get("version")
-        .and_then(Value::as_str)
-        .map(str::to_string);
-    Ok(meta)
-}
-
-fn tensor_metadata(name: &str, v: &Value) -> Result<Kind, String> {
-    let name = short(name);
-    let props = v
-        .get("properties")
-        .ok_or_else(|| format!("tensor `{name}` has no properties"))?;
-    // TensorProperties pickles a tuple state (dtype first); accept a dict state too.
-    let dtype_v = match props.state() {
-        Some(Value::Tuple(t)) => t.first(),
-        Some(d @ Value::Dict(_)) => d.get("dtype"),
-        _ => None,
-    };
-    let dtype = dtype_v
-        .and_then(torch_zip::torch_dtype)
-        .ok_or_else(|| format!("tensor `{name}` has no torch dtype in its properties"))?
-        .map_err(|m| format!("tensor `{name}`: {m}"))?;
-    let size = dims(v.get("size")).ok_or_else(|| format!("tensor `{name}` has no valid size"))?;
-    let list = v
-        .get("chunks")
-        .and_then(Value::as_list)
-        .ok_or_else(|| format!("tensor `{name}` has no list of chunks"))?;
-    let mut chunks = Vec::with_capacity(list.len());
-    for c in list {
-        let offsets = dims(c.get("offsets"));
-        let sizes = dims(c.get("sizes"));
-        match (offsets, sizes) {
-            (Some(offsets), Some(sizes))
-                if offsets.len() == size.len() && sizes.len() == size.len() =>
-            {
-                chunks.push(Chunk { offsets, sizes })
-            }
-            _ => {
-                return Err(format!(
-                    "tensor `{name}` ({} dims) has a chunk without matching offsets and sizes",
-                    size.len()
-                ))
-            }
-        }
-    }
-    Ok(Kind::Tensor {
-        dtype,
-        size,
-        chunks,
-    })
-}
-
-/// Merge per-rank metadata (`use_collectives=False`): union of keys in rank order, identical
-/// chunks de-duplicated, the first storage entry of a chunk kept.
-fn merge(paths: &[PathBuf], metas: Vec<Meta>) -> Result<Meta> {
-    let mut out = Meta::default();
-    let mut index: HashMap<String, usize> = HashMap::new();
-    let mut planned: HashSet<String> = HashSet::new();
-    let mut seen: HashMap<usize, HashSet<Chunk>> = HashMap::new();
-    for m in metas {
-        for e in m.entries {
-            let Some(&i) = index.get(&e.name) else {
-                index.insert(e.name.clone(), out.entries.len());
-                out.entries.push(e);
-                continue;
-            };
-            let path = &paths[e.origin];
-            let first = &paths[out.entries[i].origin];
-            match (&mut out.entries[i].kind, e.kind) {
-                (
-                    Kind::Tensor {
-                        dtype,
-                        size,
-                        chunks,
-                    },
-                    Kind::Tensor {
-                        dtype: d2,
-                        size: s2,
-                        chunks: c2,
-                    },
-                ) => {
-                    if *dtype != d2 || *size != s2 {
-                        return Err(Error::format(
-                            path,
-                            format!(
-                                "tensor `{}` is {d2} {s2:?} here but {dtype} {size:?} in {}",
-                                short(&e.name),
-                                first.display()
-                            ),
-                        ));
-                    }
-                    // A hash set per merged tensor: a linear `contains` made merging
-                    // 2 × 100k chunks take over 5 minutes (tests/bounds.rs).
-                    let seen = seen
-                        .entry(i)
-                        .or_insert_with(|| chunks.iter().cloned().collect::<HashSet<Chunk>>());
-                    for c in c2 {
-                        if seen.insert(c.clone()) {
-                            chunks.push(c);
-                        }
-                    }
-                }
-                (Kind::Bytes, Kind::Bytes) => {}
-                _ => {
-                    return Err(Error::format(
-                        path,
-                        format!(
-                            "`{}` is a tensor in one rank's metadata and a non-tensor in another",
-                            short(&e.name)
-                        ),
-                    ))
-                }
-            }
-        }
-        for (k, p) in m.planner {
-            if planned.insert(k.clone()) {
-                out.planner.push((k, p));
-            }
-        }
-        for (k, v) in m.storage {
-            out.storage.entry(k).or_insert(v);
-        }
-        if out.version.is_none() {
-            out.version = m.version;
-        }
-    }
-    Ok(out)
-}
-
-/// Read `.metadata`, or merge every `__<R>.metadata`; returns the files read.
-fn load_metadata(dir: &Path) -> Result<(Vec<PathBuf>, Meta)> {
-    let global = dir.join(METADATA);
-    let paths: Vec<PathBuf> = if global.is_file() {
-        vec![global]
-    } else {
-        rank_metadata_files(dir)?
-            .into_iter()
-            .map(|(_, p)| p)
-            .collect()
-    };
-    if paths.is_empty() {
-        return Err(Error::format(
-            dir,
-            "has no .metadata (not a DCP checkpoint)",
-        ));
-    }
-    let mut metas = Vec::with_capacity(paths.len());
-    for (i, p) in paths.iter().enumerate() {
-        let bytes = std::fs::read(p).at(p)?;
-        metas.push(parse_metadata(p, &bytes, i)?);
-    }
-    let meta = if metas.len() == 1 {
-        metas.pop().unwrap_or_default()
-    } else {
-        merge(&paths, metas)?
-    };
-    Ok((paths, meta))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -588,6 +231,9 @@ struct Blob {
     sharding: serde_json::Map<String, serde_json::Value>,
 }
 
+/// The safetensors blobs of a checkpoint, by (source index, offset).
+type Blobs = HashMap<(usize, u64), Blob>;
+
 /// True when `offset` starts a safetensors header rather than a zip local header.
 fn is_blob(b: &[u8], offset: u64) -> bool {
     let Some(h) = usize::try_from(offset)
@@ -675,11 +321,67 @@ enum Got {
 pub fn read(dir: &Path) -> Result<Checkpoint> {
     let (meta_paths, meta) = load_metadata(dir)?;
     let dir_canon = std::fs::canonicalize(dir).at(dir)?;
+    let located = locate_items(dir, &dir_canon, &meta, &meta_paths)?;
+    let (mut sources, mut works) = open_data_files(dir, located)?;
+    check_item_ranges(&works, &meta, &sources)?;
+    let mut scratch = vec![];
+    if let Some((src, path)) = decode_transforms(&mut works, &meta, &meta_paths, &sources)? {
+        sources.push(src);
+        scratch.push(Arc::new(path));
+    }
+    let (blobs, blob_of) = parse_blobs(&works, &sources)?;
+    // Parse every item (in parallel) and check it against the metadata. The first error in
+    // metadata order is reported, whichever thread met it first, so messages are stable.
+    let got: Vec<Result<Got>> = works
+        .par_iter()
+        .zip(blob_of.par_iter())
+        .map(|(w, &blob)| read_item(w, blob, &meta, &sources, &blobs))
+        .collect();
+    let got: Vec<Got> = got.into_iter().collect::<Result<_>>()?;
+    let (tensors, mut extras, checksums) = assemble(&meta, &meta_paths, got)?;
+    let meta_pt = dir.join(META_PT);
+    if meta_pt.is_file() {
+        extras.extend(read_meta_pt(&meta_pt)?);
+    }
+    let ranks = count_ranks(dir, &sources)?;
+    let producer = Some(match &meta.version {
+        None => "torch 2.1–2.3 (no DCP version)".to_string(),
+        Some(v) => format!("torch >= 2.4 (DCP {v})"),
+    });
+    Ok(Checkpoint {
+        format: Format::DCP,
+        path: dir.to_path_buf(),
+        files: sources.into_iter().map(|s| s.path).collect(),
+        ranks,
+        tensors,
+        metadata: BTreeMap::new(),
+        extras,
+        paths: meta.planner.into_iter().collect(),
+        producer,
+        scratch,
+        checksums,
+    })
+}
 
-    // Locate every item in the metadata.
+/// Every item the metadata lists, and the data files they name.
+struct Located {
+    /// Data file paths relative to the directory, in order of first mention.
+    rels: Vec<String>,
+    /// Per item: what it holds, the index of its data file in `rels`, its storage entry.
+    items: Vec<(Want, usize, StorageInfo)>,
+}
+
+/// Locate every item in the metadata: its storage entry, and its data file, resolved (and
+/// checked to stay inside the directory) once per file.
+fn locate_items(
+    dir: &Path,
+    dir_canon: &Path,
+    meta: &Meta,
+    meta_paths: &[PathBuf],
+) -> Result<Located> {
     let mut rels: Vec<String> = vec![];
     let mut rel_index: HashMap<String, usize> = HashMap::new();
-    let mut works: Vec<(Want, usize, StorageInfo)> = vec![];
+    let mut items: Vec<(Want, usize, StorageInfo)> = vec![];
     for (ei, e) in meta.entries.iter().enumerate() {
         let meta_path = &meta_paths[e.origin];
         let mut add = |want: Want, key: IndexKey, what: String| -> Result<()> {
@@ -689,13 +391,13 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             let ri = match rel_index.get(&info.relative_path) {
                 Some(&i) => i,
                 None => {
-                    resolve(dir, &dir_canon, meta_path, &info.relative_path, &e.name)?;
+                    resolve(dir, dir_canon, meta_path, &info.relative_path, &e.name)?;
                     rel_index.insert(info.relative_path.clone(), rels.len());
                     rels.push(info.relative_path.clone());
                     rels.len() - 1
                 }
             };
-            works.push((want, ri, info.clone()));
+            items.push((want, ri, info.clone()));
             Ok(())
         };
         match &e.kind {
@@ -718,8 +420,12 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             )?,
         }
     }
+    Ok(Located { rels, items })
+}
 
-    // Data files in (rank, name) order.
+/// Open the data files in (rank, name) order, and turn the located items into work on them.
+fn open_data_files(dir: &Path, located: Located) -> Result<(Vec<Source>, Vec<Work>)> {
+    let Located { rels, items } = located;
     let mut order: Vec<usize> = (0..rels.len()).collect();
     let rank_of = |rel: &str| Path::new(rel).file_name()?.to_str().and_then(file_rank);
     order.sort_by_key(|&i| (rank_of(&rels[i]).unwrap_or(u32::MAX), rels[i].clone()));
@@ -729,7 +435,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         new_index[ri] = fi;
         sources.push(Source::open(dir.join(&rels[ri]), rank_of(&rels[ri]))?);
     }
-    let mut works: Vec<Work> = works
+    let works = items
         .into_iter()
         .map(|(want, ri, info)| {
             let file = new_index[ri];
@@ -743,8 +449,12 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             }
         })
         .collect();
-    let name_of = |w: &Work| -> &str { &meta.entries[w.want.entry()].name };
-    for w in &works {
+    Ok((sources, works))
+}
+
+/// Check that every item's byte range lies inside its data file.
+fn check_item_ranges(works: &[Work], meta: &Meta, sources: &[Source]) -> Result<()> {
+    for w in works {
         let src = &sources[w.file];
         let end = w.offset.checked_add(w.length);
         if end.is_none_or(|e| e > src.len) {
@@ -752,7 +462,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                 &src.path,
                 format!(
                     "is truncated: item `{}` needs bytes {}..{}, the file has {}",
-                    short(name_of(w)),
+                    short(&meta.entries[w.want.entry()].name),
                     w.offset,
                     end.map_or_else(|| "overflow".to_string(), |e| e.to_string()),
                     src.len
@@ -760,16 +470,13 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             ));
         }
     }
+    Ok(())
+}
 
-    // Stream transforms: decode zstd items into one scratch file.
-    let mut scratch = vec![];
-    if let Some((src, path)) = decode_transforms(&mut works, &meta, &meta_paths, &sources)? {
-        sources.push(src);
-        scratch.push(Arc::new(path));
-    }
-
-    // Safetensors blobs: parse each blob header once.
-    let mut blobs: HashMap<(usize, u64), Blob> = HashMap::new();
+/// Safetensors blobs (`serialization_format=SAFETENSORS`): each blob header parsed once, by
+/// (source, offset), and per work item whether it lies in one.
+fn parse_blobs(works: &[Work], sources: &[Source]) -> Result<(Blobs, Vec<bool>)> {
+    let mut blobs: Blobs = HashMap::new();
     let mut blob_of = vec![false; works.len()];
     for (i, w) in works.iter().enumerate() {
         if matches!(w.want, Want::Chunk { .. })
@@ -782,16 +489,16 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             }
         }
     }
+    Ok((blobs, blob_of))
+}
 
-    // Parse every item (in parallel) and check it against the metadata. The first error in
-    // metadata order is reported, whichever thread met it first, so messages are stable.
-    let got: Vec<Result<Got>> = works
-        .par_iter()
-        .zip(blob_of.par_iter())
-        .map(|(w, &blob)| read_item(w, blob, &meta, &sources, &blobs))
-        .collect();
-    let got: Vec<Got> = got.into_iter().collect::<Result<_>>()?;
-
+/// Gather what the items gave into tensors (in metadata order, each validated), `BYTE_IO`
+/// extras and record checksums.
+fn assemble(
+    meta: &Meta,
+    meta_paths: &[PathBuf],
+    got: Vec<Got>,
+) -> Result<(Vec<TensorLayout>, Vec<Extra>, Vec<RecordCrc>)> {
     let mut pieces: Vec<Vec<Piece>> = vec![vec![]; meta.entries.len()];
     let mut extras_by_entry: Vec<Option<Extra>> = vec![None; meta.entries.len()];
     let mut checksums = vec![];
@@ -822,15 +529,12 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             Kind::Bytes => extras.extend(x),
         }
     }
+    Ok((tensors, extras, checksums))
+}
 
-    let meta_pt = dir.join(META_PT);
-    let fabric = meta_pt.is_file();
-    if fabric {
-        extras.extend(read_meta_pt(&meta_pt)?);
-    }
-
-    // Ranks: every `__R_*` data file and `__R.metadata` (a rank may have written nothing the
-    // metadata references).
+/// The world size: one more than the highest rank of every `__R_*` data file and
+/// `__R.metadata` (a rank may have written nothing the metadata references).
+fn count_ranks(dir: &Path, sources: &[Source]) -> Result<u32> {
     let listed: Vec<u32> = std::fs::read_dir(dir)
         .at(dir)?
         .filter_map(|e| {
@@ -841,29 +545,12 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                 .flatten()
         })
         .collect();
-    let ranks = sources
+    Ok(sources
         .iter()
         .filter_map(|s| s.rank)
         .chain(listed)
         .max()
-        .map_or(1, |r| r + 1);
-    let producer = Some(match &meta.version {
-        None => "torch 2.1–2.3 (no DCP version)".to_string(),
-        Some(v) => format!("torch >= 2.4 (DCP {v})"),
-    });
-    Ok(Checkpoint {
-        format: Format::DCP,
-        path: dir.to_path_buf(),
-        files: sources.into_iter().map(|s| s.path).collect(),
-        ranks,
-        tensors,
-        metadata: BTreeMap::new(),
-        extras,
-        paths: meta.planner.into_iter().collect(),
-        producer,
-        scratch,
-        checksums,
-    })
+        .map_or(1, |r| r + 1))
 }
 
 /// Scratch files of decoded zstd items are `$TMPDIR/.reshard-dcp-PID-XXXXXX.zst-decoded`.
@@ -974,15 +661,8 @@ fn decode_transforms(
 }
 
 /// Parse one item and check it against what the metadata says it holds.
-fn read_item(
-    w: &Work,
-    blob: bool,
-    meta: &Meta,
-    sources: &[Source],
-    blobs: &HashMap<(usize, u64), Blob>,
-) -> Result<Got> {
+fn read_item(w: &Work, blob: bool, meta: &Meta, sources: &[Source], blobs: &Blobs) -> Result<Got> {
     let origin = &sources[w.file];
-    let rank = origin.rank.unwrap_or(0);
     let (entry, chunk) = match w.want {
         Want::Chunk { entry, chunk } => (entry, Some(chunk)),
         Want::Bytes { entry } => (entry, None),
@@ -1022,88 +702,113 @@ fn read_item(
             });
         }
     };
-    let mut crc = None;
-    let loc = if blob {
-        let b = &blobs[&(w.file, w.offset)];
-        let (dtype, shape, abs) = b
-            .tensors
-            .get(&e.name)
-            .ok_or_else(|| err("the safetensors blob there has no such tensor".into()))?;
-        if *dtype != want_dtype {
-            return Err(err(format!(
-                "holds {dtype} but the metadata says {want_dtype}"
-            )));
-        }
-        if *shape != c.sizes {
-            return Err(err(format!(
-                "has shape {shape:?} but its chunk {} has sizes {:?}",
-                c.region(),
-                c.sizes
-            )));
-        }
-        if let Some(saved) = b.sharding.get(&e.name).and_then(|v| v.get("saved_offsets")) {
-            let saved: Option<Vec<u64>> = saved
-                .as_array()
-                .and_then(|a| a.iter().map(|x| x.as_u64()).collect());
-            if saved.as_ref() != Some(&c.offsets) {
-                return Err(err(format!(
-                    "`{SHARDING_INFO}` offsets {saved:?} disagree with the chunk {}",
-                    c.region()
-                )));
-            }
-        }
-        Loc {
-            file: w.file as u32,
-            offset: *abs,
-            strides: None,
-        }
+    let want = Expected {
+        name: &e.name,
+        dtype: want_dtype,
+        chunk: c,
+    };
+    let (loc, crc) = if blob {
+        let loc = blob_chunk(&blobs[&(w.file, w.offset)], w.file, &want).map_err(err)?;
+        (loc, None)
     } else {
-        let (si, off, len) = w.at;
-        let item = torch_zip::parse(sources[si].slice(off, len)).map_err(|e| err(e.to_string()))?;
-        let t = item.tensor.ok_or_else(|| {
-            err(format!(
-                "holds a pickled {}, not a tensor",
-                item.value.kind()
-            ))
-        })?;
-        if t.dtype != want_dtype {
-            return Err(err(format!(
-                "holds {} but the metadata says {want_dtype}",
-                t.dtype
-            )));
-        }
-        if t.shape != c.sizes {
-            return Err(err(format!(
-                "has shape {:?} but its chunk {} has sizes {:?}",
-                t.shape,
-                c.region(),
-                c.sizes
-            )));
-        }
-        let record = format!("{}/data/{}", item.archive.prefix, t.storage_key);
-        crc = item.archive.entry(&record).map(|x| RecordCrc {
-            file: si as u32,
-            offset: off + t.record.offset,
-            len: t.record.len,
-            crc: x.crc,
-            what: format!("item `{}` record {record}{zst}", short(&e.name)),
-            shown: (si != w.file).then_some(w.file as u32),
-        });
-        Loc {
-            file: si as u32,
-            offset: off + t.data_offset(),
-            strides: (!t.is_row_major()).then(|| t.strides.clone()),
-        }
+        zip_chunk(w, sources, &want, zst).map_err(err)?
     };
     Ok(Got::Piece {
         crc,
         entry,
         piece: Piece {
-            rank,
+            rank: origin.rank.unwrap_or(0),
             region: c.region(),
             loc,
         },
     })
+}
+
+/// What the metadata says a chunk item holds.
+struct Expected<'a> {
+    name: &'a str,
+    dtype: DType,
+    chunk: &'a Chunk,
+}
+
+impl Expected<'_> {
+    /// Check an item's dtype and shape against the metadata's.
+    fn check(&self, dtype: DType, shape: &[u64]) -> std::result::Result<(), String> {
+        let (c, want) = (self.chunk, self.dtype);
+        if dtype != want {
+            return Err(format!("holds {dtype} but the metadata says {want}"));
+        }
+        if shape != c.sizes {
+            return Err(format!(
+                "has shape {shape:?} but its chunk {} has sizes {:?}",
+                c.region(),
+                c.sizes
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Locate a chunk inside a safetensors blob of data file `file`, checked against the
+/// metadata (and the blob's `DCP_SHARDING_INFO` offsets when it has them).
+fn blob_chunk(b: &Blob, file: usize, want: &Expected) -> std::result::Result<Loc, String> {
+    let (dtype, shape, abs) = b
+        .tensors
+        .get(want.name)
+        .ok_or("the safetensors blob there has no such tensor")?;
+    want.check(*dtype, shape)?;
+    let c = want.chunk;
+    if let Some(saved) = b
+        .sharding
+        .get(want.name)
+        .and_then(|v| v.get("saved_offsets"))
+    {
+        let saved: Option<Vec<u64>> = saved
+            .as_array()
+            .and_then(|a| a.iter().map(|x| x.as_u64()).collect());
+        if saved.as_ref() != Some(&c.offsets) {
+            return Err(format!(
+                "`{SHARDING_INFO}` offsets {saved:?} disagree with the chunk {}",
+                c.region()
+            ));
+        }
+    }
+    Ok(Loc {
+        file: file as u32,
+        offset: *abs,
+        strides: None,
+    })
+}
+
+/// Locate a chunk inside its `torch.save` item (in the scratch file when zstd-decoded),
+/// checked against the metadata, with the CRC-32 of its storage record.
+fn zip_chunk(
+    w: &Work,
+    sources: &[Source],
+    want: &Expected,
+    zst: &str,
+) -> std::result::Result<(Loc, Option<RecordCrc>), String> {
+    let (si, off, len) = w.at;
+    let item = torch_zip::parse(sources[si].slice(off, len)).map_err(|e| e.to_string())?;
+    let t = item
+        .tensor
+        .ok_or_else(|| format!("holds a pickled {}, not a tensor", item.value.kind()))?;
+    want.check(t.dtype, &t.shape)?;
+    let record = format!("{}/data/{}", item.archive.prefix, t.storage_key);
+    let crc = item.archive.entry(&record).map(|x| RecordCrc {
+        file: si as u32,
+        offset: off + t.record.offset,
+        len: t.record.len,
+        crc: x.crc,
+        what: format!("item `{}` record {record}{zst}", short(want.name)),
+        shown: (si != w.file).then_some(w.file as u32),
+    });
+    let loc = Loc {
+        file: si as u32,
+        offset: off + t.data_offset(),
+        strides: (!t.is_row_major()).then(|| t.strides.clone()),
+    };
+    Ok((loc, crc))
 }
 
 /// The top-level keys of a Lightning `meta.pt` as extras.
@@ -1237,6 +942,8 @@ fn big_int(b: &[u8]) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::formats::KeyPart;
+    use crate::layout::Region;
     use serde_json::json;
 
     fn fixture(case: &str) -> PathBuf {

@@ -7,13 +7,14 @@
 //! ([`WriteOptions::ties`]) share one storage record, as `torch.save` of a tied model does;
 //! only the first of a group is in the output's tensor list, so its bytes are copied once.
 
-use super::torch_save::{
-    layout_archive, output_parts, pickle, standard_records, PyValue, TensorRef,
-};
-use super::{KeyPart, Output, TargetTensor, WriteOptions};
+use super::whole_tensor;
 use crate::error::{Error, Result};
 use crate::exec::OutputFile;
-use crate::layout::{Loc, Piece, Region, TensorLayout};
+use crate::formats::torch_save::{
+    layout_archive, output_parts, pickle, standard_records, PyValue, TensorRef,
+};
+use crate::formats::{KeyPart, Output, TargetTensor, WriteOptions};
+use crate::layout::Region;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -201,20 +202,13 @@ pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
             .position(|r| r.name == name)
             .ok_or_else(|| Error::usage(format!("internal error: no record {name}")))?;
         let t = &target[i];
-        tensors.push(TensorLayout {
-            name: t.name.clone(),
-            dtype: t.dtype,
-            shape: t.shape.clone(),
-            pieces: vec![Piece {
-                rank: 0,
-                region: Region::full(&t.shape),
-                loc: Loc {
-                    file: 0,
-                    offset: layout.data_offsets[r],
-                    strides: None,
-                },
-            }],
-        });
+        tensors.push(whole_tensor(
+            t.name.clone(),
+            t.dtype,
+            t.shape.clone(),
+            layout.data_offsets[r],
+            None,
+        ));
     }
     let file = OutputFile {
         path: PathBuf::from("model.pt"),

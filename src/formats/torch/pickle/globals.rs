@@ -1,0 +1,115 @@
+//! The allow-lists of globals a pickle may name: [`Globals`], and the two torch uses.
+
+use crate::formats::torch::dtype;
+use std::collections::HashSet;
+
+/// Allow-list of globals (`module.name`) that a pickle may reference.
+#[derive(Debug, Clone, Default)]
+pub struct Globals {
+    exact: HashSet<(String, String)>,
+    modules: HashSet<String>,
+}
+
+impl Globals {
+    /// An empty allow-list: no global is accepted.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Allow exactly these `(module, name)` pairs.
+    pub fn from_pairs(pairs: &[(&str, &str)]) -> Self {
+        let mut g = Self::new();
+        for (m, n) in pairs {
+            g.allow(m, n);
+        }
+        g
+    }
+
+    /// Allow `module.name`.
+    pub fn allow(&mut self, module: &str, name: &str) -> &mut Self {
+        self.exact.insert((module.to_owned(), name.to_owned()));
+        self
+    }
+
+    /// Allow every name of `module` (exact module name, not its submodules).
+    pub fn allow_module(&mut self, module: &str) -> &mut Self {
+        self.modules.insert(module.to_owned());
+        self
+    }
+
+    /// Add every entry of `other`.
+    pub fn extend(&mut self, other: &Globals) -> &mut Self {
+        self.exact.extend(other.exact.iter().cloned());
+        self.modules.extend(other.modules.iter().cloned());
+        self
+    }
+
+    pub fn is_allowed(&self, module: &str, name: &str) -> bool {
+        self.modules.contains(module) || self.exact.contains(&(module.to_owned(), name.to_owned()))
+    }
+
+    /// Allow every `torch.<dtype>` name, aliases included ([`dtype::global_names`]).
+    fn allow_torch_dtypes(&mut self) -> &mut Self {
+        for d in dtype::global_names() {
+            self.allow("torch", d);
+        }
+        self
+    }
+}
+
+/// Allow-list for DCP `.metadata` files written by torch 2.1 … 2.15
+/// (`docs/pytorch-formats.md` §2.2), plus `collections.OrderedDict`.
+pub fn dcp_metadata_globals() -> Globals {
+    const CKPT_META: &str = "torch.distributed.checkpoint.metadata";
+    const SHARDED_META: &str = "torch.distributed._shard.sharded_tensor.metadata";
+    let mut g = Globals::from_pairs(&[
+        (CKPT_META, "Metadata"),
+        (CKPT_META, "TensorStorageMetadata"),
+        (CKPT_META, "ChunkStorageMetadata"),
+        (CKPT_META, "BytesStorageMetadata"),
+        (CKPT_META, "MetadataIndex"),
+        (CKPT_META, "TensorProperties"),
+        (CKPT_META, "_MEM_FORMAT_ENCODING"),
+        (CKPT_META, "StorageMeta"),
+        (SHARDED_META, "TensorProperties"),
+        (SHARDED_META, "MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("collections", "OrderedDict"),
+    ]);
+    g.allow_torch_dtypes();
+    g
+}
+
+/// Allow-list for `data.pkl` of `torch.save` archives: what `torch.load(weights_only=True)`
+/// accepts (`docs/pytorch-formats.md` §8.1) plus torch dtypes and `_rebuild_parameter`.
+pub fn torch_save_globals() -> Globals {
+    let mut g = Globals::from_pairs(&[
+        ("collections", "OrderedDict"),
+        ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch._utils", "_rebuild_tensor_v3"),
+        ("torch._utils", "_rebuild_parameter"),
+        ("torch._utils", "_rebuild_parameter_with_state"),
+        ("torch._tensor", "_rebuild_from_type_v2"),
+        ("torch.storage", "UntypedStorage"),
+        ("torch", "Size"),
+        ("torch", "device"),
+        ("torch.nn.parameter", "Parameter"),
+        ("torch.serialization", "_get_layout"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "complex"),
+        ("builtins", "bytearray"),
+        // `b''` in protocol < 3 is `__builtin__.bytes()`.
+        ("builtins", "bytes"),
+        ("_codecs", "encode"),
+    ]);
+    for s in dtype::storage_classes() {
+        g.allow("torch", s);
+    }
+    g.allow_torch_dtypes();
+    g
+}
