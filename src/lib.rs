@@ -21,6 +21,7 @@ pub mod layout;
 pub mod load;
 pub mod per_rank;
 pub mod plan;
+mod sys;
 pub mod target;
 pub mod ties;
 pub mod verify;
