@@ -1,6 +1,9 @@
 //! `reshard`: the command-line face of the library. Parsing and printing only; every decision
 //! is made in the library.
 
+#[path = "progress_bar.rs"]
+mod progress_bar;
+
 use clap::{Args, Parser, Subcommand};
 use reshard::convert::{self, ConvertOptions, Job, Selection};
 use reshard::exec::{balance, ExecOptions};
@@ -218,7 +221,8 @@ impl TargetArgs {
             },
             exec: ExecOptions {
                 threads: self.threads,
-                progress: !quiet && std::io::stderr().is_terminal(),
+                progress: (!quiet && std::io::stderr().is_terminal())
+                    .then(|| std::sync::Arc::new(progress_bar::Bar::new()) as _),
                 // RESHARD_WINDOW (bytes): the work-unit size, for the executor measurements
                 // in BENCHMARKS.md; not a user setting.
                 window: std::env::var("RESHARD_WINDOW")
