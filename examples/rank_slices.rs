@@ -8,8 +8,7 @@
 //! ```
 
 use reshard::formats::Checkpoint;
-use reshard::layout::{Loc, Piece};
-use reshard::plan::fill;
+use reshard::plan::region_ops;
 use reshard::target::LayoutSpec;
 use std::path::PathBuf;
 
@@ -43,17 +42,7 @@ fn main() -> reshard::Result<()> {
     for (t, tt) in ck.tensors.iter().zip(&target) {
         for region in tt.ranks[r as usize].iter().filter(|g| !g.is_empty()) {
             // Which bytes of which files hold this region.
-            let piece = Piece {
-                rank: 0,
-                region: region.clone(),
-                loc: Loc {
-                    file: 0,
-                    offset: 0,
-                    strides: None,
-                },
-            };
-            let mut ops = vec![];
-            fill(t, std::slice::from_ref(&piece), t.dtype, &mut ops);
+            let ops = region_ops(t, region, t.dtype);
             let files: Vec<String> = ops
                 .iter()
                 .map(|o| {

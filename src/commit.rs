@@ -23,8 +23,8 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-pub use crate::sys::{final_path, write_error, WriteContext, TMP_MARK};
 pub(crate) use crate::sys::pid_alive;
+pub use crate::sys::{final_path, write_error, WriteContext, TMP_MARK};
 
 /// The marker of a replaced destination moved aside (only where the filesystem cannot swap
 /// two names atomically).

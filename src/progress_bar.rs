@@ -11,10 +11,8 @@ pub struct Bar(indicatif::ProgressBar);
 impl Bar {
     /// A bar not drawn until the run starts.
     pub fn new() -> Self {
-        let b = indicatif::ProgressBar::with_draw_target(
-            None,
-            indicatif::ProgressDrawTarget::stderr(),
-        );
+        let b =
+            indicatif::ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr());
         b.set_style(
             indicatif::ProgressStyle::with_template(
                 "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",

@@ -141,8 +141,7 @@ pub fn copy_range(
     let mut left = len;
     while left > 0 {
         let chunk = usize::try_from(left).unwrap_or(usize::MAX);
-        match rustix::fs::copy_file_range(src, Some(&mut off_in), dst, Some(&mut off_out), chunk)
-        {
+        match rustix::fs::copy_file_range(src, Some(&mut off_in), dst, Some(&mut off_out), chunk) {
             Ok(0) => {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::UnexpectedEof,
@@ -243,8 +242,11 @@ mod tests {
             e == "d/m.pt: cannot write: the disk is full (os error 28)",
             "{e}"
         );
-        let e = write_error(Path::new("d/.o.reshard-tmp-7/__0_0.distcp"), os(Errno::FBIG))
-            .to_string();
+        let e = write_error(
+            Path::new("d/.o.reshard-tmp-7/__0_0.distcp"),
+            os(Errno::FBIG),
+        )
+        .to_string();
         assert!(
             e.starts_with("d/o/__0_0.distcp: cannot write: the file is larger than"),
             "{e}"

@@ -10,9 +10,8 @@
 //! coincidence, not tied, and are left alone unless they share storage.
 
 use crate::error::Result;
-use crate::exec::read_many;
-use crate::layout::{Loc, Piece, Region, TensorLayout};
-use crate::plan::fill;
+use crate::exec::read_regions;
+use crate::layout::{Region, TensorLayout};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -23,30 +22,10 @@ const BLOCK: u64 = 8 << 20;
 /// Probes read at once (at most 16 MiB in memory).
 const PROBE_BATCH: usize = 256;
 
-/// Read `regions` (tensor, region) of `files` in one mapping.
+/// Read `want` (tensor, region) of `files`, each in its tensor's dtype, in one mapping.
 fn read(files: &[PathBuf], want: &[(&TensorLayout, Region)]) -> Result<Vec<Vec<u8>>> {
-    let mut jobs = vec![];
-    let mut outs = vec![];
-    for (t, region) in want {
-        let piece = Piece {
-            rank: 0,
-            region: region.clone(),
-            loc: Loc {
-                file: 0,
-                offset: 0,
-                strides: None,
-            },
-        };
-        let mut ops = vec![];
-        fill(t, std::slice::from_ref(&piece), t.dtype, &mut ops);
-        jobs.push(ops);
-        outs.push(vec![
-            0u8;
-            (region.volume() * t.dtype.size() as u64) as usize
-        ]);
-    }
-    read_many(&jobs, files, &mut outs)?;
-    Ok(outs)
+    let want: Vec<_> = want.iter().map(|(t, r)| (*t, r, t.dtype)).collect();
+    read_regions(files, &want)
 }
 
 /// True when `bytes` is one element value repeated.
@@ -179,7 +158,7 @@ fn bytes_key(t: &TensorLayout) -> Vec<BytesKey> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::DType;
+    use crate::layout::{DType, Loc, Piece};
 
     fn whole(name: &str, shape: &[u64], offset: u64) -> TensorLayout {
         TensorLayout {

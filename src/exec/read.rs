@@ -4,7 +4,8 @@
 
 use crate::error::{Error, Result};
 use crate::layout::cast;
-use crate::plan::CopyOp;
+use crate::layout::{DType, Region, TensorLayout};
+use crate::plan::{region_ops, CopyOp};
 use crate::sys::map_readonly;
 use memmap2::Mmap;
 use std::path::PathBuf;
@@ -50,6 +51,25 @@ pub fn read_many(jobs: &[Vec<CopyOp>], sources: &[PathBuf], outs: &mut [Vec<u8>]
         read_with(ops, sources, &maps, out)?;
     }
     Ok(())
+}
+
+/// Read each `(tensor, region, dtype)` of `want` from `sources` (the files the tensors'
+/// pieces name) into a buffer of its own, row-major, cast to `dtype` where it differs
+/// ([`region_ops`]), mapping the sources once.
+pub fn read_regions(
+    sources: &[PathBuf],
+    want: &[(&TensorLayout, &Region, DType)],
+) -> Result<Vec<Vec<u8>>> {
+    let jobs: Vec<Vec<CopyOp>> = want
+        .iter()
+        .map(|&(t, region, dtype)| region_ops(t, region, dtype))
+        .collect();
+    let mut outs: Vec<Vec<u8>> = want
+        .iter()
+        .map(|(_, region, dtype)| vec![0u8; (region.volume() * dtype.size() as u64) as usize])
+        .collect();
+    read_many(&jobs, sources, &mut outs)?;
+    Ok(outs)
 }
 
 /// Perform `ops` into `out` from the mapped `sources`, checking each op against the

@@ -172,7 +172,11 @@ pub(super) fn windows<'a>(plan: &Plan, outputs: &'a [OutputFile], window: u64) -
 /// one. Kernel copies into one file serialise on the file's lock, so a second thread only
 /// adds contention there, while hashing and gathering gain from more threads
 /// (BENCHMARKS.md, executor experiments).
-pub(super) fn default_threads(wins: &[Window], ranges: &[Vec<CkRange>], skip: &[Vec<(u64, u64)>]) -> usize {
+pub(super) fn default_threads(
+    wins: &[Window],
+    ranges: &[Vec<CkRange>],
+    skip: &[Vec<(u64, u64)>],
+) -> usize {
     let total: u64 = wins.iter().map(Window::size).sum();
     let gathered: u64 = wins
         .iter()
@@ -208,7 +212,6 @@ pub fn balance(plan: &Plan, outputs: &[OutputFile], threads: usize, window: u64)
     }
     load
 }
-
 
 #[cfg(test)]
 mod tests {

@@ -143,19 +143,9 @@ mod tests {
         let vals = [0.0f32, 1.5, -2.25, 65504.0, 1e-3];
         let src: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
         let mut mid = vec![0u8; vals.len() * 2];
-        convert(
-            DType::F32,
-            DType::BF16,
-            &src,
-            &mut mid,
-        );
+        convert(DType::F32, DType::BF16, &src, &mut mid);
         let mut back = vec![0u8; vals.len() * 4];
-        convert(
-            DType::BF16,
-            DType::F32,
-            &mid,
-            &mut back,
-        );
+        convert(DType::BF16, DType::F32, &mid, &mut back);
         let got: Vec<f32> = back
             .chunks(4)
             .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
@@ -165,12 +155,7 @@ mod tests {
         }
         assert_eq!(got[1], 1.5);
         let mut h = vec![0u8; vals.len() * 2];
-        convert(
-            DType::F32,
-            DType::F16,
-            &src,
-            &mut h,
-        );
+        convert(DType::F32, DType::F16, &src, &mut h);
         assert_eq!(
             f16::from_bits(u16::from_le_bytes([h[6], h[7]])).to_f32(),
             65504.0
