@@ -8,9 +8,23 @@
 //! ```
 
 use reshard::formats::Checkpoint;
-use reshard::plan::region_ops;
+use reshard::plan::{region_ops, CopyOp};
 use reshard::target::LayoutSpec;
 use std::path::PathBuf;
+
+/// `FILE@OFFSET+LENxROWS` for each op, comma-separated: the source bytes the ops read.
+fn describe(ck: &Checkpoint, ops: &[CopyOp]) -> String {
+    let name = |src: u32| {
+        ck.files[src as usize]
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+    };
+    ops.iter()
+        .map(|o| format!("{}@{}+{}x{}", name(o.src), o.src_offset, o.len, o.count))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
 
 fn main() -> reshard::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -43,21 +57,6 @@ fn main() -> reshard::Result<()> {
         for region in tt.ranks[r as usize].iter().filter(|g| !g.is_empty()) {
             // Which bytes of which files hold this region.
             let ops = region_ops(t, region, t.dtype);
-            let files: Vec<String> = ops
-                .iter()
-                .map(|o| {
-                    format!(
-                        "{}@{}+{}x{}",
-                        ck.files[o.src as usize]
-                            .file_name()
-                            .unwrap_or_default()
-                            .to_string_lossy(),
-                        o.src_offset,
-                        o.len,
-                        o.count
-                    )
-                })
-                .collect();
             let data_len = region.volume() * t.dtype.size() as u64;
             total += data_len;
             println!(
@@ -65,7 +64,7 @@ fn main() -> reshard::Result<()> {
                 t.name,
                 t.dtype.name(),
                 region,
-                files.join(", ")
+                describe(&ck, &ops)
             );
         }
     }

@@ -60,71 +60,10 @@ pub fn find(files: &[PathBuf], tensors: &[&TensorLayout]) -> Result<Vec<Vec<usiz
     kinds.sort();
     let mut groups: Vec<Vec<usize>> = vec![];
     for members in kinds {
-        // Names over the very same bytes (a torch.save storage shared by two keys).
-        let mut aliased: Vec<Vec<usize>> = vec![];
-        let mut by_bytes: HashMap<Vec<BytesKey>, usize> = HashMap::new();
-        for &i in &members {
-            match by_bytes.entry(bytes_key(tensors[i])) {
-                std::collections::hash_map::Entry::Occupied(g) => aliased[*g.get()].push(i),
-                std::collections::hash_map::Entry::Vacant(v) => {
-                    v.insert(aliased.len());
-                    aliased.push(vec![i]);
-                }
-            }
-        }
-        // Probe one representative of each (in batches, keeping only a hash of each probe,
-        // so memory stays bounded); bucket equal, non-constant probes.
-        let mut buckets: HashMap<u64, Vec<usize>> = HashMap::new();
-        let mut order = vec![];
-        for batch in (0..aliased.len()).collect::<Vec<_>>().chunks(PROBE_BATCH) {
-            let probes = read(
-                files,
-                &batch
-                    .iter()
-                    .map(|&k| {
-                        let t = tensors[aliased[k][0]];
-                        let first = Region::row_blocks(&t.shape, t.dtype.size() as u64, PROBE)
-                            .swap_remove(0);
-                        (t, first)
-                    })
-                    .collect::<Vec<_>>(),
-            )?;
-            for (&k, p) in batch.iter().zip(&probes) {
-                if constant(p, tensors[aliased[k][0]].dtype.size()) {
-                    continue;
-                }
-                let mut h = std::collections::hash_map::DefaultHasher::new();
-                std::hash::Hash::hash(p, &mut h);
-                let b = buckets.entry(std::hash::Hasher::finish(&h)).or_default();
-                if b.is_empty() {
-                    order.push(std::hash::Hasher::finish(&h));
-                }
-                b.push(k);
-            }
-        }
+        let aliased = aliased(tensors, &members);
         let mut merged: Vec<Option<Vec<usize>>> = aliased.iter().cloned().map(Some).collect();
-        for key in order {
-            let cands = &buckets[&key];
-            let mut classes: Vec<usize> = vec![];
-            for &k in cands {
-                let t = tensors[aliased[k][0]];
-                let mut home = None;
-                for &c in &classes {
-                    if equal(files, tensors[aliased[c][0]], t)? {
-                        home = Some(c);
-                        break;
-                    }
-                }
-                match home {
-                    Some(c) => {
-                        let moved = merged[k].take().unwrap_or_default();
-                        if let Some(g) = merged[c].as_mut() {
-                            g.extend(moved);
-                        }
-                    }
-                    None => classes.push(k),
-                }
-            }
+        for cands in probe_buckets(files, tensors, &aliased)? {
+            merge_equal(files, tensors, &aliased, &cands, &mut merged)?;
         }
         groups.extend(merged.into_iter().flatten().filter(|g| g.len() > 1));
     }
@@ -133,6 +72,99 @@ pub fn find(files: &[PathBuf], tensors: &[&TensorLayout]) -> Result<Vec<Vec<usiz
     }
     groups.sort();
     Ok(groups)
+}
+
+/// `members` (of one dtype and shape) grouped by the bytes they read: names over the very
+/// same bytes (a torch.save storage shared by two keys) share a group. In order of first
+/// member.
+fn aliased(tensors: &[&TensorLayout], members: &[usize]) -> Vec<Vec<usize>> {
+    let mut aliased: Vec<Vec<usize>> = vec![];
+    let mut by_bytes: HashMap<Vec<BytesKey>, usize> = HashMap::new();
+    for &i in members {
+        match by_bytes.entry(bytes_key(tensors[i])) {
+            std::collections::hash_map::Entry::Occupied(g) => aliased[*g.get()].push(i),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(aliased.len());
+                aliased.push(vec![i]);
+            }
+        }
+    }
+    aliased
+}
+
+/// Probe one representative of each group of `aliased` (in batches, keeping only a hash of
+/// each probe, so memory stays bounded) and bucket the groups whose probes are equal and not
+/// constant: the candidates for a full comparison, as indices into `aliased`, bucket by
+/// bucket in order of first member.
+fn probe_buckets(
+    files: &[PathBuf],
+    tensors: &[&TensorLayout],
+    aliased: &[Vec<usize>],
+) -> Result<Vec<Vec<usize>>> {
+    let mut buckets: HashMap<u64, Vec<usize>> = HashMap::new();
+    let mut order = vec![];
+    for batch in (0..aliased.len()).collect::<Vec<_>>().chunks(PROBE_BATCH) {
+        let probes = read(
+            files,
+            &batch
+                .iter()
+                .map(|&k| {
+                    let t = tensors[aliased[k][0]];
+                    let first =
+                        Region::row_blocks(&t.shape, t.dtype.size() as u64, PROBE).swap_remove(0);
+                    (t, first)
+                })
+                .collect::<Vec<_>>(),
+        )?;
+        for (&k, p) in batch.iter().zip(&probes) {
+            if constant(p, tensors[aliased[k][0]].dtype.size()) {
+                continue;
+            }
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            std::hash::Hash::hash(p, &mut h);
+            let b = buckets.entry(std::hash::Hasher::finish(&h)).or_default();
+            if b.is_empty() {
+                order.push(std::hash::Hasher::finish(&h));
+            }
+            b.push(k);
+        }
+    }
+    Ok(order
+        .into_iter()
+        .filter_map(|key| buckets.remove(&key))
+        .collect())
+}
+
+/// Compare the candidates `cands` (indices into `aliased`, equal probes) in full and move
+/// each group of `merged` into the first earlier candidate it equals.
+fn merge_equal(
+    files: &[PathBuf],
+    tensors: &[&TensorLayout],
+    aliased: &[Vec<usize>],
+    cands: &[usize],
+    merged: &mut [Option<Vec<usize>>],
+) -> Result<()> {
+    let mut classes: Vec<usize> = vec![];
+    for &k in cands {
+        let t = tensors[aliased[k][0]];
+        let mut home = None;
+        for &c in &classes {
+            if equal(files, tensors[aliased[c][0]], t)? {
+                home = Some(c);
+                break;
+            }
+        }
+        match home {
+            Some(c) => {
+                let moved = merged[k].take().unwrap_or_default();
+                if let Some(g) = merged[c].as_mut() {
+                    g.extend(moved);
+                }
+            }
+            None => classes.push(k),
+        }
+    }
+    Ok(())
 }
 
 /// Where one piece's elements are read from: region offsets and sizes, file, offset, strides.

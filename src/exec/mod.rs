@@ -28,7 +28,7 @@ pub(crate) use crate::sys::release;
 use crate::error::{Error, IoContext, Result};
 use crate::plan::Plan;
 use crate::sys::{preallocate, WriteContext};
-use crc::CrcPart;
+use crc::{CkRange, CrcPart};
 use memmap2::Mmap;
 use rayon::prelude::*;
 use schedule::Window;
@@ -66,7 +66,8 @@ pub trait Progress: Send + Sync {
 /// Executor settings.
 #[derive(Clone)]
 pub struct ExecOptions {
-    /// Worker threads (`None`: chosen from the plan, see [`schedule::default_threads`]).
+    /// Worker threads (`None`: one per core when much of the work passes through user
+    /// space — gathers, casts, hashing — otherwise one).
     pub threads: Option<usize>,
     /// Bytes of destination per work unit.
     pub window: u64,
@@ -155,25 +156,15 @@ pub fn execute_with_known(
     if let Some(p) = progress {
         p.start(wins.iter().map(Window::size).sum());
     }
-    let run = |w: &Window| {
-        let io = WindowIo {
-            srcs: &maps,
-            src_files: &src_files,
-            dst: &files[w.dst as usize],
-            dst_path: &dest_paths[w.dst as usize],
-        };
-        let parts = run_window(w, &io, (&ranges[w.dst as usize], &skip[w.dst as usize]))?;
-        if let Some(p) = progress {
-            p.advance(w.size());
-        }
-        Ok::<_, Error>(parts)
+    let shared = Shared {
+        srcs: &maps,
+        src_files: &src_files,
+        dsts: &files,
+        dest_paths,
+        ranges: &ranges,
+        skip: &skip,
     };
-    let mut parts: Vec<CrcPart> = pool.install(|| {
-        wins.par_iter().map(run).try_reduce(Vec::new, |mut a, b| {
-            a.extend(b);
-            Ok(a)
-        })
-    })?;
+    let mut parts = pool.install(|| run_windows(&wins, &shared, progress))?;
     parts.extend(given);
     crc::write_checksums(outputs, parts, &files, dest_paths)?;
     if let Some(p) = progress {
@@ -195,6 +186,46 @@ pub fn execute_with_known(
         windows: wins.len(),
         threads: pool.current_num_threads(),
     })
+}
+
+/// What every window of a run shares: the sources (mapped and opened), the destinations
+/// (opened, and their paths), and per destination its checksum ranges and the ranges of
+/// them that known source CRCs give.
+struct Shared<'a> {
+    srcs: &'a [Mmap],
+    src_files: &'a [File],
+    dsts: &'a [File],
+    dest_paths: &'a [PathBuf],
+    ranges: &'a [Vec<CkRange>],
+    skip: &'a [Vec<(u64, u64)>],
+}
+
+/// Run `wins` in parallel on the current pool, telling `progress` as each is written;
+/// returns the checksum parts they hashed.
+fn run_windows(
+    wins: &[Window],
+    io: &Shared,
+    progress: Option<&dyn Progress>,
+) -> Result<Vec<CrcPart>> {
+    wins.par_iter()
+        .map(|w| {
+            let f = w.dst as usize;
+            let wio = WindowIo {
+                srcs: io.srcs,
+                src_files: io.src_files,
+                dst: &io.dsts[f],
+                dst_path: &io.dest_paths[f],
+            };
+            let parts = run_window(w, &wio, (&io.ranges[f], &io.skip[f]))?;
+            if let Some(p) = progress {
+                p.advance(w.size());
+            }
+            Ok(parts)
+        })
+        .try_reduce(Vec::new, |mut a, b| {
+            a.extend(b);
+            Ok(a)
+        })
 }
 
 /// Open the (existing) destination files `dest_paths` for writing, their blocks allocated
