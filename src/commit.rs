@@ -23,6 +23,8 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
+// Staged names, write errors and the process check live in `sys` (the executor and the
+// DCP reader use them too); kept here at their old paths.
 pub(crate) use crate::sys::pid_alive;
 pub use crate::sys::{final_path, write_error, WriteContext, TMP_MARK};
 
