@@ -143,6 +143,7 @@ fn copy_runs(w: &Window, io: &WindowIo, shares: &mut Shares) -> Result<bool> {
             && copy_range(src, o.src_offset, io.dst, o.dst_offset, o.len).at_write(io.dst_path)?;
         if !kernel {
             io.write(io.row(o, 0), o.dst_offset)?;
+            mapped = true;
         }
     }
     Ok(mapped)
