@@ -34,7 +34,7 @@ pub struct Checksum {
 /// the output's CRC does not match its bytes either, and `reshard verify` flags the output.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KnownCrc {
-    /// Source file index (as in [`CopyOp::src`]).
+    /// Source file index (as in [`crate::plan::CopyOp::src`]).
     pub src: u32,
     /// First byte.
     pub offset: u64,

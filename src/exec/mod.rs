@@ -9,7 +9,7 @@
 //! headers) and written once. Source pages a window used are released (`MADV_DONTNEED`) as
 //! soon as it is written, so resident memory stays flat whatever the checkpoint size.
 //!
-//! This module holds the settings, the statistics and the entry points; [`schedule`] cuts
+//! This module holds the settings, the statistics and the entry points; `schedule` cuts
 //! windows and picks the thread count, `window` runs one, `crc` streams the outputs'
 //! checksums, and `read` reads regions into the caller's buffers. System calls are in
 //! `crate::sys`, cast kernels in `crate::layout::cast`.
