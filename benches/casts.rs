@@ -1,6 +1,6 @@
 //! Dtype-cast benchmarks: elements per second through the executor's cast code.
 //!
-//! The cast function itself is private to `reshard::exec`; the public path that runs it with
+//! The cast kernels themselves are private to the library (`layout::cast`); the public path that runs it with
 //! the least around it is [`reshard::exec::read_into`]: one [`CopyOp`] with a [`Cast`] over a
 //! 2^24-element source file (page cache warm, mapped) into a buffer in memory. Group `cast`
 //! measures bf16 → f32, f16 → f32, f32 → bf16 and f32 → f16 that way, next to the same copy
@@ -16,14 +16,16 @@
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 use half::{bf16, f16};
 use reshard::convert::{prepare, ConvertOptions};
-use reshard::exec::{execute, read_into, ExecOptions};
+use reshard::exec::{read_into, ExecOptions};
 use reshard::formats::Format;
 use reshard::layout::DType;
 use reshard::plan::{Cast, CopyOp};
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::Dtype;
 use std::hint::black_box;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+mod common;
 
 /// Elements per cast in group `cast`.
 const N: usize = 1 << 24;
@@ -115,20 +117,12 @@ fn bench_read_into(c: &mut Criterion, dir: &Path) {
 /// Write 16 tensors of 1024 × 1024 `dtype` (from [`value`]) as one safetensors file.
 fn write_model(path: &Path, dtype: DType) {
     let bytes = encoded(dtype);
-    let per = bytes.len() / 16;
     let st = match dtype {
         DType::F32 => Dtype::F32,
         _ => Dtype::BF16,
     };
-    let views: Vec<(String, TensorView)> = bytes
-        .chunks(per)
-        .enumerate()
-        .map(|(t, d)| {
-            let v = TensorView::new(st, vec![1024, 1024], d).unwrap();
-            (format!("layers.{t}.weight"), v)
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, path).unwrap();
+    let tensors: Vec<&[u8]> = bytes.chunks(bytes.len() / 16).collect();
+    common::write_safetensors(path, "", st, &[1024, 1024], &tensors);
 }
 
 fn bench_convert(c: &mut Criterion, dir: &Path) {
@@ -150,24 +144,11 @@ fn bench_convert(c: &mut Criterion, dir: &Path) {
         opts.format = Some(Format::SAFETENSORS);
         let job = prepare(&src, Some(&dst), &opts).unwrap();
         assert!(job.plan.ops.iter().all(|o| o.cast.is_some()));
-        let dests = vec![dst.clone()];
         let exec = ExecOptions {
             sync: false,
             ..ExecOptions::default()
         };
-        g.bench_function(name, |b| {
-            b.iter(|| {
-                std::fs::File::create(&dst).unwrap();
-                execute(
-                    &job.plan,
-                    &job.source.files,
-                    &job.output.files,
-                    &dests,
-                    &exec,
-                )
-                .unwrap()
-            })
-        });
+        g.bench_function(name, |b| b.iter(|| common::execute_into(&job, &dst, &exec)));
         std::fs::remove_file(&src).unwrap();
         std::fs::remove_file(&dst).unwrap();
     }

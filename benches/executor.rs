@@ -23,12 +23,13 @@
 
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 use reshard::convert::{convert, prepare, run, ConvertOptions};
-use reshard::exec::execute;
 use reshard::formats::Format;
 use reshard::target::LayoutSpec;
-use safetensors::tensor::{Dtype, TensorView};
-use std::path::{Path, PathBuf};
+use safetensors::tensor::Dtype;
+use std::path::Path;
 use std::time::Duration;
+
+mod common;
 
 /// Tensors in the model.
 const TENSORS: usize = 16;
@@ -45,15 +46,8 @@ fn write_model(path: &Path) {
                 .collect()
         })
         .collect();
-    let views: Vec<(String, TensorView)> = data
-        .iter()
-        .enumerate()
-        .map(|(t, d)| {
-            let v = TensorView::new(Dtype::F32, SHAPE.to_vec(), d).unwrap();
-            (format!("layers.{t}.weight"), v)
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, path).unwrap();
+    let tensors: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+    common::write_safetensors(path, "", Dtype::F32, &SHAPE, &tensors);
 }
 
 /// Options that write without fsync and skip source CRC checks (the bench measures copying).
@@ -115,21 +109,9 @@ fn bench(c: &mut Criterion) {
         let dst = tmp.path().join("out.safetensors");
         let opts = options(LayoutSpec::fsdp(1), Format::SAFETENSORS);
         let job = prepare(&src, Some(&dst), &opts).unwrap();
-        let dests: Vec<PathBuf> = vec![dst.clone()];
         g.throughput(Throughput::Bytes(job.plan.bytes_written()));
         g.bench_function(format!("execute {name}"), |b| {
-            b.iter(|| {
-                // A fresh (truncated) destination each time, as a real run writes one.
-                std::fs::File::create(&dst).unwrap();
-                execute(
-                    &job.plan,
-                    &job.source.files,
-                    &job.output.files,
-                    &dests,
-                    &opts.exec,
-                )
-                .unwrap()
-            })
+            b.iter(|| common::execute_into(&job, &dst, &opts.exec))
         });
         check_same_tensors(&model, &dst);
         std::fs::remove_file(&dst).unwrap();

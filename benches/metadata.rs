@@ -21,10 +21,12 @@ use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throug
 use reshard::convert::{convert, ConvertOptions};
 use reshard::formats::pickle::{dcp_metadata_globals, parse};
 use reshard::formats::{Checkpoint, Format};
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::Dtype;
 use std::hint::black_box;
 use std::path::Path;
 use std::time::Duration;
+
+mod common;
 
 /// Target ranks of the generated checkpoints.
 const WORLD: u64 = 16;
@@ -38,16 +40,9 @@ fn write_dcp(tmp: &Path, dir: &Path, n: usize) {
                 .collect()
         })
         .collect();
-    let views: Vec<(String, TensorView)> = data
-        .iter()
-        .enumerate()
-        .map(|(t, d)| {
-            let v = TensorView::new(Dtype::F32, vec![64, 16], d).unwrap();
-            (format!("model.layers.{t}.weight"), v)
-        })
-        .collect();
+    let tensors: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
     let model = tmp.join("model.safetensors");
-    safetensors::serialize_to_file(views, None, &model).unwrap();
+    common::write_safetensors(&model, "model.", Dtype::F32, &[64, 16], &tensors);
     let mut opts = ConvertOptions::to(WORLD);
     opts.format = Some(Format::DCP);
     opts.exec.sync = false;

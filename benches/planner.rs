@@ -9,10 +9,23 @@
 //! `cargo bench --bench planner -- 'flat 200k'`.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use reshard::layout::{flat_ranges, DType, Loc, Piece, Sharding, TensorLayout};
+use reshard::layout::{flat_ranges, DType, Loc, Piece, Region, Sharding, TensorLayout};
 use reshard::plan::plan;
 use std::hint::black_box;
 use std::time::Duration;
+
+/// Rank `rank`'s piece `region`, stored row-major at byte `offset` of file `rank`.
+fn stored(rank: u64, region: Region, offset: u64) -> Piece {
+    Piece {
+        rank: rank as u32,
+        region,
+        loc: Loc {
+            file: rank as u32,
+            offset,
+            strides: None,
+        },
+    }
+}
 
 /// `n` tensors of shapes (rows, 64) laid out as flat ranges (ZeRO / FSDP1 flat parameters)
 /// over `world` ranks; each rank's range is stored back to back in its own file.
@@ -36,15 +49,7 @@ fn flat_layouts(n: usize, world: u64) -> Vec<TensorLayout> {
         for (t, boxes) in share {
             for region in boxes {
                 let n = region.volume() * 2;
-                layouts[t].pieces.push(Piece {
-                    rank: r as u32,
-                    region,
-                    loc: Loc {
-                        file: r as u32,
-                        offset: off,
-                        strides: None,
-                    },
-                });
+                layouts[t].pieces.push(stored(r as u64, region, off));
                 off += n;
             }
         }
@@ -65,15 +70,7 @@ fn fsdp_layouts(n: usize, world: u64) -> Vec<TensorLayout> {
                 .map(|(r, region)| {
                     let off = offsets[r as usize];
                     offsets[r as usize] += region.volume() * 2;
-                    Piece {
-                        rank: r as u32,
-                        region,
-                        loc: Loc {
-                            file: r as u32,
-                            offset: off,
-                            strides: None,
-                        },
-                    }
+                    stored(r, region, off)
                 })
                 .collect();
             TensorLayout {

@@ -8,10 +8,23 @@
 //! ```
 
 use reshard::formats::Checkpoint;
-use reshard::layout::{Loc, Piece};
-use reshard::plan::fill;
+use reshard::plan::{region_ops, CopyOp};
 use reshard::target::LayoutSpec;
 use std::path::PathBuf;
+
+/// `FILE@OFFSET+LENxROWS` for each op, comma-separated: the source bytes the ops read.
+fn describe(ck: &Checkpoint, ops: &[CopyOp]) -> String {
+    let name = |src: u32| {
+        ck.files[src as usize]
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+    };
+    ops.iter()
+        .map(|o| format!("{}@{}+{}x{}", name(o.src), o.src_offset, o.len, o.count))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
 
 fn main() -> reshard::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -43,32 +56,7 @@ fn main() -> reshard::Result<()> {
     for (t, tt) in ck.tensors.iter().zip(&target) {
         for region in tt.ranks[r as usize].iter().filter(|g| !g.is_empty()) {
             // Which bytes of which files hold this region.
-            let piece = Piece {
-                rank: 0,
-                region: region.clone(),
-                loc: Loc {
-                    file: 0,
-                    offset: 0,
-                    strides: None,
-                },
-            };
-            let mut ops = vec![];
-            fill(t, std::slice::from_ref(&piece), t.dtype, &mut ops);
-            let files: Vec<String> = ops
-                .iter()
-                .map(|o| {
-                    format!(
-                        "{}@{}+{}x{}",
-                        ck.files[o.src as usize]
-                            .file_name()
-                            .unwrap_or_default()
-                            .to_string_lossy(),
-                        o.src_offset,
-                        o.len,
-                        o.count
-                    )
-                })
-                .collect();
+            let ops = region_ops(t, region, t.dtype);
             let data_len = region.volume() * t.dtype.size() as u64;
             total += data_len;
             println!(
@@ -76,7 +64,7 @@ fn main() -> reshard::Result<()> {
                 t.name,
                 t.dtype.name(),
                 region,
-                files.join(", ")
+                describe(&ck, &ops)
             );
         }
     }

@@ -207,6 +207,39 @@ impl Checkpoint {
         region: &Region,
         dtype: Option<DType>,
     ) -> Result<Vec<u8>> {
+        let dtype = dtype.unwrap_or(self.checked(name, region, None)?.dtype);
+        let mut out = vec![0u8; (region.volume() as usize) * dtype.size()];
+        self.read_region_into(name, region, Some(dtype), &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Checkpoint::read_region`] into the caller's buffer `out`, which must hold exactly
+    /// `region.volume()` elements of `dtype` (e.g. a tensor's memory).
+    pub fn read_region_into(
+        &self,
+        name: &str,
+        region: &Region,
+        dtype: Option<DType>,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let t = self.checked(name, region, dtype)?;
+        let dtype = dtype.unwrap_or(t.dtype);
+        let want = region.volume().saturating_mul(dtype.size() as u64);
+        if out.len() as u64 != want {
+            return Err(Error::layout(
+                name,
+                format!(
+                    "region {region} of {dtype} is {want} bytes, the buffer {}",
+                    out.len()
+                ),
+            ));
+        }
+        let ops = crate::plan::region_ops(t, region, dtype);
+        crate::exec::read_into(&ops, &self.files, out)
+    }
+
+    /// The tensor `name`, when `region` lies within its shape and it casts to `dtype`.
+    fn checked(&self, name: &str, region: &Region, dtype: Option<DType>) -> Result<&TensorLayout> {
         let t = self
             .tensor(name)
             .ok_or_else(|| Error::usage(format!("{}: no tensor `{name}`", self.path.display())))?;
@@ -223,20 +256,7 @@ impl Checkpoint {
                 format!("cannot convert {} to {dtype}", t.dtype),
             ));
         }
-        let piece = crate::layout::Piece {
-            rank: 0,
-            region: region.clone(),
-            loc: crate::layout::Loc {
-                file: 0,
-                offset: 0,
-                strides: None,
-            },
-        };
-        let mut ops = vec![];
-        crate::plan::fill(t, std::slice::from_ref(&piece), dtype, &mut ops);
-        let mut out = vec![0u8; (region.volume() as usize) * dtype.size()];
-        crate::exec::read_into(&ops, &self.files, &mut out)?;
-        Ok(out)
+        Ok(t)
     }
 
     /// Total bytes of all tensors (each counted once).

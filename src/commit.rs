@@ -16,15 +16,17 @@
 //! running) and says so, one line each on stderr, before removing each.
 
 use crate::error::{Error, IoContext, Result};
+use crate::sys::{exchange, try_lock};
 use std::fs;
 use std::io::{Read, Seek, Write};
-use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
-/// The marker every temporary name carries, so leftovers of a killed run are recognisable.
-pub const TMP_MARK: &str = ".reshard-tmp-";
+// Staged names, write errors and the process check live in `sys` (the executor and the
+// DCP reader use them too); kept here at their old paths.
+pub(crate) use crate::sys::pid_alive;
+pub use crate::sys::{final_path, write_error, WriteContext, TMP_MARK};
 
 /// The marker of a replaced destination moved aside (only where the filesystem cannot swap
 /// two names atomically).
@@ -66,67 +68,6 @@ fn sibling(dest: &Path, tag: &str) -> Result<PathBuf> {
     )))
 }
 
-/// The final name of `path` when it lies in a staged output: `DIR/.NAME.reshard-tmp-PID/x`
-/// is shown as `DIR/NAME/x`. Other paths are returned unchanged.
-pub fn final_path(path: &Path) -> PathBuf {
-    path.components()
-        .map(|c| match c {
-            Component::Normal(n) => {
-                let b = n.as_bytes();
-                let name = b.strip_prefix(b".").and_then(|rest| {
-                    let mark = TMP_MARK.as_bytes();
-                    let at = rest.windows(mark.len()).rposition(|w| w == mark)?;
-                    let pid = &rest[at + mark.len()..];
-                    (at > 0 && !pid.is_empty() && pid.iter().all(u8::is_ascii_digit))
-                        .then(|| &rest[..at])
-                });
-                match name {
-                    Some(n) => PathBuf::from(std::ffi::OsStr::from_bytes(n)),
-                    None => PathBuf::from(n),
-                }
-            }
-            c => PathBuf::from(c.as_os_str()),
-        })
-        .collect()
-}
-
-/// An I/O error met while writing output file `path` (staged or final). A full disk
-/// (`ENOSPC`, `EDQUOT`) or a file over the size limit (`EFBIG`, e.g. `ulimit -f`) is said in
-/// those words, naming the file by its final name.
-pub fn write_error(path: &Path, e: std::io::Error) -> Error {
-    let what = match e.raw_os_error() {
-        Some(libc::ENOSPC) => Some("cannot write: the disk is full"),
-        Some(libc::EDQUOT) => Some("cannot write: the disk quota is exhausted"),
-        Some(libc::EFBIG) => Some(
-            "cannot write: the file is larger than the filesystem or the file size limit \
-             (`ulimit -f`) allows",
-        ),
-        _ => None,
-    };
-    match (what, e.raw_os_error()) {
-        (Some(what), Some(code)) => Error::Io {
-            path: final_path(path),
-            source: std::io::Error::new(e.kind(), format!("{what} (os error {code})")),
-        },
-        _ => Error::Io {
-            path: path.to_path_buf(),
-            source: e,
-        },
-    }
-}
-
-/// [`write_error`] for `std::io::Result`s.
-pub trait WriteContext<T> {
-    /// Turn an I/O error on output file `path` into an [`Error::Io`] ([`write_error`]).
-    fn at_write(self, path: impl AsRef<Path>) -> Result<T>;
-}
-
-impl<T> WriteContext<T> for std::io::Result<T> {
-    fn at_write(self, path: impl AsRef<Path>) -> Result<T> {
-        self.map_err(|e| write_error(path.as_ref(), e))
-    }
-}
-
 /// An exclusive lock on writing one destination: `flock(LOCK_EX | LOCK_NB)` on
 /// `.NAME.reshard-lock` beside it, which holds the owner's pid. Released (and the file
 /// removed) on drop; a killed owner's lock is released by the kernel, and its file is reused.
@@ -155,15 +96,7 @@ impl Lock {
                 .truncate(false)
                 .open(&path)
                 .at_write(&path)?;
-            // SAFETY: flock on a descriptor owned by `file`.
-            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-                let e = std::io::Error::last_os_error();
-                if e.raw_os_error() == Some(libc::EINTR) {
-                    continue;
-                }
-                if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
-                    return Err(e).at(&path);
-                }
+            if !try_lock(&file).at(&path)? {
                 let mut text = String::new();
                 let _ = file.read_to_string(&mut text);
                 let who = match text.trim().parse::<u32>() {
@@ -212,19 +145,6 @@ pub struct Leftover {
     /// True when it was removed; false when left in place because a reshard process with
     /// that pid is running.
     pub removed: bool,
-}
-
-/// True when a process with this pid exists (it may not be reshard: pids are reused).
-pub(crate) fn pid_alive(pid: u32) -> bool {
-    let Ok(p) = libc::pid_t::try_from(pid) else {
-        return false;
-    };
-    if p <= 0 {
-        return false;
-    }
-    // SAFETY: signal 0 only checks that the process exists.
-    let r = unsafe { libc::kill(p, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
 /// True when `pid` is a running process called `reshard`. A leftover's pid may since have
@@ -406,32 +326,6 @@ impl Staging {
             self.committed = true;
         }
         fsync_dir(&parent)
-    }
-}
-
-/// Swap the names `a` and `b` in one step (`renameat2(RENAME_EXCHANGE)`). `Ok(false)` when
-/// the kernel or filesystem cannot, having changed nothing.
-fn exchange(a: &Path, b: &Path) -> std::io::Result<bool> {
-    let ca = std::ffi::CString::new(a.as_os_str().as_bytes())?;
-    let cb = std::ffi::CString::new(b.as_os_str().as_bytes())?;
-    // SAFETY: two NUL-terminated paths that live across the call.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_renameat2,
-            libc::AT_FDCWD,
-            ca.as_ptr(),
-            libc::AT_FDCWD,
-            cb.as_ptr(),
-            libc::RENAME_EXCHANGE,
-        )
-    };
-    if r == 0 {
-        return Ok(true);
-    }
-    let e = std::io::Error::last_os_error();
-    match e.raw_os_error() {
-        Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP) => Ok(false),
-        _ => Err(e),
     }
 }
 
@@ -621,53 +515,5 @@ mod tests {
         assert_eq!(got, want);
         assert!(!tmp_dead.exists() && !dir_dead.exists() && !tmp_reused.exists());
         assert!(tmp_live.exists() && other.exists() && mine.exists() && odd.exists());
-    }
-
-    #[test]
-    fn staged_paths_are_named_by_their_final_names_in_write_errors() {
-        let pid = std::process::id();
-        assert_eq!(
-            final_path(Path::new(&format!(
-                "/a/.out.reshard-tmp-{pid}/model-1.safetensors"
-            ))),
-            Path::new("/a/out/model-1.safetensors")
-        );
-        assert_eq!(
-            final_path(Path::new("d/.m.safetensors.reshard-tmp-12")),
-            Path::new("d/m.safetensors")
-        );
-        for p in [
-            ".reshard-tmp-12",
-            "d/.x.reshard-tmp-",
-            "d/.x.reshard-tmp-1a",
-            "d/x",
-        ] {
-            assert_eq!(final_path(Path::new(p)), Path::new(p));
-        }
-        let e = write_error(
-            Path::new("d/.m.pt.reshard-tmp-7"),
-            std::io::Error::from_raw_os_error(libc::ENOSPC),
-        )
-        .to_string();
-        assert!(
-            e == "d/m.pt: cannot write: the disk is full (os error 28)",
-            "{e}"
-        );
-        let e = write_error(
-            Path::new("d/.o.reshard-tmp-7/__0_0.distcp"),
-            std::io::Error::from_raw_os_error(libc::EFBIG),
-        )
-        .to_string();
-        assert!(
-            e.starts_with("d/o/__0_0.distcp: cannot write: the file is larger than"),
-            "{e}"
-        );
-        // other errors keep the path as it is
-        let e = write_error(
-            Path::new("d/.o.reshard-tmp-7/x"),
-            std::io::Error::from_raw_os_error(libc::EIO),
-        )
-        .to_string();
-        assert!(e.starts_with("d/.o.reshard-tmp-7/x: "), "{e}");
     }
 }

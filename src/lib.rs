@@ -23,6 +23,7 @@ pub mod load;
 pub mod per_rank;
 pub mod plan;
 pub mod select;
+mod sys;
 pub mod target;
 pub mod ties;
 pub mod verify;

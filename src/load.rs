@@ -3,10 +3,9 @@
 //! only the bytes of its own shards.
 
 use crate::error::{Error, Result};
-use crate::exec::read_many;
+use crate::exec::read_regions;
 use crate::formats::Checkpoint;
-use crate::layout::{DType, Loc, Piece, Region};
-use crate::plan::fill;
+use crate::layout::{DType, Region};
 use crate::select::Selection;
 use crate::target::LayoutSpec;
 
@@ -54,21 +53,10 @@ pub fn local_shards(
         .collect();
     let target = layout.compile(&wanted)?;
     let mut shards = vec![];
-    let mut jobs = vec![];
+    let mut want = vec![];
     for (src, tt) in chosen.iter().zip(&target) {
         for region in tt.ranks[rank as usize].iter().filter(|g| !g.is_empty()) {
-            let piece = Piece {
-                rank: rank as u32,
-                region: region.clone(),
-                loc: Loc {
-                    file: 0,
-                    offset: 0,
-                    strides: None,
-                },
-            };
-            let mut ops = vec![];
-            fill(src, std::slice::from_ref(&piece), tt.dtype, &mut ops);
-            jobs.push(ops);
+            want.push((*src, region, tt.dtype));
             shards.push(LocalShard {
                 name: tt.name.clone(),
                 dtype: tt.dtype,
@@ -78,12 +66,7 @@ pub fn local_shards(
             });
         }
     }
-    let mut outs: Vec<Vec<u8>> = shards
-        .iter()
-        .map(|s| vec![0u8; s.region.volume() as usize * s.dtype.size()])
-        .collect();
-    read_many(&jobs, &ck.files, &mut outs)?;
-    for (s, d) in shards.iter_mut().zip(outs) {
+    for (s, d) in shards.iter_mut().zip(read_regions(&ck.files, &want)?) {
         s.data = d;
     }
     Ok(shards)

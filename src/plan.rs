@@ -249,6 +249,25 @@ pub fn fill(
     }
 }
 
+/// The copy ops that read `region` of tensor `t` (which must be valid, and `region` within
+/// its shape) into a row-major buffer of `dtype` elements starting at byte 0 (destination
+/// file 0), cast from `t.dtype` where it differs. The buffer holds
+/// `region.volume() * dtype.size()` bytes.
+pub fn region_ops(t: &TensorLayout, region: &Region, dtype: DType) -> Vec<CopyOp> {
+    let piece = crate::layout::Piece {
+        rank: 0,
+        region: region.clone(),
+        loc: crate::layout::Loc {
+            file: 0,
+            offset: 0,
+            strides: None,
+        },
+    };
+    let mut ops = vec![];
+    fill(t, std::slice::from_ref(&piece), dtype, &mut ops);
+    ops
+}
+
 /// Sort ops by destination and merge neighbours that continue each other on both sides.
 pub fn coalesce(mut ops: Vec<CopyOp>) -> Vec<CopyOp> {
     ops.sort_unstable_by_key(|o| (o.dst, o.dst_offset));
@@ -346,6 +365,49 @@ mod tests {
         dst.dtype = DType::I32;
         let e = plan(&[src], &[dst]).unwrap_err().to_string();
         assert!(e.contains("cannot convert BF16 to I32"), "{e}");
+    }
+
+    #[test]
+    fn region_ops_read_a_region_row_major_into_a_buffer() {
+        // Column shards over 2 ranks of a 4 x 6 f32 tensor; rows 1..3, columns 2..5 span
+        // both shards.
+        let s = Sharding {
+            mesh: crate::layout::Mesh(vec![2]),
+            placements: vec![crate::layout::Placement::Shard(1)],
+        };
+        let t = sharded("w", DType::F32, &[4, 6], &s);
+        let region = Region {
+            offsets: vec![1, 2],
+            sizes: vec![2, 3],
+        };
+        let ops = region_ops(&t, &region, DType::F32);
+        assert!(ops.iter().all(|o| o.dst == 0 && o.cast.is_none()));
+        // Every buffer byte is written once, in row-major order of the region.
+        let mut seen = [0u8; 2 * 3 * 4];
+        for o in &ops {
+            for r in 0..o.count {
+                let d = (o.dst_offset + r * o.dst_stride) as usize;
+                for b in &mut seen[d..d + o.dst_len() as usize] {
+                    *b += 1;
+                }
+            }
+        }
+        assert!(seen.iter().all(|&b| b == 1));
+        // Element (1, 2), the buffer's first, is rank 0's local (1, 2) of a 4 x 3 piece:
+        // file 0, element 1 * 3 + 2; its column runs down both rows of the region.
+        let first = ops.iter().find(|o| o.dst_offset == 0).unwrap();
+        assert_eq!(
+            (first.src, first.src_offset, first.len, first.count),
+            (0, (3 + 2) * 4, 4, 2)
+        );
+        // Cast to bf16: the same elements, half the destination bytes.
+        let cast = region_ops(&t, &region, DType::BF16);
+        assert_eq!(cast.len(), ops.len());
+        assert_eq!(
+            cast.iter().map(CopyOp::bytes_written).sum::<u64>(),
+            2 * 3 * 2
+        );
+        assert!(cast.iter().all(|o| o.cast.is_some()));
     }
 
     #[test]

@@ -10,9 +10,8 @@
 //! coincidence, not tied, and are left alone unless they share storage.
 
 use crate::error::Result;
-use crate::exec::read_many;
-use crate::layout::{Loc, Piece, Region, TensorLayout};
-use crate::plan::fill;
+use crate::exec::read_regions;
+use crate::layout::{Region, TensorLayout};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -23,30 +22,10 @@ const BLOCK: u64 = 8 << 20;
 /// Probes read at once (at most 16 MiB in memory).
 const PROBE_BATCH: usize = 256;
 
-/// Read `regions` (tensor, region) of `files` in one mapping.
+/// Read `want` (tensor, region) of `files`, each in its tensor's dtype, in one mapping.
 fn read(files: &[PathBuf], want: &[(&TensorLayout, Region)]) -> Result<Vec<Vec<u8>>> {
-    let mut jobs = vec![];
-    let mut outs = vec![];
-    for (t, region) in want {
-        let piece = Piece {
-            rank: 0,
-            region: region.clone(),
-            loc: Loc {
-                file: 0,
-                offset: 0,
-                strides: None,
-            },
-        };
-        let mut ops = vec![];
-        fill(t, std::slice::from_ref(&piece), t.dtype, &mut ops);
-        jobs.push(ops);
-        outs.push(vec![
-            0u8;
-            (region.volume() * t.dtype.size() as u64) as usize
-        ]);
-    }
-    read_many(&jobs, files, &mut outs)?;
-    Ok(outs)
+    let want: Vec<_> = want.iter().map(|(t, r)| (*t, r, t.dtype)).collect();
+    read_regions(files, &want)
 }
 
 /// True when `bytes` is one element value repeated.
@@ -81,71 +60,10 @@ pub fn find(files: &[PathBuf], tensors: &[&TensorLayout]) -> Result<Vec<Vec<usiz
     kinds.sort();
     let mut groups: Vec<Vec<usize>> = vec![];
     for members in kinds {
-        // Names over the very same bytes (a torch.save storage shared by two keys).
-        let mut aliased: Vec<Vec<usize>> = vec![];
-        let mut by_bytes: HashMap<Vec<BytesKey>, usize> = HashMap::new();
-        for &i in &members {
-            match by_bytes.entry(bytes_key(tensors[i])) {
-                std::collections::hash_map::Entry::Occupied(g) => aliased[*g.get()].push(i),
-                std::collections::hash_map::Entry::Vacant(v) => {
-                    v.insert(aliased.len());
-                    aliased.push(vec![i]);
-                }
-            }
-        }
-        // Probe one representative of each (in batches, keeping only a hash of each probe,
-        // so memory stays bounded); bucket equal, non-constant probes.
-        let mut buckets: HashMap<u64, Vec<usize>> = HashMap::new();
-        let mut order = vec![];
-        for batch in (0..aliased.len()).collect::<Vec<_>>().chunks(PROBE_BATCH) {
-            let probes = read(
-                files,
-                &batch
-                    .iter()
-                    .map(|&k| {
-                        let t = tensors[aliased[k][0]];
-                        let first = Region::row_blocks(&t.shape, t.dtype.size() as u64, PROBE)
-                            .swap_remove(0);
-                        (t, first)
-                    })
-                    .collect::<Vec<_>>(),
-            )?;
-            for (&k, p) in batch.iter().zip(&probes) {
-                if constant(p, tensors[aliased[k][0]].dtype.size()) {
-                    continue;
-                }
-                let mut h = std::collections::hash_map::DefaultHasher::new();
-                std::hash::Hash::hash(p, &mut h);
-                let b = buckets.entry(std::hash::Hasher::finish(&h)).or_default();
-                if b.is_empty() {
-                    order.push(std::hash::Hasher::finish(&h));
-                }
-                b.push(k);
-            }
-        }
+        let aliased = aliased(tensors, &members);
         let mut merged: Vec<Option<Vec<usize>>> = aliased.iter().cloned().map(Some).collect();
-        for key in order {
-            let cands = &buckets[&key];
-            let mut classes: Vec<usize> = vec![];
-            for &k in cands {
-                let t = tensors[aliased[k][0]];
-                let mut home = None;
-                for &c in &classes {
-                    if equal(files, tensors[aliased[c][0]], t)? {
-                        home = Some(c);
-                        break;
-                    }
-                }
-                match home {
-                    Some(c) => {
-                        let moved = merged[k].take().unwrap_or_default();
-                        if let Some(g) = merged[c].as_mut() {
-                            g.extend(moved);
-                        }
-                    }
-                    None => classes.push(k),
-                }
-            }
+        for cands in probe_buckets(files, tensors, &aliased)? {
+            merge_equal(files, tensors, &aliased, &cands, &mut merged)?;
         }
         groups.extend(merged.into_iter().flatten().filter(|g| g.len() > 1));
     }
@@ -154,6 +72,99 @@ pub fn find(files: &[PathBuf], tensors: &[&TensorLayout]) -> Result<Vec<Vec<usiz
     }
     groups.sort();
     Ok(groups)
+}
+
+/// `members` (of one dtype and shape) grouped by the bytes they read: names over the very
+/// same bytes (a torch.save storage shared by two keys) share a group. In order of first
+/// member.
+fn aliased(tensors: &[&TensorLayout], members: &[usize]) -> Vec<Vec<usize>> {
+    let mut aliased: Vec<Vec<usize>> = vec![];
+    let mut by_bytes: HashMap<Vec<BytesKey>, usize> = HashMap::new();
+    for &i in members {
+        match by_bytes.entry(bytes_key(tensors[i])) {
+            std::collections::hash_map::Entry::Occupied(g) => aliased[*g.get()].push(i),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(aliased.len());
+                aliased.push(vec![i]);
+            }
+        }
+    }
+    aliased
+}
+
+/// Probe one representative of each group of `aliased` (in batches, keeping only a hash of
+/// each probe, so memory stays bounded) and bucket the groups whose probes are equal and not
+/// constant: the candidates for a full comparison, as indices into `aliased`, bucket by
+/// bucket in order of first member.
+fn probe_buckets(
+    files: &[PathBuf],
+    tensors: &[&TensorLayout],
+    aliased: &[Vec<usize>],
+) -> Result<Vec<Vec<usize>>> {
+    let mut buckets: HashMap<u64, Vec<usize>> = HashMap::new();
+    let mut order = vec![];
+    for batch in (0..aliased.len()).collect::<Vec<_>>().chunks(PROBE_BATCH) {
+        let probes = read(
+            files,
+            &batch
+                .iter()
+                .map(|&k| {
+                    let t = tensors[aliased[k][0]];
+                    let first =
+                        Region::row_blocks(&t.shape, t.dtype.size() as u64, PROBE).swap_remove(0);
+                    (t, first)
+                })
+                .collect::<Vec<_>>(),
+        )?;
+        for (&k, p) in batch.iter().zip(&probes) {
+            if constant(p, tensors[aliased[k][0]].dtype.size()) {
+                continue;
+            }
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            std::hash::Hash::hash(p, &mut h);
+            let b = buckets.entry(std::hash::Hasher::finish(&h)).or_default();
+            if b.is_empty() {
+                order.push(std::hash::Hasher::finish(&h));
+            }
+            b.push(k);
+        }
+    }
+    Ok(order
+        .into_iter()
+        .filter_map(|key| buckets.remove(&key))
+        .collect())
+}
+
+/// Compare the candidates `cands` (indices into `aliased`, equal probes) in full and move
+/// each group of `merged` into the first earlier candidate it equals.
+fn merge_equal(
+    files: &[PathBuf],
+    tensors: &[&TensorLayout],
+    aliased: &[Vec<usize>],
+    cands: &[usize],
+    merged: &mut [Option<Vec<usize>>],
+) -> Result<()> {
+    let mut classes: Vec<usize> = vec![];
+    for &k in cands {
+        let t = tensors[aliased[k][0]];
+        let mut home = None;
+        for &c in &classes {
+            if equal(files, tensors[aliased[c][0]], t)? {
+                home = Some(c);
+                break;
+            }
+        }
+        match home {
+            Some(c) => {
+                let moved = merged[k].take().unwrap_or_default();
+                if let Some(g) = merged[c].as_mut() {
+                    g.extend(moved);
+                }
+            }
+            None => classes.push(k),
+        }
+    }
+    Ok(())
 }
 
 /// Where one piece's elements are read from: region offsets and sizes, file, offset, strides.
@@ -179,7 +190,7 @@ fn bytes_key(t: &TensorLayout) -> Vec<BytesKey> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::DType;
+    use crate::layout::{DType, Loc, Piece};
 
     fn whole(name: &str, shape: &[u64], offset: u64) -> TensorLayout {
         TensorLayout {

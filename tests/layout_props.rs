@@ -191,7 +191,7 @@ fn run(plan: &Plan, srcs: &[Vec<u8>], dst_sizes: &[usize]) -> Vec<Vec<u8>> {
     let opts = ExecOptions {
         threads: Some(2),
         window: 64,
-        progress: false,
+        progress: None,
         sync: false,
     };
     execute(plan, &src_paths, &outputs, &dst_paths, &opts).unwrap();

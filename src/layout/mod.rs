@@ -4,6 +4,7 @@
 //! as [`TensorLayout`]s, a target is a [`Sharding`] (or flat ranges) compiled to regions per
 //! rank, and the planner intersects the two.
 
+pub(crate) mod cast;
 mod dtype;
 mod placement;
 mod region;

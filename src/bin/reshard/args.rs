@@ -204,7 +204,8 @@ impl TargetArgs {
             },
             exec: ExecOptions {
                 threads: self.threads,
-                progress: !quiet && std::io::stderr().is_terminal(),
+                progress: (!quiet && std::io::stderr().is_terminal())
+                    .then(|| std::sync::Arc::new(crate::progress_bar::Bar::new()) as _),
                 // RESHARD_WINDOW (bytes): the work-unit size, for the executor measurements
                 // in BENCHMARKS.md; not a user setting.
                 window: std::env::var("RESHARD_WINDOW")

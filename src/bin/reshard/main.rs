@@ -12,6 +12,7 @@ mod convert;
 mod diff;
 mod inspect;
 mod plan;
+mod progress_bar;
 mod text;
 mod verify;
 

@@ -1,0 +1,290 @@
+//! The executor: runs a [`Plan`] from memory-mapped sources into destination files.
+//!
+//! It knows nothing about formats. Destinations are described as [`OutputFile`]s (size plus
+//! literal bytes such as headers) and written with positional writes, never mapped, so their
+//! pages never count against the process. Work is cut into windows of each destination file
+//! (a few MiB) and windows run in parallel on a rayon pool; a window whose copies are all
+//! plain contiguous runs is copied by the kernel (or written straight from the source
+//! mapping), any other window is assembled in a per-thread buffer (casts, strided rows,
+//! headers) and written once. Source pages a window used are released (`MADV_DONTNEED`) as
+//! soon as it is written, so resident memory stays flat whatever the checkpoint size.
+//!
+//! This module holds the settings, the statistics and the entry points; `schedule` cuts
+//! windows and picks the thread count, `window` runs one, `crc` streams the outputs'
+//! checksums, and `read` reads regions into the caller's buffers. System calls are in
+//! `crate::sys`, cast kernels in `crate::layout::cast`.
+
+mod crc;
+mod read;
+mod schedule;
+mod window;
+
+pub use crc::{Checksum, KnownCrc};
+pub use read::{map_sources, read_into, read_many, read_regions};
+pub use schedule::balance;
+// Kept at its old path: page release is platform I/O, used by `verify` too.
+pub(crate) use crate::sys::release;
+
+use crate::error::{Error, IoContext, Result};
+use crate::plan::Plan;
+use crate::sys::{preallocate, WriteContext};
+use crc::{CkRange, CrcPart};
+use memmap2::Mmap;
+use rayon::prelude::*;
+use schedule::Window;
+use serde::Serialize;
+use std::fs::File;
+use std::path::PathBuf;
+use std::sync::Arc;
+use window::{run_window, WindowIo};
+
+/// A destination file: where it goes, its final size, and bytes written verbatim (headers).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutputFile {
+    /// Path relative to the destination (a file name for a single-file output).
+    pub path: PathBuf,
+    /// Final size in bytes.
+    pub size: u64,
+    /// `(offset, bytes)` written verbatim.
+    pub literals: Vec<(u64, Vec<u8>)>,
+    /// CRC-32s to compute over the finished file and write in place (zip records).
+    pub checksums: Vec<Checksum>,
+}
+
+/// Where the executor reports how far it got, in destination bytes: `start` once with the
+/// total, `advance` from the worker threads as windows are written, `finish` once every
+/// byte and checksum is in place (not called when the run fails).
+pub trait Progress: Send + Sync {
+    /// The run is about to write `total_bytes` destination bytes.
+    fn start(&self, total_bytes: u64);
+    /// `bytes` more destination bytes are written.
+    fn advance(&self, bytes: u64);
+    /// Every byte is written.
+    fn finish(&self);
+}
+
+/// Executor settings.
+#[derive(Clone)]
+pub struct ExecOptions {
+    /// Worker threads (`None`: one per core when much of the work passes through user
+    /// space — gathers, casts, hashing — otherwise one).
+    pub threads: Option<usize>,
+    /// Bytes of destination per work unit.
+    pub window: u64,
+    /// Where to report progress (`None`: nowhere).
+    pub progress: Option<Arc<dyn Progress>>,
+    /// fsync every output before returning (needed for a durable commit; tests of the copy
+    /// logic alone may turn it off).
+    pub sync: bool,
+}
+
+impl std::fmt::Debug for ExecOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecOptions")
+            .field("threads", &self.threads)
+            .field("window", &self.window)
+            .field("progress", &self.progress.as_ref().map(|_| "dyn Progress"))
+            .field("sync", &self.sync)
+            .finish()
+    }
+}
+
+impl Default for ExecOptions {
+    fn default() -> Self {
+        ExecOptions {
+            threads: None,
+            window: 8 << 20,
+            progress: None,
+            sync: true,
+        }
+    }
+}
+
+/// What a run did.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ExecStats {
+    /// Tensor bytes read from sources.
+    pub bytes_read: u64,
+    /// Bytes written to destinations (tensor data and literals).
+    pub bytes_written: u64,
+    /// Work units executed.
+    pub windows: usize,
+    /// Threads used.
+    pub threads: usize,
+}
+
+/// Run `plan`, reading `sources` and writing each of `outputs` to `dest_paths` (same order),
+/// which must already exist. Files are fsynced before this returns (unless `opts.sync` is off).
+pub fn execute(
+    plan: &Plan,
+    sources: &[PathBuf],
+    outputs: &[OutputFile],
+    dest_paths: &[PathBuf],
+    opts: &ExecOptions,
+) -> Result<ExecStats> {
+    execute_with_known(plan, sources, outputs, dest_paths, opts, &[])
+}
+
+/// [`execute`], with the CRC-32s of source ranges the sources record ([`KnownCrc`]): output
+/// checksums over bytes copied whole from them are combined, not hashed.
+pub fn execute_with_known(
+    plan: &Plan,
+    sources: &[PathBuf],
+    outputs: &[OutputFile],
+    dest_paths: &[PathBuf],
+    opts: &ExecOptions,
+    known: &[KnownCrc],
+) -> Result<ExecStats> {
+    let maps = map_sources(sources)?;
+    let src_files: Vec<File> = sources
+        .iter()
+        .map(|p| File::open(p).at(p))
+        .collect::<Result<_>>()?;
+    check_bounds(plan, sources, &maps, outputs)?;
+    let ranges = crc::checked_ranges(outputs)?;
+    let files = open_outputs(outputs, dest_paths)?;
+    let wins = schedule::windows(plan, outputs, opts.window);
+    let (given, skip) = crc::known_parts(plan, outputs, &ranges, known);
+    let threads = opts
+        .threads
+        .unwrap_or_else(|| schedule::default_threads(&wins, &ranges, &skip));
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| Error::usage(format!("cannot start worker threads: {e}")))?;
+    let progress = opts.progress.as_deref();
+    if let Some(p) = progress {
+        p.start(wins.iter().map(Window::size).sum());
+    }
+    let shared = Shared {
+        srcs: &maps,
+        src_files: &src_files,
+        dsts: &files,
+        dest_paths,
+        ranges: &ranges,
+        skip: &skip,
+    };
+    let mut parts = pool.install(|| run_windows(&wins, &shared, progress))?;
+    parts.extend(given);
+    crc::write_checksums(outputs, parts, &files, dest_paths)?;
+    if let Some(p) = progress {
+        p.finish();
+    }
+    if opts.sync {
+        for (f, p) in files.iter().zip(dest_paths) {
+            f.sync_all().at_write(p)?;
+        }
+    }
+    Ok(ExecStats {
+        bytes_read: plan.bytes_read(),
+        bytes_written: plan.bytes_written()
+            + outputs
+                .iter()
+                .flat_map(|o| &o.literals)
+                .map(|(_, b)| b.len() as u64)
+                .sum::<u64>(),
+        windows: wins.len(),
+        threads: pool.current_num_threads(),
+    })
+}
+
+/// What every window of a run shares: the sources (mapped and opened), the destinations
+/// (opened, and their paths), and per destination its checksum ranges and the ranges of
+/// them that known source CRCs give.
+struct Shared<'a> {
+    srcs: &'a [Mmap],
+    src_files: &'a [File],
+    dsts: &'a [File],
+    dest_paths: &'a [PathBuf],
+    ranges: &'a [Vec<CkRange>],
+    skip: &'a [Vec<(u64, u64)>],
+}
+
+/// Run `wins` in parallel on the current pool, telling `progress` as each is written;
+/// returns the checksum parts they hashed.
+fn run_windows(
+    wins: &[Window],
+    io: &Shared,
+    progress: Option<&dyn Progress>,
+) -> Result<Vec<CrcPart>> {
+    wins.par_iter()
+        .map(|w| {
+            let f = w.dst as usize;
+            let wio = WindowIo {
+                srcs: io.srcs,
+                src_files: io.src_files,
+                dst: &io.dsts[f],
+                dst_path: &io.dest_paths[f],
+            };
+            let parts = run_window(w, &wio, (&io.ranges[f], &io.skip[f]))?;
+            if let Some(p) = progress {
+                p.advance(w.size());
+            }
+            Ok(parts)
+        })
+        .try_reduce(Vec::new, |mut a, b| {
+            a.extend(b);
+            Ok(a)
+        })
+}
+
+/// Open the (existing) destination files `dest_paths` for writing, their blocks allocated
+/// and their sizes set to those of `outputs`.
+fn open_outputs(outputs: &[OutputFile], dest_paths: &[PathBuf]) -> Result<Vec<File>> {
+    dest_paths
+        .iter()
+        .zip(outputs)
+        .map(|(p, o)| {
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(p)
+                .at_write(p)?;
+            preallocate(&f, o.size).at_write(p)?;
+            f.set_len(o.size).at_write(p)?;
+            Ok(f)
+        })
+        .collect()
+}
+
+/// Check every op stays within its source mapping and destination size.
+fn check_bounds(
+    plan: &Plan,
+    sources: &[PathBuf],
+    maps: &[Mmap],
+    outputs: &[OutputFile],
+) -> Result<()> {
+    for o in &plan.ops {
+        let s = maps.get(o.src as usize).ok_or_else(|| {
+            Error::usage(format!(
+                "plan names source file #{} of {}",
+                o.src,
+                maps.len()
+            ))
+        })?;
+        let (_, b) = o.src_span();
+        if b > s.len() as u64 {
+            return Err(Error::format(
+                &sources[o.src as usize],
+                format!("is shorter than its metadata says: bytes up to {b} are needed, the file has {}", s.len()),
+            ));
+        }
+        let d = outputs
+            .get(o.dst as usize)
+            .ok_or_else(|| Error::usage(format!("plan names destination file #{}", o.dst)))?;
+        if o.dst_span().1 > d.size {
+            return Err(Error::usage(format!(
+                "{}: copy past the end of the output ({} > {})",
+                d.path.display(),
+                o.dst_span().1,
+                d.size
+            )));
+        }
+        if o.count == 0
+            || (o.cast.is_some() && o.len % o.cast.map_or(1, |c| c.from.size() as u64) != 0)
+        {
+            return Err(Error::usage("malformed copy op in plan"));
+        }
+    }
+    Ok(())
+}
