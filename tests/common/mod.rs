@@ -256,6 +256,26 @@ pub fn names(dir: &Path) -> Vec<String> {
     v
 }
 
+/// The crate root, where `cargo test` runs the tests.
+pub fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The `failure_persistence` of a proptest block: `proptest-regressions/NAME.txt` at the crate
+/// root (committed), whose seeds are replayed first on every run, whatever the working
+/// directory.
+pub fn regressions(name: &str) -> Option<Box<dyn proptest::test_runner::FailurePersistence>> {
+    let path = format!(
+        "{}/proptest-regressions/{name}.txt",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    // `Direct` takes a `&'static str`; one small leak per proptest block.
+    let path: &'static str = Box::leak(path.into_boxed_str());
+    Some(Box::new(
+        proptest::test_runner::FileFailurePersistence::Direct(path),
+    ))
+}
+
 /// A Python that can import torch and safetensors: $RESHARD_PYTHON, or the project's .venv.
 /// Tests that need torch report themselves skipped when there is none.
 pub fn torch_python() -> Option<PathBuf> {

@@ -3,9 +3,8 @@
 //! refuses sources whose recorded checksums do not match the bytes it reads, and `reshard diff`
 //! compares checkpoints tensor by tensor.
 
-mod common;
-
-use common::{fails, ok, s};
+use crate::common;
+use crate::common::{fails, ok, s};
 use reshard::formats::Checkpoint;
 use std::path::{Path, PathBuf};
 

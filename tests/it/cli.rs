@@ -1,7 +1,6 @@
 //! End-to-end tests of the `reshard` binary on checkpoints written by the tests themselves.
 
-mod common;
-use common::*;
+use crate::common::*;
 use std::path::Path;
 
 fn setup(world: usize) -> (tempfile::TempDir, std::path::PathBuf) {

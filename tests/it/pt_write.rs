@@ -3,8 +3,7 @@
 //! against torch's oracle) and, when a Python with torch is available, by
 //! `torch.load(weights_only=True)` itself.
 
-mod common;
-use common::torch_python;
+use crate::common::torch_python;
 use reshard::formats::pickle::{parse, torch_save_globals, Value};
 use reshard::formats::torch_zip::Archive;
 use safetensors::SafeTensors;

@@ -2,8 +2,7 @@
 //! from the files; the union over ranks is the whole tensor, and (checked through the OS
 //! page cache) one rank reads about 1/M of the data, not all of it.
 
-mod common;
-use common::*;
+use crate::common::*;
 use reshard::convert::Selection;
 use reshard::formats::Checkpoint;
 use reshard::layout::Region;

@@ -3,9 +3,7 @@
 //! items. A `.pt` output stores it once, as `torch.save` of the tied model does; safetensors
 //! keeps both copies and `inspect` says so.
 
-mod common;
-
-use common::{ok, read_safetensors, s, torch_python};
+use crate::common::{ok, read_safetensors, s, torch_python};
 use std::path::{Path, PathBuf};
 
 fn fixture(name: &str) -> PathBuf {

@@ -3,8 +3,7 @@
 //! `torch.distributed.checkpoint.load` in M gloo processes into DTensors sharded for M ranks,
 //! and `dcp_to_torch_save`, both compared with torch's own oracle.
 
-mod common;
-use common::*;
+use crate::common::*;
 use std::path::{Path, PathBuf};
 
 fn fixture(name: &str) -> PathBuf {

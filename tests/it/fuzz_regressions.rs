@@ -12,7 +12,7 @@
 //! To fuzz further: `scripts/fuzz.sh` (README, "Fuzzing").
 
 #[allow(dead_code)]
-#[path = "../fuzz/src/lib.rs"]
+#[path = "../../fuzz/src/lib.rs"]
 mod targets;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};

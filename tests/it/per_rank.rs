@@ -3,9 +3,7 @@
 //! (`rng_state`, plus the fixture's `extra.rng`). `inspect` marks them; `--to 1` keeps rank 0's;
 //! other world sizes refuse unless `--per-rank-state` says what to do.
 
-mod common;
-
-use common::{fails, ok, s, torch_python};
+use crate::common::{fails, ok, s, torch_python};
 use reshard::formats::Checkpoint;
 use std::path::{Path, PathBuf};
 

@@ -3,8 +3,7 @@
 //! byte with torch's consolidated oracle, and — when a Python with torch is available — torch's
 //! own reader must accept what reshard writes.
 
-mod common;
-use common::*;
+use crate::common::*;
 use std::path::{Path, PathBuf};
 
 fn fixture(name: &str) -> PathBuf {

@@ -8,9 +8,8 @@
 //! - disk full (a small tmpfs, when mounting is permitted) and file too large (`ulimit -f`):
 //!   one line naming the output file, exit 1, nothing partial left.
 
-mod common;
-
-use common::{fsdp_shards, s, write_hf_storage, write_safetensors, Full};
+use crate::common;
+use crate::common::{fsdp_shards, s, write_hf_storage, write_safetensors, Full};
 use reshard::formats::Checkpoint;
 use reshard::layout::Region;
 use safetensors::tensor::Dtype;

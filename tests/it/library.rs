@@ -1,7 +1,6 @@
 //! The library as a trainer uses it: open a checkpoint and read any region of any tensor.
 
-mod common;
-use common::*;
+use crate::common::*;
 use reshard::formats::Checkpoint;
 use reshard::layout::{DType, Region};
 

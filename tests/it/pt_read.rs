@@ -5,8 +5,7 @@
 //! `.pt`), judged by reshard and, when a Python with torch is available, by `torch.load`;
 //! and refusing damaged or unsupported files with one line naming the file.
 
-mod common;
-use common::{fails, ok, s, torch_python};
+use crate::common::{fails, ok, s, torch_python};
 use reshard::formats::{Checkpoint, Format, KeyPart};
 use reshard::layout::Region;
 use safetensors::SafeTensors;

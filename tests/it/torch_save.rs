@@ -471,9 +471,7 @@ fn value_strategy() -> impl Strategy<Value = PyValue> {
 proptest! {
     #![proptest_config(ProptestConfig {
         cases: 512,
-        failure_persistence: Some(Box::new(
-            proptest::test_runner::FileFailurePersistence::WithSource("regressions"),
-        )),
+        failure_persistence: crate::common::regressions("torch_save"),
         ..ProptestConfig::default()
     })]
 

@@ -546,7 +546,11 @@ mod fuzz {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(96))]
+        #![proptest_config(ProptestConfig {
+            cases: 96,
+            failure_persistence: crate::common::regressions("dcp_read"),
+            ..ProptestConfig::default()
+        })]
 
         /// Damaged metadata or data files are read or refused, never a panic; what is read
         /// can be read back without a panic either.
