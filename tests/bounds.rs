@@ -4,6 +4,9 @@
 //! complete conversion) within bounded time and memory: the CLI runs as a child under a
 //! virtual-memory cap (`ulimit -v`, a safety net), its peak RSS is read with `wait4`, and
 //! both are asserted (< 10 s, < 1 GiB).
+//!
+//! A test binary of its own (not a module of `tests/it`): the time and memory it asserts are
+//! measured with no other tests loading the CPU.
 
 mod common;
 
@@ -899,8 +902,7 @@ fn deeply_nested_json_ends_in_a_clear_error() {
 #[test]
 fn a_mesh_of_billions_of_ranks_is_refused_quickly() {
     let tmp = tempfile::tempdir().unwrap();
-    let ck = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/fsdp2_w2_f32/checkpoint");
+    let ck = common::fixture("fsdp2_w2_f32/checkpoint");
     let out = tmp.path().join("out");
     fails_bounded(
         "--to 4000000000",

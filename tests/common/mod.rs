@@ -1,9 +1,15 @@
 //! Shared helpers of the integration tests: a synthetic model written as real per-rank
-//! safetensors shards (with the `safetensors` crate, not with reshard), and CLI runners.
+//! safetensors shards (with the `safetensors` crate, not with reshard), CLI runners, the
+//! fixture paths, the Python with torch that judges interop, where proptest keeps its
+//! failures, and ([`archive`]) an independent judge of the zip archives reshard writes.
 #![allow(dead_code)]
 
+pub mod archive;
+
+use reshard::formats::Checkpoint;
+use reshard::layout::Region;
 use safetensors::tensor::{Dtype, TensorView};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -155,6 +161,15 @@ pub fn write_hf_storage(dir: &Path, shards: &[Shard]) {
     }
 }
 
+/// A temporary directory holding `ck`: [`model`] as HF-storage shards of `world` ranks
+/// ([`fsdp_shards`]).
+pub fn synthetic(world: usize) -> (tempfile::TempDir, PathBuf) {
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    write_hf_storage(&ck, &fsdp_shards(&model(), world));
+    (d, ck)
+}
+
 /// Write one plain safetensors file.
 pub fn write_safetensors(path: &Path, model: &BTreeMap<String, Full>) {
     let views: Vec<(String, TensorView)> = model
@@ -188,6 +203,74 @@ pub fn read_safetensors(path: &Path) -> BTreeMap<String, Full> {
         .collect()
 }
 
+/// Tensors by name: (dtype name, shape, bytes), as [`read_st`] and [`read_all`] give them.
+pub type Tensors = BTreeMap<String, (String, Vec<u64>, Vec<u8>)>;
+
+/// Every tensor of a safetensors file (with the safetensors crate), and its
+/// `reshard.extras` metadata parsed as JSON, if any.
+pub fn read_st(path: &Path) -> (Tensors, Option<serde_json::Value>) {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let tensors = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| {
+            (
+                n,
+                (
+                    t.dtype().to_string(),
+                    t.shape().iter().map(|&s| s as u64).collect(),
+                    t.data().to_vec(),
+                ),
+            )
+        })
+        .collect();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let extras = meta
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get("reshard.extras"))
+        .map(|text| serde_json::from_str(text).unwrap());
+    (tensors, extras)
+}
+
+/// Every tensor of `ck`, read whole through the library.
+pub fn read_all(ck: &Checkpoint) -> Tensors {
+    ck.tensors
+        .iter()
+        .map(|t| {
+            let bytes = ck
+                .read_region(&t.name, &Region::full(&t.shape), None)
+                .unwrap_or_else(|e| panic!("{}: {e}", t.name));
+            (
+                t.name.clone(),
+                (t.dtype.name().to_string(), t.shape.clone(), bytes),
+            )
+        })
+        .collect()
+}
+
+/// Same names, and per name the same dtype, shape and bytes.
+pub fn assert_same(case: &str, what: &str, got: &Tensors, want: &Tensors) {
+    let g: BTreeSet<_> = got.keys().collect();
+    let w: BTreeSet<_> = want.keys().collect();
+    assert_eq!(g, w, "{case} {what}: tensor names differ");
+    for (name, (dt, shape, data)) in want {
+        let (gdt, gshape, gdata) = &got[name];
+        assert_eq!((gdt, gshape), (dt, shape), "{case} {what}: `{name}`");
+        assert!(gdata == data, "{case} {what}: bytes of `{name}` differ");
+    }
+}
+
+/// A JSON file holding an object (an oracle's non-tensor values).
+pub fn json_object(p: &Path) -> serde_json::Map<String, serde_json::Value> {
+    let text = std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    match serde_json::from_str(&text).unwrap() {
+        serde_json::Value::Object(m) => m,
+        other => panic!("{}: not an object: {other}", p.display()),
+    }
+}
+
 /// Run the reshard binary.
 pub fn reshard(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_reshard"))
@@ -207,6 +290,13 @@ pub fn ok(args: &[&str]) -> String {
     String::from_utf8(o.stdout).unwrap()
 }
 
+/// `reshard convert SRC DST ARGS…`, required to succeed; returns stdout.
+pub fn convert(src: &Path, dst: &Path, args: &[&str]) -> String {
+    let mut all = vec!["convert", s(src), s(dst)];
+    all.extend_from_slice(args);
+    ok(&all)
+}
+
 /// Run reshard and require an error (exit status 2) with a one-line message containing
 /// `needle`.
 pub fn fails(args: &[&str], needle: &str) -> String {
@@ -222,13 +312,30 @@ pub fn fails_with(code: i32, args: &[&str], needle: &str) -> String {
         Some(code),
         "reshard {args:?}: expected exit {code}, stderr: {err}"
     );
+    one_line_error(args, &err, &[needle]);
+    err
+}
+
+/// Run reshard and require a failure (any exit but success) with a one-line error
+/// containing every needle.
+pub fn fails_all(args: &[&str], needles: &[&str]) -> String {
+    let o = reshard(args);
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(
+        !o.status.success(),
+        "reshard {args:?} succeeded on a bad input"
+    );
+    one_line_error(args, &err, needles);
+    err
+}
+
+/// `err` is one `reshard: error: …` line containing every needle.
+fn one_line_error(args: &[&str], err: &str, needles: &[&str]) {
     assert_eq!(err.trim_end().lines().count(), 1, "not one line: {err}");
     assert!(err.starts_with("reshard: error: "), "{err}");
-    assert!(
-        err.contains(needle),
-        "reshard {args:?}: `{needle}` not in: {err}"
-    );
-    err
+    for n in needles {
+        assert!(err.contains(n), "reshard {args:?}: `{n}` not in: {err}");
+    }
 }
 
 /// A path as &str.
@@ -252,6 +359,15 @@ pub fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
     out
 }
 
+/// Copy the files of directory `from` into `to` (created).
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
 /// Names in `dir` (no temporary leftovers expected).
 pub fn names(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(dir)
@@ -262,12 +378,37 @@ pub fn names(dir: &Path) -> Vec<String> {
     v
 }
 
+/// The crate root, where `cargo test` runs the tests.
+pub fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `tests/fixtures/REL`: the torch-written checkpoints and their oracles.
+pub fn fixture(rel: &str) -> PathBuf {
+    root().join("tests/fixtures").join(rel)
+}
+
+/// The `failure_persistence` of a proptest block: `proptest-regressions/NAME.txt` at the crate
+/// root (committed), whose seeds are replayed first on every run, whatever the working
+/// directory.
+pub fn regressions(name: &str) -> Option<Box<dyn proptest::test_runner::FailurePersistence>> {
+    let path = format!(
+        "{}/proptest-regressions/{name}.txt",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    // `Direct` takes a `&'static str`; one small leak per proptest block.
+    let path: &'static str = Box::leak(path.into_boxed_str());
+    Some(Box::new(
+        proptest::test_runner::FileFailurePersistence::Direct(path),
+    ))
+}
+
 /// A Python that can import torch and safetensors: $RESHARD_PYTHON, or the project's .venv.
 /// Tests that need torch report themselves skipped when there is none.
 pub fn torch_python() -> Option<PathBuf> {
     [
         std::env::var_os("RESHARD_PYTHON").map(PathBuf::from),
-        Some(Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python")),
+        Some(root().join(".venv/bin/python")),
     ]
     .into_iter()
     .flatten()
@@ -279,9 +420,26 @@ pub fn torch_python() -> Option<PathBuf> {
     })
 }
 
+/// [`torch_python`], or `None` after saying that the torch checks are skipped.
+pub fn torch_or_skip() -> Option<PathBuf> {
+    let py = torch_python();
+    if py.is_none() {
+        eprintln!(
+            "skipped: no Python with torch (set RESHARD_PYTHON or run scripts/setup_venv.sh)"
+        );
+    }
+    py
+}
+
+/// Run `code` with `py -c` and require it to succeed.
+pub fn python(py: &Path, code: &str) {
+    let o = Command::new(py).arg("-c").arg(code).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
 /// Run `scripts/torch_interop.py ARGS` with `py` and require torch to accept.
 pub fn judge<S: AsRef<std::ffi::OsStr> + std::fmt::Debug>(py: &Path, args: &[S]) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/torch_interop.py");
+    let script = root().join("scripts/torch_interop.py");
     let o = Command::new(py).arg(&script).args(args).output().unwrap();
     assert!(
         o.status.success(),
@@ -294,7 +452,7 @@ pub fn judge<S: AsRef<std::ffi::OsStr> + std::fmt::Debug>(py: &Path, args: &[S])
 /// Every real checkpoint of `tests/fixtures`: the torch-written DCP and HF-storage
 /// directories and the `.pt` files, sorted.
 pub fn fixture_checkpoints() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let root = fixture("");
     let mut v: Vec<PathBuf> = std::fs::read_dir(&root)
         .unwrap()
         .map(|e| e.unwrap().path().join("checkpoint"))

@@ -3,12 +3,14 @@
 //! value against the oracles gathered in the live jobs; then converting them with the CLI,
 //! N → 1 and N → M → 1, and refusing damaged checkpoints with one line naming the file.
 
+use crate::common::{
+    assert_same, convert, copy_dir, fails_all, fixture, json_object, ok, read_all, read_st, s,
+    Tensors,
+};
 use reshard::formats::{Checkpoint, Format};
 use reshard::layout::Region;
-use safetensors::SafeTensors;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 /// Every DCP fixture.
 const CASES: &[&str] = &[
@@ -29,95 +31,16 @@ const CASES: &[&str] = &[
     "fsdp2_w2_tied",
 ];
 
-fn case_dir(case: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(case)
-}
-
 fn checkpoint(case: &str) -> PathBuf {
-    case_dir(case).join("checkpoint")
-}
-
-/// name → (dtype, shape, bytes)
-type Tensors = BTreeMap<String, (String, Vec<u64>, Vec<u8>)>;
-
-fn read_st(path: &Path) -> Tensors {
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    st.tensors()
-        .into_iter()
-        .map(|(n, t)| {
-            (
-                n,
-                (
-                    t.dtype().to_string(),
-                    t.shape().iter().map(|&s| s as u64).collect(),
-                    t.data().to_vec(),
-                ),
-            )
-        })
-        .collect()
+    fixture(case).join("checkpoint")
 }
 
 fn oracle(case: &str) -> Tensors {
-    read_st(&case_dir(case).join("oracle/full.safetensors"))
+    read_st(&fixture(case).join("oracle/full.safetensors")).0
 }
 
 fn nontensor(case: &str) -> serde_json::Map<String, serde_json::Value> {
-    let p = case_dir(case).join("oracle/nontensor.json");
-    let text = std::fs::read_to_string(&p).unwrap();
-    match serde_json::from_str(&text).unwrap() {
-        serde_json::Value::Object(m) => m,
-        other => panic!("{}: not an object: {other}", p.display()),
-    }
-}
-
-fn reshard(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_reshard"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn ok(args: &[&str]) {
-    let o = reshard(args);
-    assert!(
-        o.status.success(),
-        "reshard {args:?} failed: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
-
-/// Run reshard, require a failure with a one-line error containing every needle.
-fn fails(args: &[&str], needles: &[&str]) -> String {
-    let o = reshard(args);
-    let err = String::from_utf8_lossy(&o.stderr).to_string();
-    assert!(
-        !o.status.success(),
-        "reshard {args:?} succeeded on a bad input"
-    );
-    assert_eq!(err.trim_end().lines().count(), 1, "not one line: {err}");
-    assert!(err.starts_with("reshard: error: "), "{err}");
-    for n in needles {
-        assert!(err.contains(n), "reshard {args:?}: `{n}` not in: {err}");
-    }
-    err
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
-fn assert_same(case: &str, what: &str, got: &Tensors, want: &Tensors) {
-    let g: BTreeSet<_> = got.keys().collect();
-    let w: BTreeSet<_> = want.keys().collect();
-    assert_eq!(g, w, "{case} {what}: tensor names differ");
-    for (name, (dt, shape, data)) in want {
-        let (gdt, gshape, gdata) = &got[name];
-        assert_eq!((gdt, gshape), (dt, shape), "{case} {what}: `{name}`");
-        assert!(gdata == data, "{case} {what}: bytes of `{name}` differ");
-    }
+    json_object(&fixture(case).join("oracle/nontensor.json"))
 }
 
 #[test]
@@ -125,18 +48,7 @@ fn every_fixture_reads_exactly_like_its_oracle() {
     for case in CASES {
         let ck = Checkpoint::open(checkpoint(case)).unwrap_or_else(|e| panic!("{case}: {e}"));
         assert_eq!(ck.format, Format::DCP, "{case}");
-        let want = oracle(case);
-        let mut got = Tensors::new();
-        for t in &ck.tensors {
-            let bytes = ck
-                .read_region(&t.name, &Region::full(&t.shape), None)
-                .unwrap_or_else(|e| panic!("{case}: {e}"));
-            got.insert(
-                t.name.clone(),
-                (t.dtype.name().to_string(), t.shape.clone(), bytes),
-            );
-        }
-        assert_same(case, "read_region", &got, &want);
+        assert_same(case, "read_region", &read_all(&ck), &oracle(case));
 
         // Non-tensor items: same keys as the oracle, same JSON values.
         let nt = nontensor(case);
@@ -221,7 +133,7 @@ fn piece_offsets_match_the_manifests() {
         "fmt_fs_safetensors_w2",
         "fsdp2_w2_f32_nocoll",
     ] {
-        let text = std::fs::read_to_string(case_dir(case).join("oracle/manifest.json")).unwrap();
+        let text = std::fs::read_to_string(fixture(case).join("oracle/manifest.json")).unwrap();
         let m: serde_json::Value = serde_json::from_str(&text).unwrap();
         let ck = Checkpoint::open(checkpoint(case)).unwrap();
         let mut checked = 0;
@@ -266,8 +178,8 @@ fn cli_consolidates_every_fixture_byte_for_byte() {
     let tmp = tempfile::tempdir().unwrap();
     for case in CASES {
         let out = tmp.path().join(format!("{case}.safetensors"));
-        ok(&["convert", s(&checkpoint(case)), s(&out), "--to", "1"]);
-        assert_same(case, "convert --to 1", &read_st(&out), &oracle(case));
+        convert(&checkpoint(case), &out, &["--to", "1"]);
+        assert_same(case, "convert --to 1", &read_st(&out).0, &oracle(case));
     }
 }
 
@@ -280,21 +192,22 @@ fn cli_reshards_n_to_m_to_one() {
             let mid = tmp.path().join(format!("{case}-{m}"));
             let back = tmp.path().join(format!("{case}-{m}.safetensors"));
             let ms = m.to_string();
-            ok(&[
-                "convert",
-                s(&checkpoint(case)),
-                s(&mid),
-                "--to",
-                &ms,
-                "--format",
-                "hf-storage",
-                "--per-rank-state",
-                "keep",
-            ]);
+            convert(
+                &checkpoint(case),
+                &mid,
+                &[
+                    "--to",
+                    &ms,
+                    "--format",
+                    "hf-storage",
+                    "--per-rank-state",
+                    "keep",
+                ],
+            );
             let shards = std::fs::read_dir(&mid).unwrap().count();
             assert!(shards >= m, "{case} → {m}: {shards} files");
-            ok(&["convert", s(&mid), s(&back), "--to", "1"]);
-            assert_same(case, &format!("→ {m} → 1"), &read_st(&back), &want);
+            convert(&mid, &back, &["--to", "1"]);
+            assert_same(case, &format!("→ {m} → 1"), &read_st(&back).0, &want);
         }
     }
 }
@@ -305,11 +218,7 @@ fn cli_reshards_n_to_m_to_one() {
 /// A writable copy of a fixture's checkpoint.
 fn copy(case: &str, into: &Path) -> PathBuf {
     let dst = into.join(case);
-    std::fs::create_dir_all(&dst).unwrap();
-    for e in std::fs::read_dir(checkpoint(case)).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
-    }
+    copy_dir(&checkpoint(case), &dst);
     dst
 }
 
@@ -363,7 +272,7 @@ fn zero_pickle_crcs(file: &Path) {
 
 fn convert_fails(ck: &Path, needles: &[&str]) -> String {
     let out = ck.parent().unwrap().join("out.safetensors");
-    let err = fails(&["convert", s(ck), s(&out), "--to", "1"], needles);
+    let err = fails_all(&["convert", s(ck), s(&out), "--to", "1"], needles);
     assert!(!out.exists(), "no output on failure");
     // the library refuses it too
     assert!(Checkpoint::open(ck).is_err());
@@ -546,7 +455,11 @@ mod fuzz {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(96))]
+        #![proptest_config(ProptestConfig {
+            cases: 96,
+            failure_persistence: crate::common::regressions("dcp_read"),
+            ..ProptestConfig::default()
+        })]
 
         /// Damaged metadata or data files are read or refused, never a panic; what is read
         /// can be read back without a panic either.
@@ -612,33 +525,21 @@ fn non_tensor_entries_survive_n_to_m_to_one() {
     let tmp = tempfile::tempdir().unwrap();
     let case = "fabric_fsdp1_w4_f32_torch21";
     let mid = tmp.path().join("m2");
-    let stdout = |args: &[&str]| -> String {
-        let o = std::process::Command::new(env!("CARGO_BIN_EXE_reshard"))
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        String::from_utf8(o.stdout).unwrap()
-    };
-    let out = stdout(&[
-        "convert",
-        s(&checkpoint(case)),
-        s(&mid),
-        "--to",
-        "2",
-        "--format",
-        "hf-storage",
-    ]);
+    let out = convert(
+        &checkpoint(case),
+        &mid,
+        &["--to", "2", "--format", "hf-storage"],
+    );
     assert!(out.contains("kept 2 non-tensor entries as JSON"), "{out}");
     let back = tmp.path().join("one.safetensors");
-    ok(&["convert", s(&mid), s(&back), "--to", "1"]);
+    convert(&mid, &back, &["--to", "1"]);
     let ck = reshard::formats::Checkpoint::open(&back).unwrap();
     let names: Vec<&str> = ck.extras.iter().map(|e| e.name.as_str()).collect();
     assert_eq!(names, vec!["optimizer.param_groups", "step"]);
     assert_eq!(ck.extras[1].value, serde_json::json!(1));
     let groups = &ck.extras[0].value;
     assert_eq!(groups[0]["betas"], serde_json::json!([0.9, 0.95]));
-    let insp = stdout(&["inspect", s(&back)]);
+    let insp = ok(&["inspect", s(&back)]);
     assert!(insp.contains("step [reshard.extras] = 1"), "{insp}");
 }
 

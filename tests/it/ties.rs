@@ -3,16 +3,8 @@
 //! items. A `.pt` output stores it once, as `torch.save` of the tied model does; safetensors
 //! keeps both copies and `inspect` says so.
 
-mod common;
-
-use common::{ok, read_safetensors, s, torch_python};
+use crate::common::{convert, fixture, ok, python, read_safetensors, s, torch_or_skip};
 use std::path::{Path, PathBuf};
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
 
 fn ckpt() -> PathBuf {
     fixture("fsdp2_w2_tied/checkpoint")
@@ -41,7 +33,7 @@ fn inspect_names_tied_tensors() {
     // safetensors holds both copies, and inspect says why
     let d = tempfile::tempdir().unwrap();
     let st = d.path().join("m.safetensors");
-    ok(&["convert", s(&ckpt()), s(&st), "--to", "1", "-q"]);
+    convert(&ckpt(), &st, &["--to", "1", "-q"]);
     let t = read_safetensors(&st);
     assert_eq!(t["model.embed.weight"].data, t["model.lm_head.weight"].data);
     let text = ok(&["inspect", s(&st)]);
@@ -56,12 +48,12 @@ fn pt_stores_a_tied_group_once() {
     let d = tempfile::tempdir().unwrap();
     let once = d.path().join("once.pt");
     let twice = d.path().join("twice.pt");
-    let msg = ok(&["convert", s(&ckpt()), s(&once), "--to", "1"]);
+    let msg = convert(&ckpt(), &once, &["--to", "1"]);
     assert!(
         msg.contains("tied: model.embed.weight = model.lm_head.weight (stored once)"),
         "{msg}"
     );
-    let msg = ok(&["convert", s(&ckpt()), s(&twice), "--to", "1", "--untie"]);
+    let msg = convert(&ckpt(), &twice, &["--to", "1", "--untie"]);
     assert!(!msg.contains("tied:"), "{msg}");
     let size = |p: &Path| std::fs::metadata(p).unwrap().len();
     // one 480-byte record (plus its zip headers and alignment) fewer
@@ -71,8 +63,7 @@ fn pt_stores_a_tied_group_once() {
         size(&twice),
         size(&once)
     );
-    let Some(py) = torch_python() else {
-        eprintln!("skipped (torch part): no Python with torch (set RESHARD_PYTHON or run scripts/setup_venv.sh)");
+    let Some(py) = torch_or_skip() else {
         return;
     };
     let code = format!(
@@ -106,10 +97,5 @@ print("ok")
         once = s(&once),
         twice = s(&twice),
     );
-    let o = std::process::Command::new(&py)
-        .arg("-c")
-        .arg(&code)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    python(&py, &code);
 }

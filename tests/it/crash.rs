@@ -8,9 +8,8 @@
 //! - disk full (a small tmpfs, when mounting is permitted) and file too large (`ulimit -f`):
 //!   one line naming the output file, exit 2, nothing partial left.
 
-mod common;
-
-use common::{fsdp_shards, s, write_hf_storage, write_safetensors, Full};
+use crate::common;
+use crate::common::{convert, fsdp_shards, s, write_hf_storage, write_safetensors, Full};
 use reshard::formats::Checkpoint;
 use reshard::layout::Region;
 use safetensors::tensor::Dtype;
@@ -247,7 +246,7 @@ fn probe_speed(dir: &Path) -> f64 {
     write_safetensors(&src, &m);
     let dst = dir.join("probe-out.safetensors");
     let t0 = Instant::now();
-    common::ok(&["convert", s(&src), s(&dst), "--to", "1", "-q"]);
+    convert(&src, &dst, &["--to", "1", "-q"]);
     let secs = t0.elapsed().as_secs_f64();
     std::fs::remove_file(&src).unwrap();
     std::fs::remove_file(&dst).unwrap();
@@ -631,15 +630,11 @@ fn a_full_disk_fails_cleanly_and_keeps_the_old_output() {
     }
     // An existing output replaced with --force stays as it was when the disk fills.
     let keep = out.join("keep.safetensors");
-    common::ok(&[
-        "convert",
-        s(&src),
-        s(&keep),
-        "--to",
-        "1",
-        "--include",
-        "model.norm.weight",
-    ]);
+    convert(
+        &src,
+        &keep,
+        &["--to", "1", "--include", "model.norm.weight"],
+    );
     let before = std::fs::read(&keep).unwrap();
     let o = common::reshard(&["convert", s(&src), s(&keep), "--to", "1", "--force"]);
     fails_naming(&o, &keep, "the disk is full");

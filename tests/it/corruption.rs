@@ -6,11 +6,10 @@
 //! 2, one line naming a file of the checkpoint, no panic, no output, no temporary file left)
 //! or convert to exactly the right tensors (a flipped byte the format does not use). Silent
 //! corruption — an output that differs from the oracle — fails the test. The counts are
-//! printed (`cargo test --test corruption -- --nocapture`).
+//! printed (`cargo test --test it corruption -- --nocapture`).
 
-mod common;
-
-use common::{reshard, s};
+use crate::common;
+use crate::common::{reshard, s};
 use reshard::formats::Checkpoint;
 use reshard::layout::Region;
 use std::collections::BTreeMap;

@@ -3,19 +3,11 @@
 //! against torch's oracle) and, when a Python with torch is available, by
 //! `torch.load(weights_only=True)` itself.
 
-mod common;
-use common::torch_python;
+use crate::common::archive::{prefix, record_data, walk_checked};
+use crate::common::{convert, fixture, json_object, judge, s, torch_or_skip};
 use reshard::formats::pickle::{parse, torch_save_globals, Value};
-use reshard::formats::torch_zip::Archive;
 use safetensors::SafeTensors;
-use std::path::{Path, PathBuf};
-use std::process::Command;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
+use std::path::Path;
 
 const CASES: [&str; 6] = [
     "fabric_fsdp1_w4_f32_torch21",
@@ -26,16 +18,11 @@ const CASES: [&str; 6] = [
     "fsdp1_w4_f32",
 ];
 
-fn convert(args: &[&str]) {
-    let o = Command::new(env!("CARGO_BIN_EXE_reshard"))
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "reshard {args:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+/// Convert fixture `case` to the `.pt` file `out`, with `args` after `--to 1`.
+fn to_pt(case: &str, out: &Path, args: &[&str]) {
+    let mut all = vec!["--to", "1", "-q"];
+    all.extend_from_slice(args);
+    convert(&fixture(case).join("checkpoint"), out, &all);
 }
 
 /// Flatten the unpickled state dict: '.'-joined keys to (storage key, shape) of tensors.
@@ -76,25 +63,20 @@ fn pt_holds_every_tensor_of_the_oracle_with_valid_crcs() {
     let d = tempfile::tempdir().unwrap();
     for case in CASES {
         let out = d.path().join(format!("{case}.pt"));
-        convert(&[
-            "convert",
-            fixture(case).join("checkpoint").to_str().unwrap(),
-            out.to_str().unwrap(),
-            "--to",
-            "1",
-            "-q",
-        ]);
+        to_pt(case, &out, &[]);
+        // the zip crate reads every record and checks its CRC-32; data is 64-byte aligned
         let bytes = std::fs::read(&out).unwrap();
-        let ar = Archive::parse(&bytes).unwrap();
-        for e in &ar.entries {
-            ar.read_checked(&bytes, &e.name)
-                .unwrap_or_else(|err| panic!("{case}: {}: {err}", e.name));
-            let r = ar.record(&bytes, &e.name).unwrap();
-            if e.name.contains("/data/") {
-                assert_eq!(r.offset % 64, 0, "{case}: {} not 64-byte aligned", e.name);
-            }
+        let w = walk_checked(&bytes);
+        for e in w.iter().filter(|e| e.name.contains("/data/")) {
+            assert_eq!(
+                e.data_offset % 64,
+                0,
+                "{case}: {} not 64-byte aligned",
+                e.name
+            );
         }
-        let pkl = ar.read(&bytes, &format!("{}/data.pkl", ar.prefix)).unwrap();
+        let prefix = prefix(&w);
+        let pkl = record_data(&bytes, &w, &format!("{prefix}/data.pkl"));
         let value = parse(pkl, &torch_save_globals()).unwrap();
         let mut found = vec![];
         tensors(&value, "", &mut found);
@@ -107,9 +89,7 @@ fn pt_holds_every_tensor_of_the_oracle_with_valid_crcs() {
                 .unwrap_or_else(|_| panic!("{case}: unexpected tensor {name}"));
             let shape: Vec<usize> = shape.iter().map(|&s| s as usize).collect();
             assert_eq!(shape, want.shape(), "{case}: {name}");
-            let data = ar
-                .read(&bytes, &format!("{}/data/{key}", ar.prefix))
-                .unwrap();
+            let data = record_data(&bytes, &w, &format!("{prefix}/data/{key}"));
             assert_eq!(data, want.data(), "{case}: {name}");
         }
         // Lightning's layout: meta.pt's keys merged at the top level
@@ -130,26 +110,15 @@ fn pt_holds_every_tensor_of_the_oracle_with_valid_crcs() {
 fn flat_pt_with_strip_prefix() {
     let d = tempfile::tempdir().unwrap();
     let out = d.path().join("model.pt");
-    let ck = fixture("fsdp2_w4_f32").join("checkpoint");
-    convert(&[
-        "convert",
-        ck.to_str().unwrap(),
-        out.to_str().unwrap(),
-        "--to",
-        "1",
-        "--include",
-        "model.*",
-        "--strip-prefix",
-        "model.",
-        "-q",
-    ]);
+    to_pt(
+        "fsdp2_w4_f32",
+        &out,
+        &["--include", "model.*", "--strip-prefix", "model."],
+    );
     let bytes = std::fs::read(&out).unwrap();
-    let ar = Archive::parse(&bytes).unwrap();
-    let value = parse(
-        ar.read(&bytes, &format!("{}/data.pkl", ar.prefix)).unwrap(),
-        &torch_save_globals(),
-    )
-    .unwrap();
+    let w = walk_checked(&bytes);
+    let pkl = record_data(&bytes, &w, &format!("{}/data.pkl", prefix(&w)));
+    let value = parse(pkl, &torch_save_globals()).unwrap();
     let keys: Vec<&str> = value
         .as_dict()
         .unwrap()
@@ -169,52 +138,22 @@ fn flat_pt_with_strip_prefix() {
 
 #[test]
 fn torch_load_weights_only_accepts_the_pt() {
-    let Some(py) = torch_python() else {
-        eprintln!(
-            "skipped: no Python with torch (set RESHARD_PYTHON or run scripts/setup_venv.sh)"
-        );
+    let Some(py) = torch_or_skip() else {
         return;
     };
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/torch_interop.py");
     let d = tempfile::tempdir().unwrap();
     for case in CASES {
         let out = d.path().join(format!("{case}.pt"));
-        convert(&[
-            "convert",
-            fixture(case).join("checkpoint").to_str().unwrap(),
-            out.to_str().unwrap(),
-            "--to",
-            "1",
-            "-q",
-        ]);
+        to_pt(case, &out, &[]);
         // the non-tensor oracle, plus meta.pt's `{"step": 1}` merged at the top for Fabric
-        let mut nontensor: serde_json::Map<String, serde_json::Value> = serde_json::from_str(
-            &std::fs::read_to_string(fixture(case).join("oracle/nontensor.json")).unwrap(),
-        )
-        .unwrap();
+        let mut nontensor = json_object(&fixture(case).join("oracle/nontensor.json"));
         if case.starts_with("fabric") {
             nontensor.insert("step".into(), 1.into());
         }
         let nt = d.path().join(format!("{case}.json"));
         std::fs::write(&nt, serde_json::Value::Object(nontensor).to_string()).unwrap();
-        let o = Command::new(&py)
-            .arg(&script)
-            .args([
-                "pt-load",
-                out.to_str().unwrap(),
-                fixture(case)
-                    .join("oracle/full.safetensors")
-                    .to_str()
-                    .unwrap(),
-            ])
-            .arg("--nontensor")
-            .arg(&nt)
-            .output()
-            .unwrap();
-        assert!(
-            o.status.success(),
-            "{case}: torch rejected the .pt: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
+        let oracle = fixture(case).join("oracle/full.safetensors");
+        let args = ["pt-load", s(&out), s(&oracle), "--nontensor", s(&nt)];
+        judge(&py, &args);
     }
 }

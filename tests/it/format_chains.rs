@@ -10,10 +10,8 @@
 //! and replayed first on every run; the cases found so far are also spelled out as tests at the
 //! end of this file.
 
-mod common;
-
+use crate::common;
 use proptest::prelude::*;
-use proptest::test_runner::FileFailurePersistence;
 use reshard::convert::{convert, ConvertOptions};
 use reshard::formats::{Checkpoint, Format};
 use reshard::layout::{DType, Placement, Region};
@@ -302,9 +300,7 @@ proptest! {
     #![proptest_config(ProptestConfig {
         cases: 256,
         max_shrink_iters: 200,
-        failure_persistence: Some(Box::new(FileFailurePersistence::Direct(
-            "proptest-regressions/format_chains.txt"
-        ))),
+        failure_persistence: common::regressions("format_chains"),
         ..ProptestConfig::default()
     })]
 
@@ -503,9 +499,7 @@ proptest! {
     #![proptest_config(ProptestConfig {
         cases: 48,
         max_shrink_iters: 50,
-        failure_persistence: Some(Box::new(FileFailurePersistence::Direct(
-            "proptest-regressions/format_chains.txt"
-        ))),
+        failure_persistence: common::regressions("format_chains"),
         ..ProptestConfig::default()
     })]
 

@@ -1,22 +1,14 @@
 //! End-to-end tests of the `reshard` binary on checkpoints written by the tests themselves.
 
-mod common;
-use common::*;
+use crate::common::*;
 use std::path::Path;
-
-fn setup(world: usize) -> (tempfile::TempDir, std::path::PathBuf) {
-    let d = tempfile::tempdir().unwrap();
-    let ck = d.path().join("ck");
-    write_hf_storage(&ck, &fsdp_shards(&model(), world));
-    (d, ck)
-}
 
 #[test]
 fn consolidates_four_ranks_into_one_file_byte_for_byte() {
-    let (d, ck) = setup(4);
+    let (d, ck) = synthetic(4);
     let before = snapshot(&ck);
     let out = d.path().join("full.safetensors");
-    let msg = ok(&["convert", s(&ck), s(&out), "--to", "1"]);
+    let msg = convert(&ck, &out, &["--to", "1"]);
     assert!(msg.contains("safetensors, 1 rank(s)"), "{msg}");
     assert_eq!(read_safetensors(&out), model());
     assert_eq!(snapshot(&ck), before, "the source changed");
@@ -25,43 +17,30 @@ fn consolidates_four_ranks_into_one_file_byte_for_byte() {
 
 #[test]
 fn reshards_n_to_m_to_one_for_many_m() {
-    let (d, ck) = setup(4);
+    let (d, ck) = synthetic(4);
     for m in [1usize, 2, 3, 5, 8, 16] {
         let mid = d.path().join(format!("w{m}"));
-        ok(&[
-            "convert",
-            s(&ck),
-            s(&mid),
-            "--to",
-            &m.to_string(),
-            "--format",
-            "hf-storage",
-            "-q",
-        ]);
+        convert(
+            &ck,
+            &mid,
+            &["--to", &m.to_string(), "--format", "hf-storage", "-q"],
+        );
         let insp = ok(&["inspect", s(&mid)]);
         assert!(
             insp.contains(&format!("hf-storage checkpoint, {m} rank(s)")),
             "{insp}"
         );
         let back = d.path().join(format!("back{m}.safetensors"));
-        ok(&["convert", s(&mid), s(&back), "--to", "1"]);
+        convert(&mid, &back, &["--to", "1"]);
         assert_eq!(read_safetensors(&back), model(), "4 -> {m} -> 1");
     }
 }
 
 #[test]
 fn hf_sharded_output_respects_max_shard_size_and_reads_back() {
-    let (d, ck) = setup(3);
+    let (d, ck) = synthetic(3);
     let hf = d.path().join("hf");
-    ok(&[
-        "convert",
-        s(&ck),
-        s(&hf),
-        "--to",
-        "1",
-        "--max-shard-size",
-        "1KB",
-    ]);
+    convert(&ck, &hf, &["--to", "1", "--max-shard-size", "1KB"]);
     let index: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(hf.join("model.safetensors.index.json")).unwrap(),
     )
@@ -78,27 +57,28 @@ fn hf_sharded_output_respects_max_shard_size_and_reads_back() {
     let files = names(&hf).len() - 1;
     assert!(files > 2, "expected several shards under 1 KB, got {files}");
     let back = d.path().join("back.safetensors");
-    ok(&["convert", s(&hf), s(&back), "--to", "1"]);
+    convert(&hf, &back, &["--to", "1"]);
     assert_eq!(read_safetensors(&back), model());
 }
 
 #[test]
 fn include_exclude_and_dtype_cast() {
-    let (d, ck) = setup(2);
+    let (d, ck) = synthetic(2);
     let out = d.path().join("m.safetensors");
-    ok(&[
-        "convert",
-        s(&ck),
-        s(&out),
-        "--to",
-        "1",
-        "--exclude",
-        "opt.*",
-        "--include",
-        "model.*",
-        "--dtype",
-        "f32",
-    ]);
+    convert(
+        &ck,
+        &out,
+        &[
+            "--to",
+            "1",
+            "--exclude",
+            "opt.*",
+            "--include",
+            "model.*",
+            "--dtype",
+            "f32",
+        ],
+    );
     let got = read_safetensors(&out);
     let want = model();
     assert_eq!(got.len(), want.len() - 2);
@@ -147,7 +127,7 @@ fn include_exclude_and_dtype_cast() {
 
 #[test]
 fn layout_file_2d_mesh_and_flat() {
-    let (d, ck) = setup(4);
+    let (d, ck) = synthetic(4);
     let lay = d.path().join("tp.json");
     std::fs::write(
         &lay,
@@ -156,28 +136,20 @@ fn layout_file_2d_mesh_and_flat() {
     )
     .unwrap();
     let out = d.path().join("tp");
-    ok(&["convert", s(&ck), s(&out), "--layout", s(&lay)]);
+    convert(&ck, &out, &["--layout", s(&lay)]);
     let insp = ok(&["inspect", s(&out)]);
     assert!(insp.contains("4 rank(s)"), "{insp}");
     assert!(insp.contains("split along dims [0, 1]"), "{insp}");
     let back = d.path().join("back.safetensors");
-    ok(&["convert", s(&out), s(&back), "--to", "1"]);
+    convert(&out, &back, &["--to", "1"]);
     assert_eq!(read_safetensors(&back), model());
 
     let flat = d.path().join("flat.json");
     std::fs::write(&flat, r#"{"mesh": [5], "flat": true}"#).unwrap();
     let out = d.path().join("flat");
-    ok(&[
-        "convert",
-        s(&ck),
-        s(&out),
-        "--layout",
-        s(&flat),
-        "--to",
-        "5",
-    ]);
+    convert(&ck, &out, &["--layout", s(&flat), "--to", "5"]);
     let back = d.path().join("back2.safetensors");
-    ok(&["convert", s(&out), s(&back), "--to", "1"]);
+    convert(&out, &back, &["--to", "1"]);
     assert_eq!(read_safetensors(&back), model());
     fails(
         &[
@@ -204,7 +176,7 @@ fn layout_file_2d_mesh_and_flat() {
 
 #[test]
 fn inspect_and_plan_report_and_write_nothing() {
-    let (d, ck) = setup(4);
+    let (d, ck) = synthetic(4);
     let text = ok(&["inspect", s(&ck)]);
     assert!(
         text.contains("hf-storage checkpoint, 4 rank(s), 4 file(s), 15 tensor(s)"),
@@ -234,7 +206,7 @@ fn inspect_and_plan_report_and_write_nothing() {
 
 #[test]
 fn existing_destination_needs_force() {
-    let (d, ck) = setup(2);
+    let (d, ck) = synthetic(2);
     let out = d.path().join("o.safetensors");
     std::fs::write(&out, b"keep me").unwrap();
     fails(
@@ -242,14 +214,14 @@ fn existing_destination_needs_force() {
         "already exists (use --force",
     );
     assert_eq!(std::fs::read(&out).unwrap(), b"keep me");
-    ok(&["convert", s(&ck), s(&out), "--to", "1", "--force", "-q"]);
+    convert(&ck, &out, &["--to", "1", "--force", "-q"]);
     assert_eq!(read_safetensors(&out), model());
     // directories too
     let dir = d.path().join("o2");
     std::fs::create_dir(&dir).unwrap();
     std::fs::write(dir.join("old"), b"x").unwrap();
     fails(&["convert", s(&ck), s(&dir), "--to", "2"], "already exists");
-    ok(&["convert", s(&ck), s(&dir), "--to", "2", "--force", "-q"]);
+    convert(&ck, &dir, &["--to", "2", "--force", "-q"]);
     assert!(!dir.join("old").exists());
     assert_eq!(names(d.path()), vec!["ck", "o.safetensors", "o2"]);
 }
@@ -273,7 +245,7 @@ fn bad(ck: &Path, needle: &str) {
 fn bad_inputs_fail_with_one_line_naming_the_file() {
     let m = model();
     // truncated shard
-    let (_d, ck) = setup(4);
+    let (_d, ck) = synthetic(4);
     let f = ck.join("shard-00002-model-00001-of-00001.safetensors");
     let b = std::fs::read(&f).unwrap();
     std::fs::write(&f, &b[..b.len() - 10]).unwrap();
@@ -300,14 +272,14 @@ fn bad_inputs_fail_with_one_line_naming_the_file() {
     bad(&ck, "shard-00002-…: is missing");
 
     // a gap: one chunk dropped
-    let (_d, ck) = setup(4);
+    let (_d, ck) = synthetic(4);
     let mut shards = fsdp_shards(&m, 4);
     shards[1].remove("model.embed.weight");
     write_hf_storage(&ck, &shards);
     bad(&ck, "tensor `model.embed.weight`: pieces cover 84 of 120 elements: region [3:6, 0:12] is not covered");
 
     // an overlap: a chunk claims rows another rank holds
-    let (_d, ck) = setup(4);
+    let (_d, ck) = synthetic(4);
     let mut shards = fsdp_shards(&m, 4);
     shards[1].get_mut("model.embed.weight").unwrap().2 = vec![2, 0];
     write_hf_storage(&ck, &shards);
@@ -323,7 +295,7 @@ fn bad_inputs_fail_with_one_line_naming_the_file() {
 
     // a chunk outside the tensor is caught as a gap of the real shape or an overlap; a chunk
     // of the wrong dtype is named with its file
-    let (_d, ck) = setup(2);
+    let (_d, ck) = synthetic(2);
     let mut shards = fsdp_shards(&m, 2);
     let e = shards[1].get_mut("model.embed.weight").unwrap();
     e.0 = safetensors::Dtype::I32;
@@ -374,7 +346,7 @@ fn bad_inputs_fail_with_one_line_naming_the_file() {
 
 #[test]
 fn refuses_to_write_into_or_over_the_source() {
-    let (d, ck) = setup(2);
+    let (d, ck) = synthetic(2);
     let before = snapshot(&ck);
     fails(
         &[
@@ -396,7 +368,7 @@ fn refuses_to_write_into_or_over_the_source() {
         "overlaps the source",
     );
     let st = d.path().join("a.safetensors");
-    ok(&["convert", s(&ck), s(&st), "--to", "1"]);
+    convert(&ck, &st, &["--to", "1"]);
     fails(
         &["convert", s(&st), s(&st), "--to", "1", "--force"],
         "overlaps the source",
@@ -450,21 +422,22 @@ fn refuses_to_write_into_or_over_the_source() {
 
 #[test]
 fn strip_and_add_prefixes_rename_tensors() {
-    let (d, ck) = setup(2);
+    let (d, ck) = synthetic(2);
     let out = d.path().join("m.safetensors");
-    ok(&[
-        "convert",
-        s(&ck),
-        s(&out),
-        "--to",
-        "1",
-        "--include",
-        "model.*",
-        "--strip-prefix",
-        "model.",
-        "--add-prefix",
-        "student.",
-    ]);
+    convert(
+        &ck,
+        &out,
+        &[
+            "--to",
+            "1",
+            "--include",
+            "model.*",
+            "--strip-prefix",
+            "model.",
+            "--add-prefix",
+            "student.",
+        ],
+    );
     let got = read_safetensors(&out);
     let want = model();
     assert_eq!(
@@ -502,7 +475,7 @@ fn status(args: &[&str]) -> (Option<i32>, String) {
 
 #[test]
 fn exit_status_is_0_for_equal_1_for_a_finding_and_2_for_errors() {
-    let (d, ck) = setup(2);
+    let (d, ck) = synthetic(2);
     let one = d.path().join("one.safetensors");
     ok(&["convert", s(&ck), s(&one), "--to", "1", "-q"]);
     // diff: equal, different, and unreadable (either side)
@@ -541,7 +514,7 @@ fn exit_status_is_0_for_equal_1_for_a_finding_and_2_for_errors() {
     let mut bytes = std::fs::read(&one).unwrap();
     *bytes.last_mut().unwrap() ^= 0x40;
     std::fs::write(&one, &bytes).unwrap();
-    common::fails_with(1, &["verify", s(&one)], "is corrupt: its CRC-32 is");
+    fails_with(1, &["verify", s(&one)], "is corrupt: its CRC-32 is");
     fails(&["verify", s(&nope)], "nope: No such file or directory");
     // usage errors, from clap and from the library
     for bad in [

@@ -12,15 +12,12 @@
 //! To fuzz further: `scripts/fuzz.sh` (README, "Fuzzing").
 
 #[allow(dead_code)]
-#[path = "../fuzz/src/lib.rs"]
+#[path = "../../fuzz/src/lib.rs"]
 mod targets;
 
+use crate::common::root;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// The files directly in `dir` (none when it does not exist), sorted.
 fn files(dir: &Path) -> Vec<PathBuf> {

@@ -1,16 +1,13 @@
 //! The library as a trainer uses it: open a checkpoint and read any region of any tensor.
 
-mod common;
-use common::*;
+use crate::common::*;
 use reshard::formats::Checkpoint;
 use reshard::layout::{DType, Region};
 
 #[test]
 fn read_region_returns_exactly_the_slice() {
-    let d = tempfile::tempdir().unwrap();
-    let ck = d.path().join("ck");
+    let (_d, ck) = synthetic(4);
     let m = model();
-    write_hf_storage(&ck, &fsdp_shards(&m, 4));
     let c = Checkpoint::open(&ck).unwrap();
     // every row range of every 2-d tensor, compared with the rows of the full tensor
     for (name, t) in &m {
@@ -60,10 +57,8 @@ fn read_region_returns_exactly_the_slice() {
 
 #[test]
 fn read_array_gives_typed_ndarrays() {
-    let d = tempfile::tempdir().unwrap();
-    let ck = d.path().join("ck");
+    let (_d, ck) = synthetic(3);
     let m = model();
-    write_hf_storage(&ck, &fsdp_shards(&m, 3));
     let c = Checkpoint::open(&ck).unwrap();
     let t = &m["model.embed.weight"];
     let a = c

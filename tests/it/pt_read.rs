@@ -5,11 +5,12 @@
 //! `.pt`), judged by reshard and, when a Python with torch is available, by `torch.load`;
 //! and refusing damaged or unsupported files with one line naming the file.
 
-mod common;
-use common::{fails, ok, s, torch_python};
+use crate::common::{
+    assert_same, convert, fails, fixture, json_object, ok, python, read_all, read_st, root, s,
+    torch_or_skip, Tensors,
+};
 use reshard::formats::{Checkpoint, Format, KeyPart};
 use reshard::layout::Region;
-use safetensors::SafeTensors;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -18,9 +19,7 @@ use std::process::Command;
 const CASES: &[&str] = &["flat_dtypes", "training", "tied", "views", "ordered"];
 
 fn case_dir(case: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/pt")
-        .join(case)
+    fixture("pt").join(case)
 }
 
 fn model(case: &str) -> PathBuf {
@@ -31,72 +30,12 @@ fn bad(name: &str) -> PathBuf {
     case_dir("bad").join(name)
 }
 
-/// name → (dtype, shape, bytes)
-type Tensors = BTreeMap<String, (String, Vec<u64>, Vec<u8>)>;
-
-fn read_st(path: &Path) -> (Tensors, Option<serde_json::Value>) {
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let tensors = st
-        .tensors()
-        .into_iter()
-        .map(|(n, t)| {
-            (
-                n,
-                (
-                    t.dtype().to_string(),
-                    t.shape().iter().map(|&s| s as u64).collect(),
-                    t.data().to_vec(),
-                ),
-            )
-        })
-        .collect();
-    let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
-    let extras = meta
-        .metadata()
-        .as_ref()
-        .and_then(|m| m.get("reshard.extras"))
-        .map(|text| serde_json::from_str(text).unwrap());
-    (tensors, extras)
-}
-
 fn oracle(case: &str) -> Tensors {
     read_st(&case_dir(case).join("oracle.safetensors")).0
 }
 
 fn nontensor(case: &str) -> serde_json::Map<String, serde_json::Value> {
-    let p = case_dir(case).join("nontensor.json");
-    match serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap() {
-        serde_json::Value::Object(m) => m,
-        other => panic!("{}: not an object: {other}", p.display()),
-    }
-}
-
-fn assert_same(case: &str, what: &str, got: &Tensors, want: &Tensors) {
-    let g: BTreeSet<_> = got.keys().collect();
-    let w: BTreeSet<_> = want.keys().collect();
-    assert_eq!(g, w, "{case} {what}: tensor names differ");
-    for (name, (dt, shape, data)) in want {
-        let (gdt, gshape, gdata) = &got[name];
-        assert_eq!((gdt, gshape), (dt, shape), "{case} {what}: `{name}`");
-        assert!(gdata == data, "{case} {what}: bytes of `{name}` differ");
-    }
-}
-
-/// Every tensor of `ck`, read whole through the library.
-fn read_all(ck: &Checkpoint) -> Tensors {
-    ck.tensors
-        .iter()
-        .map(|t| {
-            let bytes = ck
-                .read_region(&t.name, &Region::full(&t.shape), None)
-                .unwrap_or_else(|e| panic!("{}: {e}", t.name));
-            (
-                t.name.clone(),
-                (t.dtype.name().to_string(), t.shape.clone(), bytes),
-            )
-        })
-        .collect()
+    json_object(&case_dir(case).join("nontensor.json"))
 }
 
 /// `ck` holds exactly the oracle's tensors and non-tensor values.
@@ -120,7 +59,7 @@ fn assert_oracle(case: &str, what: &str, ck: &Checkpoint) {
 /// their types (int keys stay ints), or as `str(key)` when `loose` (after DCP, which names
 /// keys by `str`).
 fn torch_same(py: &Path, a: &Path, b: &Path, loose: bool) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gen_pt_fixtures.py");
+    let script = root().join("scripts/gen_pt_fixtures.py");
     let mut args = vec!["compare", s(a), s(b)];
     if loose {
         args.push("--loose-keys");
@@ -133,17 +72,6 @@ fn torch_same(py: &Path, a: &Path, b: &Path, loose: bool) {
         b.display(),
         String::from_utf8_lossy(&o.stderr)
     );
-}
-
-/// The Python with torch, or `None` after saying the torch checks are skipped.
-fn torch_or_skip_note() -> Option<PathBuf> {
-    let py = torch_python();
-    if py.is_none() {
-        eprintln!(
-            "torch checks skipped: no Python with torch (set RESHARD_PYTHON or run scripts/setup_venv.sh)"
-        );
-    }
-    py
 }
 
 #[test]
@@ -244,7 +172,7 @@ fn convert_to_safetensors_equals_the_oracle() {
     let d = tempfile::tempdir().unwrap();
     for case in CASES {
         let out = d.path().join(format!("{case}.safetensors"));
-        ok(&["convert", s(&model(case)), s(&out), "--to", "1", "-q"]);
+        convert(&model(case), &out, &["--to", "1", "-q"]);
         let (tensors, extras) = read_st(&out);
         assert_same(case, "safetensors", &tensors, &oracle(case));
         let nt = nontensor(case);
@@ -261,11 +189,11 @@ fn convert_to_safetensors_equals_the_oracle() {
 
 #[test]
 fn pt_to_pt_round_trips() {
-    let py = torch_or_skip_note();
+    let py = torch_or_skip();
     let d = tempfile::tempdir().unwrap();
     for case in CASES {
         let out = d.path().join(format!("{case}.pt"));
-        ok(&["convert", s(&model(case)), s(&out), "--to", "1", "-q"]);
+        convert(&model(case), &out, &["--to", "1", "-q"]);
         let src = Checkpoint::open(model(case)).unwrap();
         let ck = Checkpoint::open(&out).unwrap_or_else(|e| panic!("{case}: {e}"));
         assert_oracle(case, ".pt -> .pt", &ck);
@@ -287,25 +215,16 @@ fn pt_to_pt_round_trips() {
 
 #[test]
 fn pt_to_dcp_at_three_ranks_and_back_round_trips() {
-    let py = torch_or_skip_note();
+    let py = torch_or_skip();
     let d = tempfile::tempdir().unwrap();
     for case in CASES {
         let dcp = d.path().join(format!("{case}-dcp"));
         let back = d.path().join(format!("{case}-back.pt"));
-        ok(&[
-            "convert",
-            s(&model(case)),
-            s(&dcp),
-            "--to",
-            "3",
-            "--format",
-            "dcp",
-            "-q",
-        ]);
+        convert(&model(case), &dcp, &["--to", "3", "--format", "dcp", "-q"]);
         let mid = Checkpoint::open(&dcp).unwrap_or_else(|e| panic!("{case}: {e}"));
         assert_eq!((mid.format, mid.ranks), (Format::DCP, 3), "{case}");
         assert_same(case, "dcp", &read_all(&mid), &oracle(case));
-        ok(&["convert", s(&dcp), s(&back), "--to", "1", "-q"]);
+        convert(&dcp, &back, &["--to", "1", "-q"]);
         let ck = Checkpoint::open(&back).unwrap_or_else(|e| panic!("{case}: {e}"));
         assert_oracle(case, ".pt -> dcp -> .pt", &ck);
         if let Some(py) = &py {
@@ -418,7 +337,7 @@ fn unsupported_contents_are_refused_with_one_line() {
 /// `load_state_dict` restores every parameter's state.
 #[test]
 fn optimizer_state_dicts_survive_pt_to_pt() {
-    let Some(py) = torch_or_skip_note() else {
+    let Some(py) = torch_or_skip() else {
         return;
     };
     let d = tempfile::tempdir().unwrap();
@@ -437,12 +356,8 @@ torch.save({{"model": m.state_dict(), "optimizer": opt.state_dict(), "fresh": fr
 "#,
         src = s(&src)
     );
-    let run = |code: &str| {
-        let o = Command::new(&py).arg("-c").arg(code).output().unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    };
-    run(&make);
-    ok(&["convert", s(&src), s(&out), "--to", "1", "-q"]);
+    python(&py, &make);
+    convert(&src, &out, &["--to", "1", "-q"]);
     torch_same(&py, &src, &out, false);
     let check = format!(
         r#"
@@ -460,5 +375,5 @@ print("ok")
 "#,
         out = s(&out)
     );
-    run(&check);
+    python(&py, &check);
 }

@@ -2,8 +2,7 @@
 //! from the files; the union over ranks is the whole tensor, and (checked through the OS
 //! page cache) one rank reads about 1/M of the data, not all of it.
 
-mod common;
-use common::*;
+use crate::common::*;
 use reshard::convert::Selection;
 use reshard::formats::Checkpoint;
 use reshard::layout::Region;
@@ -35,12 +34,6 @@ fn slice(t: &Full, region: &Region) -> Vec<u8> {
         out.extend_from_slice(&t.data[a..a + region.sizes[n - 1] as usize * e]);
     }
     out
-}
-
-fn fixture(name: &str) -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
 }
 
 #[test]
@@ -92,9 +85,11 @@ fn resident(path: &Path) -> u64 {
     if len == 0 {
         return 0;
     }
+    // SAFETY: the map is only passed to mincore, never read; the file is this test's own.
     let m = unsafe { memmap2::Mmap::map(&f) }.unwrap();
     let pages = len.div_ceil(4096);
     let mut v = vec![0u8; pages];
+    // SAFETY: `m` maps `len` bytes and `v` has one byte per page of them.
     let rc = unsafe { libc::mincore(m.as_ptr() as *mut libc::c_void, len, v.as_mut_ptr()) };
     assert_eq!(rc, 0);
     v.iter().filter(|&&b| b & 1 == 1).count() as u64 * 4096
@@ -103,6 +98,7 @@ fn resident(path: &Path) -> u64 {
 fn evict(path: &Path) {
     let f = std::fs::File::open(path).unwrap();
     f.sync_all().unwrap();
+    // SAFETY: a hint on an open descriptor; no memory is passed.
     unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
 }
 

@@ -1,7 +1,6 @@
 //! Hostile-input tests for `reshard::formats::pickle`: mutated real DCP pickles and random
 //! opcode soups must parse to `Ok` or `Err`, never panic, and finish in bounded time.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
@@ -12,9 +11,7 @@ use reshard::formats::pickle::{dcp_metadata_globals, parse, torch_save_globals, 
 const TIME_LIMIT: Duration = Duration::from_secs(5);
 
 fn data(name: &str) -> Vec<u8> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data/pickle")
-        .join(name);
+    let path = crate::common::root().join("tests/data/pickle").join(name);
     std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 

@@ -3,17 +3,10 @@
 //! refuses sources whose recorded checksums do not match the bytes it reads, and `reshard diff`
 //! compares checkpoints tensor by tensor.
 
-mod common;
-
-use common::{fails, fails_with, ok, s};
+use crate::common;
+use crate::common::{convert, copy_dir, fails, fails_with, fixture, ok, s};
 use reshard::formats::Checkpoint;
 use std::path::{Path, PathBuf};
-
-fn fixture(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(rel)
-}
 
 /// Flip one bit in the data of tensor `name` (its first non-empty piece) of the checkpoint at
 /// `path`; returns the file changed.
@@ -28,13 +21,15 @@ fn corrupt(path: &Path, name: &str) -> PathBuf {
     file
 }
 
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-    }
-}
+/// Three HF-storage ranks, per-rank state kept.
+const HF_STORAGE_3: [&str; 6] = [
+    "--to",
+    "3",
+    "--format",
+    "hf-storage",
+    "--per-rank-state",
+    "keep",
+];
 
 #[test]
 fn every_output_records_checksums_that_verify() {
@@ -48,17 +43,7 @@ fn every_output_records_checksums_that_verify() {
     for (name, args) in [
         ("one.safetensors", vec!["--to", "1"]),
         ("hf", vec!["--to", "1", "--format", "hf"]),
-        (
-            "three",
-            vec![
-                "--to",
-                "3",
-                "--format",
-                "hf-storage",
-                "--per-rank-state",
-                "keep",
-            ],
-        ),
+        ("three", HF_STORAGE_3.to_vec()),
         (
             "dcp5",
             vec!["--to", "5", "--format", "dcp", "--per-rank-state", "keep"],
@@ -105,24 +90,13 @@ fn a_flipped_bit_is_caught_by_verify_and_by_convert() {
     copy_dir(&src, &dcp);
     cases.push(dcp);
     let pt = d.path().join("model.pt");
-    ok(&["convert", s(&src), s(&pt), "--to", "1", "-q"]);
+    convert(&src, &pt, &["--to", "1", "-q"]);
     cases.push(pt);
     let st = d.path().join("one.safetensors");
-    ok(&["convert", s(&src), s(&st), "--to", "1", "-q"]);
+    convert(&src, &st, &["--to", "1", "-q"]);
     cases.push(st);
     let hs = d.path().join("hs");
-    ok(&[
-        "convert",
-        s(&src),
-        s(&hs),
-        "--to",
-        "3",
-        "--format",
-        "hf-storage",
-        "--per-rank-state",
-        "keep",
-        "-q",
-    ]);
+    convert(&src, &hs, &[&HF_STORAGE_3[..], &["-q"]].concat());
     cases.push(hs);
     for case in &cases {
         let file = corrupt(case, "model.embed.weight");
@@ -147,28 +121,11 @@ fn a_flipped_bit_is_caught_by_verify_and_by_convert() {
         );
         assert!(!out.exists());
         // tensors whose records are intact still convert
-        ok(&[
-            "convert",
-            s(case),
-            s(&out),
-            "--to",
-            "1",
-            "--include",
-            "optimizer.*",
-            "-q",
-        ]);
+        convert(case, &out, &["--to", "1", "--include", "optimizer.*", "-q"]);
         std::fs::remove_file(&out).unwrap();
         // --no-verify copies what is there; the damaged record is copied whole, so the
         // output carries the CRC the source recorded for it and the damage stays detectable
-        ok(&[
-            "convert",
-            s(case),
-            s(&out),
-            "--to",
-            "1",
-            "--no-verify",
-            "-q",
-        ]);
+        convert(case, &out, &["--to", "1", "--no-verify", "-q"]);
         let err = fails_with(1, &["verify", s(&out)], "is corrupt: its CRC-32 is");
         assert!(err.contains("model.embed.weight"), "{err}");
         let diff = common::reshard(&["diff", s(&src), s(&out)]);
@@ -188,32 +145,24 @@ fn diff_reports_what_differs() {
     let d = tempfile::tempdir().unwrap();
     let src = fixture("fsdp2_w2_f32/checkpoint");
     let same = d.path().join("same");
-    ok(&[
-        "convert",
-        s(&src),
-        s(&same),
-        "--to",
-        "3",
-        "--format",
-        "dcp",
-        "--per-rank-state",
-        "keep",
-        "-q",
-    ]);
+    convert(
+        &src,
+        &same,
+        &[
+            "--to",
+            "3",
+            "--format",
+            "dcp",
+            "--per-rank-state",
+            "keep",
+            "-q",
+        ],
+    );
     let text = ok(&["diff", s(&src), s(&same)]);
     assert!(text.ends_with("identical\n"), "{text}");
     // a cast: values within bf16 rounding, reported as differences
     let bf = d.path().join("bf16.safetensors");
-    ok(&[
-        "convert",
-        s(&src),
-        s(&bf),
-        "--to",
-        "1",
-        "--dtype",
-        "bf16",
-        "-q",
-    ]);
+    convert(&src, &bf, &["--to", "1", "--dtype", "bf16", "-q"]);
     let o = common::reshard(&["diff", s(&src), s(&bf), "--json"]);
     assert_eq!(o.status.code(), Some(1));
     let json: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
@@ -227,16 +176,7 @@ fn diff_reports_what_differs() {
     );
     // names on one side only, and a non-tensor value
     let part = d.path().join("part.safetensors");
-    ok(&[
-        "convert",
-        s(&src),
-        s(&part),
-        "--to",
-        "1",
-        "--exclude",
-        "model.cls",
-        "-q",
-    ]);
+    convert(&src, &part, &["--to", "1", "--exclude", "model.cls", "-q"]);
     let o = common::reshard(&["diff", s(&src), s(&part)]);
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(text.contains("model.cls: only in"), "{text}");

@@ -3,15 +3,9 @@
 //! `torch.distributed.checkpoint.load` in M gloo processes into DTensors sharded for M ranks,
 //! and `dcp_to_torch_save`, both compared with torch's own oracle.
 
-mod common;
-use common::*;
-use std::path::{Path, PathBuf};
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
+use crate::common::archive::{split_items, walk_checked};
+use crate::common::*;
+use std::path::Path;
 
 /// Every DCP fixture (HF-storage ones have no .metadata).
 fn dcp_cases() -> Vec<String> {
@@ -26,37 +20,44 @@ fn dcp_cases() -> Vec<String> {
 
 const WORLDS: [usize; 5] = [1, 2, 3, 4, 8];
 
+/// Convert fixture `case` to a DCP checkpoint of `m` ranks at `out`.
+fn to_dcp(case: &str, out: &Path, m: usize) {
+    let m = m.to_string();
+    let args = [
+        "--to",
+        &m,
+        "--format",
+        "dcp",
+        "--per-rank-state",
+        "keep",
+        "-q",
+    ];
+    convert(&fixture(case).join("checkpoint"), out, &args);
+}
+
 #[test]
 fn dcp_outputs_read_back_equal_for_every_fixture_and_world_size() {
     let d = tempfile::tempdir().unwrap();
     for case in dcp_cases() {
         let oracle = read_safetensors(&fixture(&case).join("oracle/full.safetensors"));
-        let nontensor: serde_json::Map<String, serde_json::Value> = serde_json::from_str(
-            &std::fs::read_to_string(fixture(&case).join("oracle/nontensor.json")).unwrap(),
-        )
-        .unwrap();
+        let nontensor = json_object(&fixture(&case).join("oracle/nontensor.json"));
         for m in WORLDS {
             let out = d.path().join(format!("{case}-{m}"));
-            ok(&[
-                "convert",
-                s(&fixture(&case).join("checkpoint")),
-                s(&out),
-                "--to",
-                &m.to_string(),
-                "--format",
-                "dcp",
-                "--per-rank-state",
-                "keep",
-                "-q",
-            ]);
+            to_dcp(&case, &out, m);
             for r in 0..m {
-                assert!(
-                    out.join(format!("__{r}_0.distcp")).is_file(),
-                    "{case} -> {m}: rank {r} file"
-                );
+                let file = out.join(format!("__{r}_0.distcp"));
+                assert!(file.is_file(), "{case} -> {m}: rank {r} file");
+                // every item a torch.save archive the zip crate reads, CRCs included
+                let bytes = std::fs::read(&file).unwrap();
+                let items = split_items(&bytes);
+                for item in &items {
+                    walk_checked(item);
+                }
+                let len: usize = items.iter().map(|i| i.len()).sum();
+                assert_eq!(len, bytes.len(), "{case} -> {m}: rank {r} holds only items");
             }
             let back = d.path().join(format!("{case}-{m}.safetensors"));
-            ok(&["convert", s(&out), s(&back), "--to", "1", "-q"]);
+            convert(&out, &back, &["--to", "1", "-q"]);
             assert_eq!(read_safetensors(&back), oracle, "{case} -> dcp at {m} -> 1");
             let ck = reshard::formats::Checkpoint::open(&out).unwrap();
             assert_eq!(ck.ranks as usize, m);
@@ -74,10 +75,7 @@ fn dcp_outputs_read_back_equal_for_every_fixture_and_world_size() {
 
 #[test]
 fn torch_loads_dcp_outputs_at_every_world_size() {
-    let Some(py) = torch_python() else {
-        eprintln!(
-            "skipped: no Python with torch (set RESHARD_PYTHON or run scripts/setup_venv.sh)"
-        );
+    let Some(py) = torch_or_skip() else {
         return;
     };
     let d = tempfile::tempdir().unwrap();
@@ -86,18 +84,7 @@ fn torch_loads_dcp_outputs_at_every_world_size() {
         let mut args = vec!["dcp-load".to_string(), "--world".into(), m.to_string()];
         for case in dcp_cases() {
             let out = d.path().join(format!("{case}-{m}"));
-            ok(&[
-                "convert",
-                s(&fixture(&case).join("checkpoint")),
-                s(&out),
-                "--to",
-                &m.to_string(),
-                "--format",
-                "dcp",
-                "--per-rank-state",
-                "keep",
-                "-q",
-            ]);
+            to_dcp(&case, &out, m);
             args.push(s(&out).to_string());
             args.push(s(&fixture(&case).join("oracle/full.safetensors")).to_string());
         }

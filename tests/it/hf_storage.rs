@@ -3,15 +3,7 @@
 //! byte with torch's consolidated oracle, and — when a Python with torch is available — torch's
 //! own reader must accept what reshard writes.
 
-mod common;
-use common::*;
-use std::path::{Path, PathBuf};
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
+use crate::common::*;
 
 const CASES: [&str; 2] = ["hf_storage_w4_f32", "hf_storage_w3_bf16"];
 
@@ -22,47 +14,30 @@ fn consolidation_and_round_trips_equal_torchs_oracle() {
         let oracle = read_safetensors(&fixture(case).join("oracle/full.safetensors"));
         let d = tempfile::tempdir().unwrap();
         let one = d.path().join("one.safetensors");
-        ok(&["convert", s(&ck), s(&one), "--to", "1", "-q"]);
+        convert(&ck, &one, &["--to", "1", "-q"]);
         assert_eq!(read_safetensors(&one), oracle, "{case} -> 1");
         for m in [1usize, 2, 3, 5, 8] {
             let mid = d.path().join(format!("m{m}"));
-            ok(&[
-                "convert",
-                s(&ck),
-                s(&mid),
-                "--to",
-                &m.to_string(),
-                "--format",
-                "hf-storage",
-                "-q",
-            ]);
+            convert(
+                &ck,
+                &mid,
+                &["--to", &m.to_string(), "--format", "hf-storage", "-q"],
+            );
             let back = d.path().join(format!("back{m}.safetensors"));
-            ok(&["convert", s(&mid), s(&back), "--to", "1", "-q"]);
+            convert(&mid, &back, &["--to", "1", "-q"]);
             assert_eq!(read_safetensors(&back), oracle, "{case} -> {m} -> 1");
         }
         let hf = d.path().join("hf");
-        ok(&[
-            "convert",
-            s(&ck),
-            s(&hf),
-            "--to",
-            "1",
-            "--max-shard-size",
-            "2KB",
-            "-q",
-        ]);
+        convert(&ck, &hf, &["--to", "1", "--max-shard-size", "2KB", "-q"]);
         let back = d.path().join("hf.safetensors");
-        ok(&["convert", s(&hf), s(&back), "--to", "1", "-q"]);
+        convert(&hf, &back, &["--to", "1", "-q"]);
         assert_eq!(read_safetensors(&back), oracle, "{case} -> hf -> 1");
     }
 }
 
 #[test]
 fn torch_reads_what_reshard_writes() {
-    let Some(py) = torch_python() else {
-        eprintln!(
-            "skipped: no Python with torch (set RESHARD_PYTHON or run scripts/setup_venv.sh)"
-        );
+    let Some(py) = torch_or_skip() else {
         return;
     };
     for case in CASES {
@@ -72,32 +47,18 @@ fn torch_reads_what_reshard_writes() {
         // N -> M with torch's HuggingFaceStorageReader, for M below and above N
         for m in [1usize, 2, 8] {
             let out = d.path().join(format!("m{m}"));
-            ok(&[
-                "convert",
-                s(&ck),
-                s(&out),
-                "--to",
-                &m.to_string(),
-                "--format",
-                "hf-storage",
-                "-q",
-            ]);
+            convert(
+                &ck,
+                &out,
+                &["--to", &m.to_string(), "--format", "hf-storage", "-q"],
+            );
             judge(&py, &["hf-storage-load", s(&out), s(&oracle)]);
         }
         let one = d.path().join("one.safetensors");
-        ok(&["convert", s(&ck), s(&one), "--to", "1", "-q"]);
+        convert(&ck, &one, &["--to", "1", "-q"]);
         judge(&py, &["safetensors-equal", s(&one), s(&oracle)]);
         let hf = d.path().join("hf");
-        ok(&[
-            "convert",
-            s(&ck),
-            s(&hf),
-            "--to",
-            "1",
-            "--max-shard-size",
-            "2KB",
-            "-q",
-        ]);
+        convert(&ck, &hf, &["--to", "1", "--max-shard-size", "2KB", "-q"]);
         judge(&py, &["hf-load", s(&hf), s(&oracle)]);
     }
 }

@@ -3,14 +3,12 @@
 //! (`rng_state`, plus the fixture's `extra.rng`). `inspect` marks them; `--to 1` keeps rank 0's;
 //! other world sizes refuse unless `--per-rank-state` says what to do.
 
-mod common;
-
-use common::{fails, ok, s, torch_python};
+use crate::common::{convert, fails, fixture, ok, python, s, torch_or_skip};
 use reshard::formats::Checkpoint;
 use std::path::{Path, PathBuf};
 
 fn ckpt() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/fsdp2_w2_perrank/checkpoint")
+    fixture("fsdp2_w2_perrank/checkpoint")
 }
 
 /// Non-tensor names of a checkpoint.
@@ -67,7 +65,7 @@ fn inspect_marks_per_rank_entries() {
 fn consolidating_keeps_rank_zeros_state() {
     let d = tempfile::tempdir().unwrap();
     let out = d.path().join("one.safetensors");
-    let msg = ok(&["convert", s(&ckpt()), s(&out), "--to", "1"]);
+    let msg = convert(&ckpt(), &out, &["--to", "1"]);
     assert!(
         msg.contains("left out 3 per-rank entries (kept rank 0's): dataloader.dp_rank_1.epoch"),
         "{msg}"
@@ -107,17 +105,11 @@ fn other_world_sizes_need_a_policy() {
 
     // drop: no per-rank entry at all, everything else unchanged
     let all = extras(&ckpt());
-    ok(&[
-        "convert",
-        s(&ckpt()),
-        s(&out),
-        "--to",
-        "3",
-        "--format",
-        "dcp",
-        "--per-rank-state",
-        "drop",
-    ]);
+    convert(
+        &ckpt(),
+        &out,
+        &["--to", "3", "--format", "dcp", "--per-rank-state", "drop"],
+    );
     let kept = extras(&out);
     let want: Vec<String> = all
         .iter()
@@ -131,17 +123,11 @@ fn other_world_sizes_need_a_policy() {
 
     // rank0: rank 0's data-loader state and the single RNG copies
     let out0 = d.path().join("three-rank0");
-    ok(&[
-        "convert",
-        s(&ckpt()),
-        s(&out0),
-        "--to",
-        "3",
-        "--format",
-        "dcp",
-        "--per-rank-state",
-        "rank0",
-    ]);
+    convert(
+        &ckpt(),
+        &out0,
+        &["--to", "3", "--format", "dcp", "--per-rank-state", "rank0"],
+    );
     assert_eq!(dataloader(&extras(&out0)).len(), 3);
     assert!(dataloader(&extras(&out0))
         .iter()
@@ -150,29 +136,18 @@ fn other_world_sizes_need_a_policy() {
 
     // same world size: every rank's state carries over unchanged
     let two = d.path().join("two");
-    ok(&[
-        "convert",
-        s(&ckpt()),
-        s(&two),
-        "--to",
-        "2",
-        "--format",
-        "dcp",
-    ]);
+    convert(&ckpt(), &two, &["--to", "2", "--format", "dcp"]);
     assert_eq!(extras(&two), all);
 }
 
 #[test]
 fn torch_loads_rank_zeros_state_from_the_pt() {
-    let Some(py) = torch_python() else {
-        eprintln!(
-            "skipped: no Python with torch (set RESHARD_PYTHON or run scripts/setup_venv.sh)"
-        );
+    let Some(py) = torch_or_skip() else {
         return;
     };
     let d = tempfile::tempdir().unwrap();
     let out = d.path().join("model.pt");
-    ok(&["convert", s(&ckpt()), s(&out), "--to", "1", "-q"]);
+    convert(&ckpt(), &out, &["--to", "1", "-q"]);
     let code = format!(
         r#"
 import torch
@@ -184,10 +159,5 @@ print("ok")
 "#,
         out = s(&out)
     );
-    let o = std::process::Command::new(&py)
-        .arg("-c")
-        .arg(&code)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    python(&py, &code);
 }

@@ -218,7 +218,7 @@ fn write_counts(ops: &[CopyOp], dst_sizes: &[usize]) -> Vec<Vec<u32>> {
 proptest! {
     #![proptest_config(ProptestConfig {
         cases: 1500,
-        failure_persistence: Some(Box::new(proptest::test_runner::FileFailurePersistence::WithSource("regressions"))),
+        failure_persistence: crate::common::regressions("layout_props"),
         ..ProptestConfig::default()
     })]
 
