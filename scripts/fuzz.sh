@@ -15,7 +15,7 @@
 #
 # A crash is a bug: minimize it (`cargo fuzz tmin <target> <file>` under RUSTC_BOOTSTRAP=1),
 # fix it, and commit the input under tests/fixtures/fuzz/<target>/, which
-# tests/fuzz_regressions.rs replays through the same code on every `cargo test`.
+# tests/it/fuzz_regressions.rs replays through the same code on every `cargo test`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

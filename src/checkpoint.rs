@@ -60,7 +60,7 @@ pub struct Extra {
 impl Extra {
     /// The entry as a Python value: its decoded pickle when it can be re-emitted, its JSON
     /// otherwise.
-    pub fn py_value(&self) -> crate::formats::torch_save::PyValue {
+    pub(crate) fn py_value(&self) -> crate::formats::torch_save::PyValue {
         self.pickle
             .as_ref()
             .and_then(crate::formats::torch_save::from_pickle)
@@ -192,6 +192,11 @@ impl Checkpoint {
             }
         }
         Ok(())
+    }
+
+    /// Groups of tied tensors (same dtype, shape and bytes), by name.
+    pub fn tied_names(&self) -> Result<Vec<Vec<String>>> {
+        crate::ties::tied_names(self)
     }
 
     /// The tensor called `name`.

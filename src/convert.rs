@@ -33,7 +33,7 @@ pub struct ConvertOptions {
     /// What to do with per-rank state ([`crate::per_rank`]); `None` resolves it as
     /// [`Policy::resolve`] does.
     pub per_rank: Option<Policy>,
-    /// Write tied tensors ([`crate::ties`]) once per name even where the format could store
+    /// Write tied tensors once per name even where the format could store
     /// them once ([`Aliasing::StoresOnce`]).
     pub untie: bool,
     /// Check the CRC-32s the sources record for the bytes the plan reads
@@ -85,6 +85,23 @@ pub struct Job {
     pub dropped: Vec<String>,
     /// Groups of tied tensors (output names) the output stores once.
     pub ties: Vec<Vec<String>>,
+}
+
+impl Job {
+    /// Destination bytes each of `threads` worker threads would write, with work units of
+    /// `window` bytes ([`ExecOptions::window`]).
+    pub fn thread_balance(&self, threads: usize, window: u64) -> Vec<u64> {
+        crate::exec::balance(&self.plan, &self.output.files, threads, window)
+    }
+
+    /// The files the output consists of, relative to the destination, with their sizes.
+    pub fn output_files(&self) -> Vec<(PathBuf, u64)> {
+        self.output
+            .files
+            .iter()
+            .map(|f| (f.path.clone(), f.size))
+            .collect()
+    }
 }
 
 /// Read `src` and prepare its conversion (`dst` only guides the format choice).

@@ -1,31 +1,74 @@
-//! reshard: move distributed-training checkpoints between world sizes.
+//! reshard: move distributed-training checkpoints between world sizes — offline or at load
+//! time, with no process group, in bounded memory.
 //!
 //! The pipeline is read → plan → write around one algebra:
 //! - [`layout`]: dtypes, regions, placements over a mesh, tensor layouts;
-//! - [`formats`]: readers that turn checkpoint files into layouts plus byte locations, and
-//!   writers that turn a target layout into destination files;
+//! - [`formats`]: the format registry — each format's reader turns files into a
+//!   [`Checkpoint`] (layouts plus byte locations), its writer turns a target layout into
+//!   destination files; [`Format`] says what each can hold;
 //! - [`plan`]: source layout × target layout → a minimal copy plan (pure, serializable);
-//! - [`exec`]: runs a plan with memory-mapped sources and parallel copies, then commits
-//!   the outputs atomically;
-//! - [`convert`]: the end-to-end job the CLI and trainers call; [`per_rank`] says which
-//!   entries belong to one rank and what a conversion does with them.
+//! - the executor runs a plan with memory-mapped sources and parallel copies
+//!   ([`ExecOptions`], [`Progress`]), and the commit makes the output appear atomically;
+//! - [`convert`]: the end-to-end job; [`load`]: what rank r of M reads, for trainers.
+//!
+//! # The library API
+//! - [`Checkpoint::open`]: any supported format; [`Checkpoint::tensors`] lists its tensors
+//!   (each a [`layout::TensorLayout`]), [`Checkpoint::extras`] its non-tensor entries;
+//! - [`Checkpoint::read_region`] / [`Checkpoint::read_region_into`]: one region of one
+//!   tensor, into a new buffer or the caller's;
+//! - [`load::local_shards`] / [`load::local_shards_into`]: every region rank r of M holds
+//!   under a [`LayoutSpec`];
+//! - [`convert::convert`] (or [`convert::prepare`] then [`convert::run`]) with
+//!   [`ConvertOptions`]; [`verify::checksums`]; [`diff::diff`];
+//! - [`Error`]: one line naming the file; [`Error::hint`] says which setting would help.
+//!
+//! Everything else is crate-private. With the `internals` feature (tests, benches and fuzz
+//! targets only; no stability promise) the format, executor and commit modules are public,
+//! hidden from the docs.
+#![warn(missing_docs)]
 
-pub mod array;
-pub mod checkpoint;
-pub mod commit;
+/// Declares modules that are crate-private, and public but hidden with the `internals`
+/// feature (for the project's tests, benches and fuzz targets).
+macro_rules! internal {
+    ($($(#[$m:meta])* mod $name:ident;)*) => {$(
+        $(#[$m])*
+        #[cfg(feature = "internals")]
+        #[doc(hidden)]
+        pub mod $name;
+        $(#[$m])*
+        #[cfg(not(feature = "internals"))]
+        #[allow(dead_code, unused_imports)]
+        pub(crate) mod $name;
+    )*};
+}
+pub(crate) use internal;
+
+mod array;
+mod checkpoint;
 pub mod convert;
 pub mod diff;
-pub mod error;
-pub mod exec;
+mod error;
 pub mod formats;
 pub mod layout;
 pub mod load;
 pub mod per_rank;
 pub mod plan;
-pub mod select;
+mod select;
 mod sys;
 pub mod target;
-pub mod ties;
 pub mod verify;
 
+internal! {
+    mod commit;
+    mod exec;
+    mod ties;
+}
+
+pub use array::Element;
+pub use checkpoint::{Checkpoint, Extra, KeyPart, RecordCrc};
+pub use convert::{ConvertOptions, Job};
 pub use error::{Error, Hint, Result};
+pub use exec::{ExecOptions, ExecStats, Progress};
+pub use formats::Format;
+pub use select::Selection;
+pub use target::LayoutSpec;

@@ -1,6 +1,6 @@
 //! Bodies of reshard's fuzz targets, one function per target in `fuzz_targets/`.
 //!
-//! The same file is compiled into `tests/fuzz_regressions.rs` (`#[path]` module), which
+//! The same file is compiled into `tests/it/fuzz_regressions.rs` (`#[path]` module), which
 //! replays the committed seeds (`fuzz/seeds/<target>/`) and every crash the fuzzers found
 //! (`tests/fixtures/fuzz/<target>/`) through exactly these code paths, so `cargo test` keeps
 //! them fixed.

@@ -46,6 +46,16 @@ pub fn read_into(ops: &[CopyOp], sources: &[PathBuf], out: &mut [u8]) -> Result<
 /// `outs[i]`. Sources are advised for random access, so only the pages the ops touch (and
 /// the kernel's fault-around) are read.
 pub fn read_many(jobs: &[Vec<CopyOp>], sources: &[PathBuf], outs: &mut [Vec<u8>]) -> Result<()> {
+    let mut slices: Vec<&mut [u8]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
+    read_many_into(jobs, sources, &mut slices)
+}
+
+/// [`read_many`] into the caller's buffers.
+pub fn read_many_into(
+    jobs: &[Vec<CopyOp>],
+    sources: &[PathBuf],
+    outs: &mut [&mut [u8]],
+) -> Result<()> {
     let maps = map_sources_with(sources, memmap2::Advice::Random)?;
     for (ops, out) in jobs.iter().zip(outs.iter_mut()) {
         read_with(ops, sources, &maps, out)?;
@@ -70,6 +80,20 @@ pub fn read_regions(
         .collect();
     read_many(&jobs, sources, &mut outs)?;
     Ok(outs)
+}
+
+/// [`read_regions`] into the caller's buffers, one per entry of `want`, each exactly the
+/// size of its region in its dtype.
+pub fn read_regions_into(
+    sources: &[PathBuf],
+    want: &[(&TensorLayout, &Region, DType)],
+    outs: &mut [&mut [u8]],
+) -> Result<()> {
+    let jobs: Vec<Vec<CopyOp>> = want
+        .iter()
+        .map(|&(t, region, dtype)| region_ops(t, region, dtype))
+        .collect();
+    read_many_into(&jobs, sources, outs)
 }
 
 /// Perform `ops` into `out` from the mapped `sources`, checking each op against the

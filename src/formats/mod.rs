@@ -1,16 +1,20 @@
 //! Checkpoint formats, behind one interface and one registry. Nothing outside this module
 //! knows a file format: the rest of reshard reads a [`Checkpoint`], writes through
-//! [`write`], and asks a [`Format`] what it can hold ([`Capabilities`]) instead of matching
+//! [`write()`], and asks a [`Format`] what it can hold ([`Capabilities`]) instead of matching
 //! on it.
 //!
 //! | module | format |
 //! |---|---|
-//! | [`safetensors`] | one `.safetensors` file, and the header code the family shares |
-//! | [`hf`] | Hugging Face sharded safetensors (`model.safetensors.index.json` + files) |
-//! | [`hf_storage`] | the per-rank shards of torch's `HuggingFaceStorageWriter(save_distributed=True)` |
-//! | [`dcp`], [`dcp_write`] | PyTorch Distributed Checkpoints (`.metadata` + `__R_I.distcp`) |
-//! | [`pt_read`], [`pt`] | one `torch.save` file (`.pt`) holding a state dict |
-//! | [`pickle`], [`torch_zip`], [`torch_save`] | the torch.save machinery DCP and `.pt` share |
+//! | `safetensors` | one `.safetensors` file, and the header code the family shares |
+//! | `hf` | Hugging Face sharded safetensors (`model.safetensors.index.json` + files) |
+//! | `hf_storage` | the per-rank shards of torch's `HuggingFaceStorageWriter(save_distributed=True)` |
+//! | `dcp/` | PyTorch Distributed Checkpoints (`.metadata` + `__R_I.distcp`), read and written |
+//! | `pt/` | one `torch.save` file (`.pt`) holding a state dict, read and written |
+//! | `torch/` | the torch.save machinery DCP and `.pt` share: pickle, zip records, dtypes |
+//! | `torch_codecs` | the [`Codec`]s of the two torch formats |
+//!
+//! (`pickle`, `torch_zip`, `torch_save`, `dcp_write` and `pt_read` re-export from `torch/`,
+//! `dcp/` and `pt/` at their older paths.)
 //!
 //! # Adding a format
 //! 1. Write a module with a unit struct implementing [`Codec`]: its [`Capabilities`], how it
@@ -21,22 +25,24 @@
 //!
 //! Byte-level notes on the torch formats, with their traps: `docs/pytorch-formats.md`.
 
-pub mod dcp;
-pub mod dcp_write;
-pub mod hf;
-pub mod hf_storage;
-pub mod pickle;
-pub mod pt;
-pub mod pt_read;
-pub mod safetensors;
-pub mod torch;
-mod torch_codecs;
-pub mod torch_save;
-pub mod torch_zip;
+crate::internal! {
+    mod dcp;
+    mod dcp_write;
+    mod hf;
+    mod hf_storage;
+    mod pickle;
+    mod pt;
+    mod pt_read;
+    mod safetensors;
+    mod torch;
+    mod torch_codecs;
+    mod torch_save;
+    mod torch_zip;
+}
 
+pub use self::safetensors::{EXTRAS_KEY, EXTRAS_PICKLE_KEY, PATHS_KEY};
 pub use crate::checkpoint::{Checkpoint, Extra, KeyPart, RecordCrc};
 pub use crate::target::TargetTensor;
-pub use safetensors::{EXTRAS_KEY, EXTRAS_PICKLE_KEY, PATHS_KEY};
 
 use crate::error::{Error, IoContext, Result};
 use crate::exec::OutputFile;
@@ -116,7 +122,7 @@ impl Family {
     }
 }
 
-/// How a format stores tensors that share their bytes (tied weights, [`crate::ties`]).
+/// How a format stores tensors that share their bytes (tied weights, (tied tensors)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 #[non_exhaustive]
@@ -393,7 +399,7 @@ pub struct WriteOptions {
     pub extras: Vec<Extra>,
     /// Nesting of flat names in the original state dict; names absent here are top-level.
     pub paths: BTreeMap<String, Vec<KeyPart>>,
-    /// Groups of tied target names ([`crate::ties`]), stored once by formats whose
+    /// Groups of tied target names (see `inspect`), stored once by formats whose
     /// [`Capabilities::aliasing`] is [`Aliasing::StoresOnce`]; other formats write every name.
     pub ties: Vec<Vec<String>>,
 }

@@ -149,3 +149,43 @@ fn one_rank_reads_about_one_mth_of_the_data() {
         eprintln!("M={m}: rank 1 needed {got} bytes, page cache shows {read} read, of {total}");
     }
 }
+
+#[test]
+fn caller_buffers_receive_the_same_bytes_and_a_wrong_size_is_refused() {
+    use reshard::load::{local_regions, local_shards_into};
+    let ck = Checkpoint::open(fixture("fsdp2_w4_f32").join("checkpoint")).unwrap();
+    let layout = LayoutSpec::fsdp(3);
+    let sel = Selection::default();
+    for r in 0..3 {
+        let shards = local_shards(&ck, &layout, r, &sel, None).unwrap();
+        let regions = local_regions(&ck, &layout, r, &sel, None).unwrap();
+        assert_eq!(regions.len(), shards.len());
+        let mut bufs: Vec<Vec<u8>> = regions
+            .iter()
+            .map(|g| vec![0xAB; g.nbytes() as usize])
+            .collect();
+        let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+        local_shards_into(&ck, &regions, &mut outs).unwrap();
+        for (s, b) in shards.iter().zip(&bufs) {
+            assert_eq!(&s.data, b, "rank {r} {}", s.name);
+        }
+        // one element short: refused, naming the tensor, nothing read
+        let g = regions.iter().find(|g| g.nbytes() >= 4).unwrap();
+        let mut short = vec![0u8; g.nbytes() as usize - 4];
+        let e = local_shards_into(&ck, std::slice::from_ref(g), &mut [&mut short[..]])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&g.name) && e.contains("the buffer"), "{e}");
+    }
+    // read_region_into: the same bytes as read_region, and the size is checked
+    let t = &ck.tensors[0];
+    let full = Region::full(&t.shape);
+    let want = ck.read_region(&t.name, &full, None).unwrap();
+    let mut got = vec![0u8; want.len()];
+    ck.read_region_into(&t.name, &full, None, &mut got).unwrap();
+    assert_eq!(got, want);
+    let mut small = vec![0u8; want.len() - 1];
+    assert!(ck
+        .read_region_into(&t.name, &full, None, &mut small)
+        .is_err());
+}

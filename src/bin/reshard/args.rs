@@ -4,10 +4,10 @@
 use bytesize::ByteSize;
 use clap::{Args, Parser, Subcommand};
 use reshard::convert::{ConvertOptions, Selection};
-use reshard::exec::ExecOptions;
 use reshard::formats::{Format, WriteOptions};
 use reshard::layout::DType;
 use reshard::target::LayoutSpec;
+use reshard::ExecOptions;
 use reshard::{Error, Result};
 use std::io::IsTerminal;
 use std::path::PathBuf;

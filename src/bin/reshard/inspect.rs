@@ -21,7 +21,7 @@ struct Findings<'a> {
 pub fn run(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<Outcome> {
     let ck = Checkpoint::open(path)?;
     let found = Findings {
-        ties: reshard::ties::tied_names(&ck)?,
+        ties: ck.tied_names()?,
         per_rank: per_rank_entries(&ck),
     };
     if as_json {

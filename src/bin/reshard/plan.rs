@@ -4,7 +4,6 @@ use crate::args::TargetArgs;
 use crate::text::{json, name_width, shown, size};
 use crate::Outcome;
 use reshard::convert::{self, ConvertOptions, Job};
-use reshard::exec::balance;
 use reshard::Result;
 use std::io::{self, Write};
 use std::path::Path;
@@ -32,7 +31,7 @@ fn print(
     as_json: bool,
 ) -> io::Result<()> {
     let threads = opts.exec.threads.unwrap_or_else(rayon::current_num_threads);
-    let load = balance(&job.plan, &job.output.files, threads, opts.exec.window);
+    let load = job.thread_balance(threads, opts.exec.window);
     if as_json {
         let v = serde_json::json!({
             "source": {"path": job.source.path, "format": job.source.format, "ranks": job.source.ranks, "files": job.source.files},

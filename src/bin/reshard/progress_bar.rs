@@ -1,8 +1,8 @@
 //! The CLI's progress bar: an indicatif bar on stderr behind the library's
-//! [`reshard::exec::Progress`]. Part of the binary only, so
+//! [`reshard::Progress`]. Part of the binary only, so
 //! the library does not depend on indicatif.
 
-use reshard::exec::Progress;
+use reshard::Progress;
 
 /// A bar of destination bytes written, with rate and ETA, drawn on stderr (only when it is a
 /// terminal) and cleared when the run finishes.
