@@ -15,7 +15,7 @@
 //! for the same destination (`.NAME.reshard-tmp-PID`, unless PID is a reshard process still
 //! running) and says so, one line each on stderr, before removing each.
 
-use crate::error::{Error, IoContext, Result};
+use crate::error::{Error, Hint, IoContext, Result};
 use crate::sys::{exchange, try_lock};
 use std::fs;
 use std::io::{Read, Seek, Write};
@@ -242,10 +242,10 @@ impl Staging {
             }
         })?;
         if fs::symlink_metadata(dest).is_ok() && !force {
-            return Err(Error::usage(format!(
-                "{}: already exists (use --force to replace it)",
-                dest.display()
-            )));
+            return Err(Error::refused(
+                format!("{}: already exists", dest.display()),
+                Hint::Force,
+            ));
         }
         let tmp = sibling(dest, TMP_MARK)?;
         remove_any(&tmp);
@@ -299,10 +299,10 @@ impl Staging {
         }
         let exists = fs::symlink_metadata(&self.dest).is_ok();
         if exists && !self.force {
-            return Err(Error::usage(format!(
-                "{}: appeared while writing; not replaced (use --force)",
-                self.dest.display()
-            )));
+            return Err(Error::refused(
+                format!("{}: appeared while writing; not replaced", self.dest.display()),
+                Hint::Force,
+            ));
         }
         let replace_dir = exists && (self.is_dir || self.dest.is_dir());
         if replace_dir {
