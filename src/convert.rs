@@ -105,7 +105,8 @@ impl Job {
 }
 
 /// Read `src` and prepare its conversion (`dst` only guides the format choice).
-pub fn prepare(src: &Path, dst: Option<&Path>, opts: &ConvertOptions) -> Result<Job> {
+pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions) -> Result<Job> {
+    let src = src.as_ref();
     opts.layout.check()?;
     let source = Checkpoint::open(src)?;
     let world = opts.layout.world();
@@ -244,7 +245,8 @@ fn check_paths(src: &Path, dst: &Path) -> Result<()> {
 }
 
 /// Write `job`'s output to `dst` atomically.
-pub fn run(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats> {
+pub fn run(job: &Job, dst: impl AsRef<Path>, opts: &ConvertOptions) -> Result<ExecStats> {
+    let dst = dst.as_ref();
     check_paths(&job.source.path, dst)?;
     let is_dir = job.format.is_dir();
     if !is_dir && dst.is_dir() {
@@ -300,7 +302,12 @@ pub fn run(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats> {
 }
 
 /// Convert `src` into `dst`: [`prepare`] then [`run`].
-pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions) -> Result<(Job, ExecStats)> {
+pub fn convert(
+    src: impl AsRef<Path>,
+    dst: impl AsRef<Path>,
+    opts: &ConvertOptions,
+) -> Result<(Job, ExecStats)> {
+    let (src, dst) = (src.as_ref(), dst.as_ref());
     let job = prepare(src, Some(dst), opts)?;
     let stats = run(&job, dst, opts)?;
     Ok((job, stats))

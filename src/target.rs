@@ -61,7 +61,8 @@ impl LayoutSpec {
     }
 
     /// Read and check a layout file.
-    pub fn from_file(path: &Path) -> Result<Self> {
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
         let text = std::fs::read(path).at(path)?;
         Self::from_json(&text).map_err(|e| Error::format(path, e.to_string()))
     }
