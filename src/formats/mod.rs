@@ -8,10 +8,9 @@
 //! | `safetensors` | one `.safetensors` file, and the header code the family shares |
 //! | `hf` | Hugging Face sharded safetensors (`model.safetensors.index.json` + files) |
 //! | `hf_storage` | the per-rank shards of torch's `HuggingFaceStorageWriter(save_distributed=True)` |
-//! | `dcp/` | PyTorch Distributed Checkpoints (`.metadata` + `__R_I.distcp`), read and written |
-//! | `pt/` | one `torch.save` file (`.pt`) holding a state dict, read and written |
+//! | `dcp/` | PyTorch Distributed Checkpoints (`.metadata` + `__R_I.distcp`): codec, reader, writer |
+//! | `pt/` | one `torch.save` file (`.pt`) holding a state dict: codec, reader, writer |
 //! | `torch/` | the torch.save machinery DCP and `.pt` share: pickle, zip records, dtypes |
-//! | `torch_codecs` | the [`Codec`]s of the two torch formats |
 //!
 //! (`pickle`, `torch_zip`, `torch_save`, `dcp_write` and `pt_read` re-export from `torch/`,
 //! `dcp/` and `pt/` at their older paths.)
@@ -35,7 +34,6 @@ crate::internal! {
     mod pt_read;
     mod safetensors;
     mod torch;
-    mod torch_codecs;
     mod torch_save;
     mod torch_zip;
 }
@@ -187,10 +185,10 @@ impl Format {
     /// Per-rank safetensors shards with `DCP_SHARDING_INFO` (torch's HF storage layout).
     pub const HF_STORAGE: Format = Format(&hf_storage::HfStorage);
     /// A PyTorch Distributed Checkpoint directory (`.metadata` + `__R_I.distcp`).
-    pub const DCP: Format = Format(&torch_codecs::Dcp);
+    pub const DCP: Format = Format(&dcp::Dcp);
     /// One `torch.save` file holding a state dict, which `torch.load(weights_only=True)`
     /// opens.
-    pub const PT: Format = Format(&torch_codecs::Pt);
+    pub const PT: Format = Format(&pt::Pt);
 
     /// The name used on the command line.
     pub fn name(self) -> &'static str {

@@ -25,9 +25,11 @@
 //! missing or short data files, corrupt zip records, items whose dtype or shape disagree with
 //! the metadata, chunks outside their tensor or overlapping (layout validation).
 
+mod codec;
 mod metadata;
 pub mod write;
 
+pub use codec::Dcp;
 use super::pickle::Value;
 use super::torch_zip::{self, short};
 use super::{Checkpoint, Extra, Format, RecordCrc};

@@ -4,9 +4,11 @@
 //! rebuilt from the flat keys). The container, pickles and tensor rebuild calls are
 //! [`super::torch`]'s.
 
+mod codec;
 pub mod read;
 mod write;
 
+pub use codec::Pt;
 pub use write::write;
 
 use crate::layout::{DType, Loc, Piece, Region, TensorLayout};

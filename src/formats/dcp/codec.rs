@@ -1,0 +1,45 @@
+//! The [`Codec`] of PyTorch Distributed Checkpoints: capabilities, recognition (a
+//! `.metadata` file), and the reader and writer of this folder.
+
+use crate::error::Result;
+use crate::formats::{
+    dcp, dcp_write, Aliasing, Capabilities, Checkpoint, Codec, Container, Family, Output, Probe,
+    Recognition, TargetTensor, WriteOptions,
+};
+use std::path::Path;
+
+/// PyTorch Distributed Checkpoints (`torch.distributed.checkpoint`).
+pub struct Dcp;
+
+static DCP_CAPS: Capabilities = Capabilities {
+    name: "dcp",
+    aliases: &[],
+    summary: "PyTorch Distributed Checkpoint, for torch.distributed.checkpoint.load (any M)",
+    noun: "a DCP checkpoint",
+    container: Container::Directory,
+    extensions: &[],
+    max_world: None,
+    family: Family::Torch,
+    python_values: true,
+    extras_kept: "as BYTE_IO items (Lightning's meta.pt keys in meta.pt)",
+    aliasing: Aliasing::CopyPerName,
+};
+
+impl Codec for Dcp {
+    fn capabilities(&self) -> &'static Capabilities {
+        &DCP_CAPS
+    }
+    fn recognize(&self, probe: &Probe) -> Result<Recognition> {
+        Ok(if !probe.is_file && dcp::is_dcp(probe.path)? {
+            Recognition::Marker
+        } else {
+            Recognition::No
+        })
+    }
+    fn read(&self, path: &Path) -> Result<Checkpoint> {
+        dcp::read(path)
+    }
+    fn write(&self, target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
+        dcp_write::write(target, world, opts)
+    }
+}
