@@ -123,27 +123,8 @@ pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions)
         .iter()
         .filter(|e| opts.select.keeps(&e.name))
         .collect();
-    // Per-rank state: resolve the policy from what is selected, then leave out what it drops.
-    let per_rank_names: Vec<&str> = selected
-        .iter()
-        .map(|t| t.name.as_str())
-        .chain(kept_extras.iter().map(|e| e.name.as_str()))
-        .filter(|n| classify(n).is_some())
-        .collect();
-    let policy = Policy::resolve(opts.per_rank, source.ranks as u64, world, &per_rank_names)?;
-    let dropped: Vec<String> = per_rank_names
-        .iter()
-        .filter(|n| !policy.keeps(classify(n)))
-        .map(|n| n.to_string())
-        .collect();
-    let selected: Vec<_> = selected
-        .into_iter()
-        .filter(|t| policy.keeps(classify(&t.name)))
-        .collect();
-    let kept_extras: Vec<_> = kept_extras
-        .into_iter()
-        .filter(|e| policy.keeps(classify(&e.name)))
-        .collect();
+    let (policy, dropped, selected, kept_extras) =
+        apply_policy(opts.per_rank, source.ranks, world, selected, kept_extras)?;
     if selected.is_empty() && !source.tensors.is_empty() {
         return Err(Error::usage(format!(
             "every selected tensor of {} is per-rank state the policy leaves out",
@@ -176,29 +157,15 @@ pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions)
         }
     }
     let target = opts.layout.compile(&wanted)?;
-    let mut wopts = opts.write.clone();
-    for (k, v) in &source.metadata {
-        wopts.metadata.entry(k.clone()).or_insert_with(|| v.clone());
-    }
-    // The non-tensor entries under their output names, and the nesting when names are
-    // unchanged (renamed names are written flat); each format keeps them its own way.
-    wopts.extras = kept_extras
-        .iter()
-        .zip(extra_names)
-        .map(|(e, name)| formats::Extra {
-            name: name.clone(),
-            ..(*e).clone()
-        })
-        .collect();
-    if opts.select.strip_prefix.is_none() && opts.select.add_prefix.is_none() {
-        wopts.paths = source.paths.clone();
-    }
-    if format.capabilities().aliasing == Aliasing::StoresOnce && !opts.untie {
-        wopts.ties = crate::ties::find(&source.files, &selected)?
-            .into_iter()
-            .map(|g| g.into_iter().map(|i| tensor_names[i].clone()).collect())
-            .collect();
-    }
+    let wopts = write_options(
+        opts,
+        &source,
+        format,
+        &selected,
+        tensor_names,
+        &kept_extras,
+        extra_names,
+    )?;
     let output = formats::write(format, &target, world as u32, &wopts)?;
     let src_tensors: Vec<_> = selected
         .into_iter()
@@ -221,6 +188,81 @@ pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions)
         dropped,
         ties: wopts.ties,
     })
+}
+
+/// Per-rank state: the policy resolved from what is selected (tensors and non-tensor
+/// entries), the per-rank names it leaves out, and what stays.
+#[allow(clippy::type_complexity)]
+fn apply_policy<'a>(
+    chosen: Option<Policy>,
+    source_ranks: u32,
+    world: u64,
+    selected: Vec<&'a TensorLayout>,
+    extras: Vec<&'a formats::Extra>,
+) -> Result<(
+    Policy,
+    Vec<String>,
+    Vec<&'a TensorLayout>,
+    Vec<&'a formats::Extra>,
+)> {
+    let per_rank_names: Vec<&str> = selected
+        .iter()
+        .map(|t| t.name.as_str())
+        .chain(extras.iter().map(|e| e.name.as_str()))
+        .filter(|n| classify(n).is_some())
+        .collect();
+    let policy = Policy::resolve(chosen, source_ranks as u64, world, &per_rank_names)?;
+    let dropped = per_rank_names
+        .iter()
+        .filter(|n| !policy.keeps(classify(n)))
+        .map(|n| n.to_string())
+        .collect();
+    let selected = selected
+        .into_iter()
+        .filter(|t| policy.keeps(classify(&t.name)))
+        .collect();
+    let extras = extras
+        .into_iter()
+        .filter(|e| policy.keeps(classify(&e.name)))
+        .collect();
+    Ok((policy, dropped, selected, extras))
+}
+
+/// The writer's settings: the options' own, the source's string metadata, the non-tensor
+/// entries under their output names, the nesting when names are unchanged (renamed names are
+/// written flat), and the tied groups where the format stores them once. Each format keeps
+/// the entries and nesting its own way.
+fn write_options(
+    opts: &ConvertOptions,
+    source: &Checkpoint,
+    format: Format,
+    selected: &[&TensorLayout],
+    tensor_names: &[String],
+    extras: &[&formats::Extra],
+    extra_names: &[String],
+) -> Result<WriteOptions> {
+    let mut wopts = opts.write.clone();
+    for (k, v) in &source.metadata {
+        wopts.metadata.entry(k.clone()).or_insert_with(|| v.clone());
+    }
+    wopts.extras = extras
+        .iter()
+        .zip(extra_names)
+        .map(|(e, name)| formats::Extra {
+            name: name.clone(),
+            ..(*e).clone()
+        })
+        .collect();
+    if opts.select.strip_prefix.is_none() && opts.select.add_prefix.is_none() {
+        wopts.paths = source.paths.clone();
+    }
+    if format.capabilities().aliasing == Aliasing::StoresOnce && !opts.untie {
+        wopts.ties = crate::ties::find(&source.files, selected)?
+            .into_iter()
+            .map(|g| g.into_iter().map(|i| tensor_names[i].clone()).collect())
+            .collect();
+    }
+    Ok(wopts)
 }
 
 /// Refuse destinations that are, contain, or lie inside the source.
