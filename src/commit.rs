@@ -464,6 +464,16 @@ mod tests {
             .spawn()
             .unwrap();
         let (reused, live) = (other_prog.id(), run.id());
+        // Until the child has exec'd, its comm is still the test's: wait for the exec (a
+        // race seen on a loaded machine), at most 10 s.
+        let t0 = std::time::Instant::now();
+        let execd = || {
+            fs::read_to_string(format!("/proc/{live}/comm")).is_ok_and(|c| c.trim_end() == "reshard")
+        };
+        while !execd() && t0.elapsed() < std::time::Duration::from_secs(10)
+        {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
         let me = std::process::id(); // this process: never a leftover of itself
         let tmp_dead = d.path().join(format!(".m.safetensors.reshard-tmp-{dead}"));
         let dir_dead = d.path().join(format!(".m.safetensors.reshard-old-{dead}"));
