@@ -19,7 +19,7 @@
 
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 use reshard::convert::{convert, ConvertOptions};
-use reshard::formats::pickle::{dcp_metadata_globals, parse};
+use reshard::formats::torch::pickle::{dcp_metadata_globals, parse};
 use reshard::formats::{Checkpoint, Format};
 use safetensors::tensor::Dtype;
 use std::hint::black_box;

@@ -5,7 +5,8 @@
 //! [`crate::formats`] and validates the result; nothing here knows a file format.
 
 use crate::error::{Error, IoContext, Result};
-use crate::formats::{self, pickle, Format};
+use crate::formats::torch::pickle;
+use crate::formats::{self, Format};
 use crate::layout::{DType, Region, TensorLayout};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -60,11 +61,11 @@ pub struct Extra {
 impl Extra {
     /// The entry as a Python value: its decoded pickle when it can be re-emitted, its JSON
     /// otherwise.
-    pub(crate) fn py_value(&self) -> crate::formats::torch_save::PyValue {
+    pub(crate) fn py_value(&self) -> pickle::PyValue {
         self.pickle
             .as_ref()
-            .and_then(crate::formats::torch_save::from_pickle)
-            .unwrap_or_else(|| crate::formats::torch_save::from_json(&self.value))
+            .and_then(pickle::from_pickle)
+            .unwrap_or_else(|| pickle::from_json(&self.value))
     }
 }
 

@@ -11,9 +11,9 @@
 mod common;
 
 use common::s;
-use reshard::formats::torch_save::{
-    archive_bytes, layout_archive, pickle, save_to_vec, standard_records, PyValue, TensorRef,
-};
+use reshard::formats::torch::pickle::{pickle, PyValue};
+use reshard::formats::torch::save::{save_to_vec, standard_records, TensorRef};
+use reshard::formats::torch::zip::{archive_bytes, layout_archive};
 use reshard::layout::DType;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -138,7 +138,7 @@ fn within_scaled_bounds(what: &str, r: &Run, input: u64) {
 // ---------------------------------------------------------------------------------------------
 // Building DCP metadata (the torch 2.1 class layout reshard writes, see src/formats/dcp_write.rs)
 
-use reshard::formats::dcp_write::{tensor_properties, FS, META, ST_META};
+use reshard::formats::dcp::write::{tensor_properties, FS, META, ST_META};
 
 fn properties() -> PyValue {
     tensor_properties(reshard::layout::DType::F32)

@@ -15,7 +15,8 @@
 //! new one is made.
 #![allow(clippy::missing_panics_doc)]
 
-use reshard::formats::{dcp, pickle as pk, torch_zip as tz, Checkpoint};
+use reshard::formats::torch::{pickle as pk, save as tz};
+use reshard::formats::{dcp, Checkpoint};
 use reshard::layout::{DType, Region};
 use reshard::target::LayoutSpec;
 use std::cell::RefCell;

@@ -12,9 +12,6 @@
 //! | `pt/` | one `torch.save` file (`.pt`) holding a state dict: codec, reader, writer |
 //! | `torch/` | the torch.save machinery DCP and `.pt` share: pickle, zip records, dtypes |
 //!
-//! (`pickle`, `torch_zip`, `torch_save`, `dcp_write` and `pt_read` re-export from `torch/`,
-//! `dcp/` and `pt/` at their older paths.)
-//!
 //! # Adding a format
 //! 1. Write a module with a unit struct implementing [`Codec`]: its [`Capabilities`], how it
 //!    recognizes a path ([`Codec::recognize`]: a marker only it uses, or a fallback), and its
@@ -26,16 +23,11 @@
 
 crate::internal! {
     mod dcp;
-    mod dcp_write;
     mod hf;
     mod hf_storage;
-    mod pickle;
     mod pt;
-    mod pt_read;
     mod safetensors;
     mod torch;
-    mod torch_save;
-    mod torch_zip;
 }
 
 pub use self::safetensors::{EXTRAS_KEY, EXTRAS_PICKLE_KEY, PATHS_KEY};

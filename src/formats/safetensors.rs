@@ -7,7 +7,7 @@
 //! tensors by decreasing element size so every tensor is aligned to its dtype.
 
 use super::{
-    pickle, torch_save, Aliasing, Capabilities, Checkpoint, Codec, Container, Extra, Family,
+    torch::pickle, Aliasing, Capabilities, Checkpoint, Codec, Container, Extra, Family,
     Format, KeyPart, Output, Probe, Recognition, TargetTensor, WriteOptions,
 };
 use crate::error::{Error, IoContext, Result};
@@ -422,7 +422,7 @@ pub fn header_metadata(
             .extras
             .iter()
             .map(|e| {
-                let bytes = torch_save::pickle(&e.py_value());
+                let bytes = pickle::pickle(&e.py_value());
                 (e.name.clone(), to_hex(&bytes).into())
             })
             .collect();

@@ -88,7 +88,7 @@ fn open_dcp_corpus() {
 /// that reach deep into each parser).
 #[test]
 fn seeds_are_valid_inputs() {
-    use reshard::formats::{pickle, torch_zip};
+    use reshard::formats::torch::{pickle, save as torch_zip};
     let seeds = |t: &str| files(&root().join("fuzz/seeds").join(t));
     for p in seeds("pickle") {
         let data = std::fs::read(&p).unwrap();

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 use proptest::sample::Index;
-use reshard::formats::pickle::{dcp_metadata_globals, parse, torch_save_globals, Globals};
+use reshard::formats::torch::pickle::{dcp_metadata_globals, parse, torch_save_globals, Globals};
 
 /// Generous: a 33 KB `.metadata` parses in a few milliseconds.
 const TIME_LIMIT: Duration = Duration::from_secs(5);

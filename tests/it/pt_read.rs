@@ -260,7 +260,7 @@ fn damaged_files_are_refused_with_one_line() {
         refused(&write(&format!("cut{cut}.pt"), &good[..cut]), "");
     }
     // data.pkl damaged: the CRC-32 catches it
-    let ar = reshard::formats::torch_zip::Archive::parse(&good).unwrap();
+    let ar = reshard::formats::torch::zip::Archive::parse(&good).unwrap();
     let pkl_name = format!("{}/data.pkl", ar.prefix);
     let pkl = ar.record(&good, &pkl_name).unwrap();
     let mut flipped = good.clone();

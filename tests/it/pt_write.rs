@@ -5,7 +5,7 @@
 
 use crate::common::archive::{prefix, record_data, walk_checked};
 use crate::common::{convert, fixture, json_object, judge, s, torch_or_skip};
-use reshard::formats::pickle::{parse, torch_save_globals, Value};
+use reshard::formats::torch::pickle::{parse, torch_save_globals, Value};
 use safetensors::SafeTensors;
 use std::path::Path;
 

@@ -15,11 +15,13 @@ use crate::common::archive::{
 use crate::common::{fixture, root};
 use proptest::prelude::*;
 use reshard::exec::{execute, ExecOptions, OutputFile};
-use reshard::formats::pickle::{self, torch_save_globals};
-use reshard::formats::torch_save::{
-    self, archive_bytes, contiguous_strides, crc_offsets, fill_crcs, from_pickle, layout_archive,
-    output_parts, save_to_vec, standard_records, torch_dtype_name, validate, validate_torch21,
-    ArchiveLayout, PyValue, Record, TensorRef,
+use reshard::formats::torch::dtype::torch_dtype_name;
+use reshard::formats::torch::pickle::{
+    self, from_pickle, torch_save_globals, validate, validate_torch21, PyValue,
+};
+use reshard::formats::torch::save::{contiguous_strides, save_to_vec, standard_records, TensorRef};
+use reshard::formats::torch::zip::{
+    archive_bytes, crc_offsets, fill_crcs, layout_archive, output_parts, ArchiveLayout, Record,
 };
 use reshard::layout::DType;
 use reshard::plan::{CopyOp, Plan};
@@ -130,7 +132,7 @@ fn same(a: &PyValue, b: &PyValue) -> bool {
 
 fn roundtrip(v: &PyValue) -> Result<(), String> {
     validate(v)?;
-    let p = torch_save::pickle(v);
+    let p = pickle::pickle(v);
     check_opcodes(&p);
     let back = pickle::parse(&p, &torch_save_globals()).map_err(|e| e.to_string())?;
     let got = from_pickle(&back).ok_or("from_pickle refused the value")?;
@@ -224,7 +226,7 @@ proptest! {
         let w = walk_checked(&bytes);
         prop_assert_eq!(record_data(&bytes, &w, "archive/data/0"), &data[..]);
         let pkl = record_data(&bytes, &w, "archive/data.pkl");
-        prop_assert_eq!(pkl, &torch_save::pickle(&v)[..]);
+        prop_assert_eq!(pkl, &pickle::pickle(&v)[..]);
     }
 }
 
@@ -257,7 +259,7 @@ fn tensors_read_back_through_the_project_reader() {
             &[("7".into(), data)],
         );
         walk_checked(&bytes);
-        let item = reshard::formats::torch_zip::parse(&bytes).unwrap();
+        let item = reshard::formats::torch::save::parse(&bytes).unwrap();
         let ti = item.tensor.expect("a tensor item");
         assert_eq!(ti.dtype, d);
         assert_eq!(ti.shape, vec![2, 3]);
@@ -380,8 +382,7 @@ fn torch_archives_are_recreated_byte_for_byte() {
                     let py = from_pickle(&v)
                         .unwrap_or_else(|| panic!("{}: cannot re-emit {v:?}", f.display()));
                     validate(&py).unwrap();
-                    let again =
-                        pickle::parse(&torch_save::pickle(&py), &torch_save_globals()).unwrap();
+                    let again = pickle::parse(&pickle::pickle(&py), &torch_save_globals()).unwrap();
                     assert_eq!(again, v);
                     byte_io += 1;
                 }
@@ -482,7 +483,7 @@ fn lay_out(v: &PyValue, storages: &[(String, Vec<u8>)]) -> (Vec<Record>, Archive
         .iter()
         .map(|(k, d)| (k.clone(), d.len() as u64))
         .collect();
-    let records = standard_records(torch_save::pickle(v), &sizes);
+    let records = standard_records(pickle::pickle(v), &sizes);
     let layout = layout_archive("archive", &records);
     (records, layout)
 }
@@ -1270,10 +1271,7 @@ fn torch_loads_a_sparse_zip64_archive() {
             PyValue::Tensor(TensorRef::new("1", DType::F32, vec![4])),
         ),
     ]);
-    let records = standard_records(
-        torch_save::pickle(&v),
-        &[("0".into(), BIG), ("1".into(), 16)],
-    );
+    let records = standard_records(pickle::pickle(&v), &[("0".into(), BIG), ("1".into(), 16)]);
     let layout = layout_archive("archive", &records);
     let f = std::fs::OpenOptions::new()
         .create(true)

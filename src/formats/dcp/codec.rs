@@ -3,7 +3,7 @@
 
 use crate::error::Result;
 use crate::formats::{
-    dcp, dcp_write, Aliasing, Capabilities, Checkpoint, Codec, Container, Family, Output, Probe,
+    dcp, Aliasing, Capabilities, Checkpoint, Codec, Container, Family, Output, Probe,
     Recognition, TargetTensor, WriteOptions,
 };
 use std::path::Path;
@@ -40,6 +40,6 @@ impl Codec for Dcp {
         dcp::read(path)
     }
     fn write(&self, target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
-        dcp_write::write(target, world, opts)
+        dcp::write::write(target, world, opts)
     }
 }

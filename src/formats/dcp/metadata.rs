@@ -4,8 +4,8 @@
 
 use super::METADATA;
 use crate::error::{Error, IoContext, Result};
-use crate::formats::pickle::{self, Value};
-use crate::formats::torch_zip::{self, short};
+use crate::formats::torch::pickle::{self, Value};
+use crate::formats::torch::{save, short};
 use crate::formats::KeyPart;
 use crate::layout::{DType, Region};
 use std::collections::{HashMap, HashSet};
@@ -241,7 +241,7 @@ fn tensor_metadata(name: &str, v: &Value) -> Result<Kind, String> {
         _ => None,
     };
     let dtype = dtype_v
-        .and_then(torch_zip::torch_dtype)
+        .and_then(save::torch_dtype)
         .ok_or_else(|| format!("tensor `{name}` has no torch dtype in its properties"))?
         .map_err(|m| format!("tensor `{name}`: {m}"))?;
     let size = dims(v.get("size")).ok_or_else(|| format!("tensor `{name}` has no valid size"))?;

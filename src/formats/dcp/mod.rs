@@ -1,11 +1,11 @@
 //! PyTorch Distributed Checkpoints (`torch.distributed.checkpoint`, torch 2.1 … 2.15)
 //! (`docs/pytorch-formats.md` §1–3, §5–6). This module reads them; `metadata.rs` decodes
-//! `.metadata`; [`write`] writes them (re-exported at `formats::dcp_write`).
+//! `.metadata`; [`write`] writes them.
 //!
 //! A DCP directory holds a `.metadata` pickle and data files `__<R>_<I>.distcp`. The metadata
 //! lists every tensor's global shape and dtype and its chunks (boxes of the global index
 //! space), and maps each chunk (and each non-tensor `BYTE_IO` entry) to a byte range of a data
-//! file. Each range is a complete `torch.save` zip archive ([`super::torch_zip`]), or, for
+//! file. Each range is a complete `torch.save` zip archive ([`super::torch::save`]), or, for
 //! `FileSystemWriter(serialization_format=SAFETENSORS)`, the start of one safetensors blob per
 //! file. `dcp.save(..., use_collectives=False)` writes no `.metadata` but one
 //! `__<R>.metadata` per rank, which are merged here. Items whose `_StorageInfo` lists
@@ -30,8 +30,8 @@ mod metadata;
 pub mod write;
 
 pub use codec::Dcp;
-use super::pickle::Value;
-use super::torch_zip::{self, short};
+use super::torch::pickle::Value;
+use super::torch::{save, short};
 use super::{Checkpoint, Extra, Format, RecordCrc};
 use crate::error::{Error, IoContext, Result};
 use crate::layout::{DType, Loc, Piece, TensorLayout};
@@ -691,7 +691,7 @@ fn read_item(w: &Work, blob: bool, meta: &Meta, sources: &[Source], blobs: &Blob
             // A BYTE_IO item: decode the value.
             let (si, off, len) = w.at;
             let item =
-                torch_zip::parse(sources[si].slice(off, len)).map_err(|e| err(e.to_string()))?;
+                save::parse(sources[si].slice(off, len)).map_err(|e| err(e.to_string()))?;
             return Ok(Got::Extra {
                 entry,
                 extra: Extra {
@@ -791,7 +791,7 @@ fn zip_chunk(
     zst: &str,
 ) -> std::result::Result<(Loc, Option<RecordCrc>), String> {
     let (si, off, len) = w.at;
-    let item = torch_zip::parse(sources[si].slice(off, len)).map_err(|e| e.to_string())?;
+    let item = save::parse(sources[si].slice(off, len)).map_err(|e| e.to_string())?;
     let t = item
         .tensor
         .ok_or_else(|| format!("holds a pickled {}, not a tensor", item.value.kind()))?;
@@ -816,7 +816,7 @@ fn zip_chunk(
 /// The top-level keys of a Lightning `meta.pt` as extras.
 fn read_meta_pt(path: &Path) -> Result<Vec<Extra>> {
     let src = Source::open(path.to_path_buf(), None)?;
-    let item = torch_zip::parse(src.bytes()).map_err(|e| Error::format(path, e.to_string()))?;
+    let item = save::parse(src.bytes()).map_err(|e| Error::format(path, e.to_string()))?;
     let pairs = item.value.as_dict().ok_or_else(|| {
         Error::format(
             path,

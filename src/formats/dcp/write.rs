@@ -7,10 +7,10 @@
 
 use crate::error::{Error, Result};
 use crate::exec::OutputFile;
-use crate::formats::torch_save::{
-    layout_archive, output_parts, pickle, save_to_vec, standard_records, torch_dtype_name, PyValue,
-    TensorRef,
-};
+use crate::formats::torch::dtype::torch_dtype_name;
+use crate::formats::torch::pickle::{pickle, PyValue};
+use crate::formats::torch::save::{save_to_vec, standard_records, TensorRef};
+use crate::formats::torch::zip::{layout_archive, output_parts};
 use crate::formats::{Extra, KeyPart, Output, TargetTensor, WriteOptions};
 use crate::layout::{Loc, Piece, Region, TensorLayout};
 use std::collections::HashSet;

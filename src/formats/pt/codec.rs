@@ -3,7 +3,7 @@
 
 use crate::error::Result;
 use crate::formats::{
-    pt, pt_read, Aliasing, Capabilities, Checkpoint, Codec, Container, Family, Output, Probe,
+    pt, Aliasing, Capabilities, Checkpoint, Codec, Container, Family, Output, Probe,
     Recognition, TargetTensor, WriteOptions,
 };
 use std::path::Path;
@@ -33,7 +33,7 @@ impl Codec for Pt {
     fn recognize(&self, probe: &Probe) -> Result<Recognition> {
         // a zip archive, or a legacy torch.save pickle (which the reader names and refuses)
         let pt = probe.is_file
-            && (probe.head.starts_with(b"PK\x03\x04") || pt_read::is_legacy(&probe.head));
+            && (probe.head.starts_with(b"PK\x03\x04") || pt::read::is_legacy(&probe.head));
         Ok(if pt {
             Recognition::Marker
         } else {
@@ -41,7 +41,7 @@ impl Codec for Pt {
         })
     }
     fn read(&self, path: &Path) -> Result<Checkpoint> {
-        pt_read::read(path)
+        pt::read::read(path)
     }
     fn write(&self, target: &[TargetTensor], _world: u32, opts: &WriteOptions) -> Result<Output> {
         pt::write(target, opts)

@@ -1,6 +1,6 @@
 //! Reading one `torch.save` file (`.pt`, the zip format torch >= 1.6 writes by default) as a
 //! single-rank checkpoint. This module owns the walk from the decoded `data.pkl` to flat
-//! keys; the zip container, the pickle and the tensor rebuild calls are [`torch_zip`]'s.
+//! keys; the zip container, the pickle and the tensor rebuild calls are [`crate::formats::torch`]'s.
 //!
 //! The file is memory-mapped; only its central directory, the local headers of the records
 //! used and `data.pkl` are read, never tensor data. The unpickled value must be a dict (a
@@ -21,8 +21,10 @@
 
 use super::whole_tensor;
 use crate::error::{Error, IoContext, Result};
-use crate::formats::pickle::Value;
-use crate::formats::torch_zip::{self, short, Archive, TensorItem};
+use crate::formats::torch::pickle::Value;
+use crate::formats::torch::save::{self, TensorItem};
+use crate::formats::torch::short;
+use crate::formats::torch::zip::Archive;
 use crate::formats::{dcp, Checkpoint, Extra, Format, KeyPart, RecordCrc};
 use crate::layout::TensorLayout;
 use memmap2::Mmap;
@@ -61,7 +63,7 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
              (zip) serialization: torch.save(torch.load(f), f2)",
         ));
     }
-    let item = torch_zip::parse(bytes).map_err(|e| Error::format(path, e.to_string()))?;
+    let item = save::parse(bytes).map_err(|e| Error::format(path, e.to_string()))?;
     if item.tensor.is_some() || is_tensor_call(&item.value) {
         return Err(Error::format(
             path,
@@ -275,7 +277,7 @@ impl<'a> Walker<'a> {
                 Ok(())
             }
             _ if is_tensor_call(v) => {
-                let t = torch_zip::tensor_of(v, self.archive, self.bytes)
+                let t = save::tensor_of(v, self.archive, self.bytes)
                     .map_err(|e| self.err(parts, e))?
                     .ok_or_else(|| {
                         let (m, n) = v.class().unwrap_or_default();

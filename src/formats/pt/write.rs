@@ -10,9 +10,9 @@
 use super::whole_tensor;
 use crate::error::{Error, Result};
 use crate::exec::OutputFile;
-use crate::formats::torch_save::{
-    layout_archive, output_parts, pickle, standard_records, PyValue, TensorRef,
-};
+use crate::formats::torch::pickle::{pickle, PyValue};
+use crate::formats::torch::save::{standard_records, TensorRef};
+use crate::formats::torch::zip::{layout_archive, output_parts};
 use crate::formats::{KeyPart, Output, TargetTensor, WriteOptions};
 use crate::layout::Region;
 use std::collections::HashMap;

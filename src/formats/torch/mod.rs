@@ -10,9 +10,7 @@
 //!   records torch writes, whole-archive parsing.
 //!
 //! The checkpoint formats built on them live beside this module: [`super::dcp`] (Distributed
-//! Checkpoints, read and written) and [`super::pt`] (one `.pt` file, read and written). The
-//! older paths `formats::pickle`, `formats::torch_zip` and `formats::torch_save` re-export
-//! these modules' items.
+//! Checkpoints, read and written) and [`super::pt`] (one `.pt` file, read and written).
 
 pub mod dtype;
 pub mod pickle;

@@ -5,7 +5,6 @@
 //!   allow-lists of names a pickle may reference;
 //! - `read.rs`: the VM behind [`parse`];
 //! - `write.rs`: [`PyValue`] and [`pickle`], the protocol-2 writer of `torch.save` pickles
-//!   (re-exported at `formats::torch_save`).
 //!
 //! # Reading
 //!

@@ -508,7 +508,7 @@ fn write_value(w: &mut Vec<u8>, v: &PyValue) {
     }
 }
 
-/// Convert a value decoded by [`crate::formats::pickle::parse`] (with
+/// Convert a value decoded by [`super::parse`] (with
 /// [`crate::formats::pickle::torch_save_globals`]) into a [`PyValue`] that re-emits it:
 /// None, bools, ints, floats, str, bytes, lists, tuples, dicts (an `OrderedDict` decodes to a
 /// dict and comes back as a plain [`PyValue::Dict`]), sets, `complex`, `torch.device`,
