@@ -213,9 +213,14 @@ impl Checkpoint {
         region: &Region,
         dtype: Option<DType>,
     ) -> Result<Vec<u8>> {
-        let dtype = dtype.unwrap_or(self.checked(name, region, None)?.dtype);
+        let t = self.checked(name, region, dtype)?;
+        let dtype = dtype.unwrap_or(t.dtype);
         let mut out = vec![0u8; (region.volume() as usize) * dtype.size()];
-        self.read_region_into(name, region, Some(dtype), &mut out)?;
+        crate::exec::read_into(
+            &crate::plan::region_ops(t, region, dtype),
+            &self.files,
+            &mut out,
+        )?;
         Ok(out)
     }
 
@@ -230,22 +235,19 @@ impl Checkpoint {
     ) -> Result<()> {
         let t = self.checked(name, region, dtype)?;
         let dtype = dtype.unwrap_or(t.dtype);
-        let want = region.volume().saturating_mul(dtype.size() as u64);
-        if out.len() as u64 != want {
-            return Err(Error::layout(
-                name,
-                format!(
-                    "region {region} of {dtype} is {want} bytes, the buffer {}",
-                    out.len()
-                ),
-            ));
-        }
+        check_buffer(name, region, dtype, out.len())?;
         let ops = crate::plan::region_ops(t, region, dtype);
         crate::exec::read_into(&ops, &self.files, out)
     }
 
-    /// The tensor `name`, when `region` lies within its shape and it casts to `dtype`.
-    fn checked(&self, name: &str, region: &Region, dtype: Option<DType>) -> Result<&TensorLayout> {
+    /// The tensor `name`, when `region` lies within its shape and it casts to `dtype` (its
+    /// own when `None`).
+    pub(crate) fn checked(
+        &self,
+        name: &str,
+        region: &Region,
+        dtype: Option<DType>,
+    ) -> Result<&TensorLayout> {
         let t = self
             .tensor(name)
             .ok_or_else(|| Error::usage(format!("{}: no tensor `{name}`", self.path.display())))?;
@@ -269,4 +271,17 @@ impl Checkpoint {
     pub fn nbytes(&self) -> u64 {
         self.tensors.iter().map(|t| t.nbytes()).sum()
     }
+}
+
+/// Refuse a buffer of `len` bytes that does not hold exactly `region` of tensor `name` as
+/// `dtype`.
+pub(crate) fn check_buffer(name: &str, region: &Region, dtype: DType, len: usize) -> Result<()> {
+    let want = region.volume().saturating_mul(dtype.size() as u64);
+    if len as u64 != want {
+        return Err(Error::layout(
+            name,
+            format!("region {region} of {dtype} is {want} bytes, the buffer {len}"),
+        ));
+    }
+    Ok(())
 }

@@ -2,6 +2,7 @@
 //! from the checkpoint's files with no process group — each rank independently, touching
 //! only the bytes of its own shards.
 
+use crate::checkpoint::check_buffer;
 use crate::error::{Error, Result};
 use crate::exec::read_regions_into;
 use crate::formats::Checkpoint;
@@ -103,31 +104,8 @@ pub fn local_shards_into(
     }
     let mut want = vec![];
     for (r, out) in regions.iter().zip(outs.iter()) {
-        let t = ck.tensor(&r.name).ok_or_else(|| {
-            Error::usage(format!("{}: no tensor `{}`", ck.path.display(), r.name))
-        })?;
-        let fits = r.region.ndim() == t.shape.len() && Region::full(&t.shape).contains(&r.region);
-        if !fits || !t.dtype.can_cast_to(r.dtype) {
-            return Err(Error::layout(
-                &r.name,
-                format!(
-                    "region {} as {} is not one of this tensor's",
-                    r.region, r.dtype
-                ),
-            ));
-        }
-        if out.len() as u64 != r.nbytes() {
-            return Err(Error::layout(
-                &r.name,
-                format!(
-                    "region {} of {} is {} bytes, the buffer {}",
-                    r.region,
-                    r.dtype,
-                    r.nbytes(),
-                    out.len()
-                ),
-            ));
-        }
+        let t = ck.checked(&r.name, &r.region, Some(r.dtype))?;
+        check_buffer(&r.name, &r.region, r.dtype, out.len())?;
         want.push((t, &r.region, r.dtype));
     }
     read_regions_into(&ck.files, &want, outs)

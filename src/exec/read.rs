@@ -45,12 +45,6 @@ pub fn read_into(ops: &[CopyOp], sources: &[PathBuf], out: &mut [u8]) -> Result<
 /// Like [`read_into`] for several buffers at once, mapping the sources once: `jobs[i]` fills
 /// `outs[i]`. Sources are advised for random access, so only the pages the ops touch (and
 /// the kernel's fault-around) are read.
-pub fn read_many(jobs: &[Vec<CopyOp>], sources: &[PathBuf], outs: &mut [Vec<u8>]) -> Result<()> {
-    let mut slices: Vec<&mut [u8]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
-    read_many_into(jobs, sources, &mut slices)
-}
-
-/// [`read_many`] into the caller's buffers.
 pub fn read_many_into(
     jobs: &[Vec<CopyOp>],
     sources: &[PathBuf],
@@ -70,15 +64,12 @@ pub fn read_regions(
     sources: &[PathBuf],
     want: &[(&TensorLayout, &Region, DType)],
 ) -> Result<Vec<Vec<u8>>> {
-    let jobs: Vec<Vec<CopyOp>> = want
-        .iter()
-        .map(|&(t, region, dtype)| region_ops(t, region, dtype))
-        .collect();
     let mut outs: Vec<Vec<u8>> = want
         .iter()
         .map(|(_, region, dtype)| vec![0u8; (region.volume() * dtype.size() as u64) as usize])
         .collect();
-    read_many(&jobs, sources, &mut outs)?;
+    let mut slices: Vec<&mut [u8]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
+    read_regions_into(sources, want, &mut slices)?;
     Ok(outs)
 }
 
