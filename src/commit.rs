@@ -23,10 +23,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-// Staged names, write errors and the process check live in `sys` (the executor and the
-// DCP reader use them too); kept here at their old paths.
-pub(crate) use crate::sys::pid_alive;
-pub use crate::sys::{final_path, write_error, WriteContext, TMP_MARK};
+use crate::sys::{pid_alive, WriteContext, TMP_MARK};
 
 /// The marker of a replaced destination moved aside (only where the filesystem cannot swap
 /// two names atomically).
@@ -282,11 +279,13 @@ impl Staging {
     }
 
     /// The final destination.
+    #[cfg(any(test, feature = "internals"))]
     pub fn dest(&self) -> &Path {
         &self.dest
     }
 
     /// The staged output (a file, or a directory for directory outputs).
+    #[cfg(any(test, feature = "internals"))]
     pub fn tmp(&self) -> &Path {
         &self.tmp
     }

@@ -37,7 +37,6 @@ macro_rules! internal {
         pub mod $name;
         $(#[$m])*
         #[cfg(not(feature = "internals"))]
-        #[allow(dead_code, unused_imports)]
         pub(crate) mod $name;
     )*};
 }

@@ -20,7 +20,7 @@ mod schedule;
 mod window;
 
 pub use crc::{Checksum, KnownCrc};
-pub use read::{map_sources, read_into, read_many_into, read_regions, read_regions_into};
+pub use read::{map_sources, read_into, read_regions, read_regions_into};
 pub use schedule::balance;
 // Kept at its old path: page release is platform I/O, used by `verify` too.
 pub(crate) use crate::sys::release;
@@ -115,6 +115,7 @@ pub struct ExecStats {
 
 /// Run `plan`, reading `sources` and writing each of `outputs` to `dest_paths` (same order),
 /// which must already exist. Files are fsynced before this returns (unless `opts.sync` is off).
+#[cfg(any(test, feature = "internals"))]
 pub fn execute(
     plan: &Plan,
     sources: &[PathBuf],

@@ -579,7 +579,7 @@ fn remove_dead_scratch(dir: &Path) {
         else {
             continue;
         };
-        if pid != me && !crate::commit::pid_alive(pid) && std::fs::remove_file(e.path()).is_ok() {
+        if pid != me && !crate::sys::pid_alive(pid) && std::fs::remove_file(e.path()).is_ok() {
             eprintln!(
                 "reshard: removed {}, left by an interrupted run (pid {pid})",
                 e.path().display()

@@ -66,6 +66,7 @@ impl TensorRef {
     }
 
     /// Number of elements of the tensor.
+    #[cfg(any(test, feature = "internals"))]
     pub fn numel(&self) -> u64 {
         self.shape.iter().product()
     }
@@ -77,6 +78,7 @@ impl TensorRef {
 
     /// The [`crate::formats::torch::pickle::validate`] rules for a tensor: a storage key
     /// without `/` or newlines, a storage large enough for the tensor, sizes that fit `u64`.
+    #[cfg(any(test, feature = "internals"))]
     pub(crate) fn check(&self) -> Result<(), String> {
         if self.key.is_empty() || self.key.contains(['\n', '/']) {
             return Err(format!("bad storage key {:?}", self.key));
@@ -195,6 +197,7 @@ impl TensorItem {
     }
 
     /// Bytes from element 0 to past the last element (0 for an empty tensor).
+    #[cfg(any(test, feature = "internals"))]
     pub fn span_bytes(&self) -> u64 {
         extent(&self.shape, &self.strides, self.dtype.size() as u64).unwrap_or(u64::MAX)
     }

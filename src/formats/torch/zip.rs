@@ -298,6 +298,7 @@ impl DataDescriptor {
     }
 
     /// The descriptor (with its signature) at the start of `b`.
+    #[cfg(any(test, feature = "internals"))]
     pub fn parse(b: &[u8], zip64: bool) -> Option<DataDescriptor> {
         let mut f = Fields::record(b, Self::len(zip64), Self::SIGNATURE)?;
         let crc32 = f.u32();
@@ -1359,6 +1360,7 @@ pub fn output_parts(
 /// For an archive written at byte `base` of `file` with CRC 0 for its data records: read each
 /// data record back, compute its CRC-32 and patch it in at [`crc_offsets`]. Returns the CRCs
 /// of all records (literal ones computed from their content).
+#[cfg(any(test, feature = "internals"))]
 pub fn fill_crcs(
     file: &std::fs::File,
     base: u64,

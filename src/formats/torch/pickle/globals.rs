@@ -32,12 +32,14 @@ impl Globals {
     }
 
     /// Allow every name of `module` (exact module name, not its submodules).
+    #[cfg(any(test, feature = "internals"))]
     pub fn allow_module(&mut self, module: &str) -> &mut Self {
         self.modules.insert(module.to_owned());
         self
     }
 
     /// Add every entry of `other`.
+    #[cfg(any(test, feature = "internals"))]
     pub fn extend(&mut self, other: &Globals) -> &mut Self {
         self.exact.extend(other.exact.iter().cloned());
         self.modules.extend(other.modules.iter().cloned());

@@ -57,14 +57,8 @@ mod value;
 pub mod write;
 
 pub use globals::{dcp_metadata_globals, torch_save_globals, Globals};
-pub use op::opcode_name;
-pub use read::{
-    parse, parse_with_len, PickleError, BYTES_PER_INPUT_BYTE, HIGHEST_PROTOCOL, MAX_DEPTH,
-    MAX_MARKS, MAX_STACK, MAX_TEXT_INT_DIGITS, MIN_BYTE_BUDGET, MIN_VALUE_BUDGET,
-    VALUES_PER_INPUT_BYTE,
-};
+pub use read::{parse, PickleError};
 pub use value::Value;
-pub use write::{
-    from_json, from_pickle, is_allowed_global, pickle, pickle_checked, validate, validate_torch21,
-    PyValue,
-};
+pub use write::{from_json, from_pickle, pickle, PyValue};
+#[cfg(any(test, feature = "internals"))]
+pub use write::{pickle_checked, validate, validate_torch21};

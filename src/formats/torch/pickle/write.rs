@@ -41,7 +41,9 @@ pub enum PyValue {
     Tuple(Vec<PyValue>),
     /// A plain `dict`, in insertion order. Keys must be hashable (no list/dict/set).
     Dict(Vec<(PyValue, PyValue)>),
-    /// A `collections.OrderedDict` (what `state_dict()` returns).
+    /// A `collections.OrderedDict` (what `state_dict()` returns; reshard writes plain dicts,
+    /// the tests write this to check the reader and the weights-only rules).
+    #[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))]
     OrderedDict(Vec<(PyValue, PyValue)>),
     /// A `set` (`builtins.set([...])`; torch 2.15, not 2.1).
     Set(Vec<PyValue>),
@@ -138,11 +140,13 @@ pub fn is_allowed_global(module: &str, name: &str) -> bool {
 /// 2.1.2): no `bytes`, `set`, `complex` or `torch.device`, dtype globals among
 /// float16/32/64, int8/16/32/64, complex32/64/128 only, and tensors of dtypes with a legacy
 /// storage class (no uint16/32/64 or float8, which need `_rebuild_tensor_v3`).
+#[cfg(any(test, feature = "internals"))]
 pub fn validate_torch21(v: &PyValue) -> Result<(), String> {
     validate(v)?;
     check21(v)
 }
 
+#[cfg(any(test, feature = "internals"))]
 fn check21(v: &PyValue) -> Result<(), String> {
     let not = |what: &str| {
         Err(format!(
@@ -168,6 +172,7 @@ fn check21(v: &PyValue) -> Result<(), String> {
 }
 
 /// Deepest nesting [`validate`] accepts (the project's reader stops at 1000 levels).
+#[cfg(any(test, feature = "internals"))]
 pub const MAX_DEPTH: usize = 500;
 
 /// Check that `v` pickles to something `torch.load(weights_only=True)` (and the project's own
@@ -175,10 +180,12 @@ pub const MAX_DEPTH: usize = 500;
 /// `BINUNICODE`, hashable dict keys and set elements, storages large enough for their
 /// tensors, storage keys without `/` or newlines, bounded nesting. (Which torch versions
 /// accept which values is in the docs of [`PyValue`]'s variants.)
+#[cfg(any(test, feature = "internals"))]
 pub fn validate(v: &PyValue) -> Result<(), String> {
     check(v, 0)
 }
 
+#[cfg(any(test, feature = "internals"))]
 fn check(v: &PyValue, depth: usize) -> Result<(), String> {
     if depth > MAX_DEPTH {
         return Err(format!("value nests deeper than {MAX_DEPTH} levels"));
@@ -242,6 +249,7 @@ fn check(v: &PyValue, depth: usize) -> Result<(), String> {
     }
 }
 
+#[cfg(any(test, feature = "internals"))]
 fn fits_binunicode(utf8_len: u64) -> Result<(), String> {
     if utf8_len > u32::MAX as u64 {
         Err(format!(
@@ -252,6 +260,7 @@ fn fits_binunicode(utf8_len: u64) -> Result<(), String> {
     }
 }
 
+#[cfg(any(test, feature = "internals"))]
 fn kind(v: &PyValue) -> &'static str {
     match v {
         PyValue::None => "None",
@@ -300,6 +309,7 @@ pub fn pickle(v: &PyValue) -> Vec<u8> {
 }
 
 /// [`validate`] then [`pickle`].
+#[cfg(any(test, feature = "internals"))]
 pub fn pickle_checked(v: &PyValue) -> Result<Vec<u8>, String> {
     validate(v)?;
     Ok(pickle(v))
