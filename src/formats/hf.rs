@@ -22,20 +22,21 @@ pub const INDEX: &str = "model.safetensors.index.json";
 /// The index file of a Hugging Face sharded checkpoint in `dir`, if there is one
 /// (`model.safetensors.index.json`, or a single other `*.safetensors.index.json`).
 pub fn index_path(dir: &Path) -> Option<PathBuf> {
-    let p = dir.join(INDEX);
-    if p.is_file() {
-        return Some(p);
+    let files = super::file_names(dir).ok()?;
+    index_name(&files).map(|n| dir.join(n))
+}
+
+/// Among the file names `files`, the index: [`INDEX`], or the single other
+/// `*.safetensors.index.json`.
+fn index_name(files: &[String]) -> Option<&str> {
+    if files.iter().any(|n| n == INDEX) {
+        return Some(INDEX);
     }
-    let mut found = std::fs::read_dir(dir)
-        .ok()?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            p.is_file()
-                && p.file_name()
-                    .is_some_and(|n| n.to_string_lossy().ends_with(".safetensors.index.json"))
-        });
+    let mut found = files
+        .iter()
+        .filter(|n| n.ends_with(".safetensors.index.json"));
     let first = found.next()?;
-    found.next().is_none().then_some(first)
+    found.next().is_none().then_some(first.as_str())
 }
 
 /// Hugging Face sharded safetensors.
@@ -59,12 +60,8 @@ impl Codec for Hf {
     fn capabilities(&self) -> &'static Capabilities {
         &CAPS
     }
-    fn recognize(&self, probe: &Probe) -> Result<Recognition> {
-        Ok(if !probe.is_file && index_path(probe.path).is_some() {
-            Recognition::Marker
-        } else {
-            Recognition::No
-        })
+    fn recognize(&self, probe: &Probe) -> Recognition {
+        Recognition::marker_if(index_name(&probe.files).is_some())
     }
     fn read(&self, path: &Path) -> Result<Checkpoint> {
         read(path)

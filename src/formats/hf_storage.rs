@@ -10,7 +10,7 @@
 //! every tensor at offset 0, as torch's `HuggingFaceStorageReader` does.
 
 use super::safetensors::{
-    align_order, checkpoint, files_in, header_metadata, output_file, read_header, recorded_crcs,
+    align_order, checkpoint, files_in, is_shard_name, header_metadata, output_file, read_header, recorded_crcs,
     Entry,
 };
 use super::{
@@ -58,13 +58,9 @@ impl Codec for HfStorage {
     fn capabilities(&self) -> &'static Capabilities {
         &CAPS
     }
-    fn recognize(&self, probe: &Probe) -> Result<Recognition> {
+    fn recognize(&self, probe: &Probe) -> Recognition {
         // any directory of *.safetensors files that no index or metadata file claims
-        Ok(if !probe.is_file && !files_in(probe.path)?.is_empty() {
-            Recognition::Fallback
-        } else {
-            Recognition::No
-        })
+        Recognition::fallback_if(probe.files.iter().any(|n| is_shard_name(n)))
     }
     fn read(&self, path: &Path) -> Result<Checkpoint> {
         read(path)

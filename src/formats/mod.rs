@@ -58,8 +58,8 @@ pub const REGISTRY: &[Format] = &[
 pub trait Codec: Sync + std::panic::RefUnwindSafe + 'static {
     /// What the format is and what it can hold.
     fn capabilities(&self) -> &'static Capabilities;
-    /// Whether `probe` looks like this format.
-    fn recognize(&self, probe: &Probe) -> Result<Recognition>;
+    /// Whether `probe` looks like this format (from the facts gathered, without I/O).
+    fn recognize(&self, probe: &Probe) -> Recognition;
     /// Read the checkpoint at `path` (validation of the layouts is done by the caller).
     fn read(&self, path: &Path) -> Result<Checkpoint>;
     /// Lay out `target`, held by `world` ranks, as this format's files. `world` is within
@@ -78,6 +78,26 @@ pub enum Recognition {
     /// Could be this format and nothing more specific matched: the reader will say what is
     /// wrong if it is not.
     Fallback,
+}
+
+impl Recognition {
+    /// [`Recognition::Marker`] when `seen`, else [`Recognition::No`].
+    pub fn marker_if(seen: bool) -> Recognition {
+        if seen {
+            Recognition::Marker
+        } else {
+            Recognition::No
+        }
+    }
+
+    /// [`Recognition::Fallback`] when `possible`, else [`Recognition::No`].
+    pub fn fallback_if(possible: bool) -> Recognition {
+        if possible {
+            Recognition::Fallback
+        } else {
+            Recognition::No
+        }
+    }
 }
 
 /// Whether a format's output is one file or a directory.
@@ -163,6 +183,24 @@ pub struct Probe<'a> {
     pub is_file: bool,
     /// The first bytes of a file (up to 16), empty for a directory.
     pub head: Vec<u8>,
+    /// The names of the regular files in a directory (sorted), empty for a file.
+    pub files: Vec<String>,
+}
+
+/// The names of the regular files (links followed) directly in `dir`, sorted; names that
+/// are not UTF-8 are left out.
+pub(crate) fn file_names(dir: &Path) -> Result<Vec<String>> {
+    let mut v = vec![];
+    for e in std::fs::read_dir(dir).at(dir)? {
+        let e = e.at(dir)?;
+        if let Ok(name) = e.file_name().into_string() {
+            if e.path().is_file() {
+                v.push(name);
+            }
+        }
+    }
+    v.sort();
+    Ok(v)
 }
 
 /// A format: a handle on its [`Codec`], compared, printed and parsed by name.
@@ -273,15 +311,21 @@ pub fn detect(path: &Path) -> Result<Format> {
             .unwrap_or(0);
         head.extend_from_slice(&buf[..n]);
     }
+    let files = if meta.is_file() {
+        vec![]
+    } else {
+        file_names(path)?
+    };
     let probe = Probe {
         path,
         is_file: meta.is_file(),
         head,
+        files,
     };
     let mut markers = vec![];
     let mut fallbacks = vec![];
     for f in Format::all() {
-        match f.codec().recognize(&probe)? {
+        match f.codec().recognize(&probe) {
             Recognition::Marker => markers.push(f),
             Recognition::Fallback => fallbacks.push(f),
             Recognition::No => {}

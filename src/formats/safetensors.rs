@@ -119,17 +119,16 @@ fn header_from(path: &Path, n: u64, meta: &Metadata) -> Result<Header> {
 
 /// The `*.safetensors` files directly in `dir`, sorted by name.
 pub fn files_in(dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-        .at(dir)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.is_file() && p.extension().is_some_and(|e| e == "safetensors"))
-        .filter(|p| {
-            !p.file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with('.'))
-        })
-        .collect();
-    v.sort();
-    Ok(v)
+    Ok(super::file_names(dir)?
+        .into_iter()
+        .filter(|n| is_shard_name(n))
+        .map(|n| dir.join(n))
+        .collect())
+}
+
+/// True for the name of a safetensors data file: `*.safetensors`, not hidden.
+pub fn is_shard_name(name: &str) -> bool {
+    name.ends_with(".safetensors") && !name.starts_with('.') && name.len() > ".safetensors".len()
 }
 
 /// A tensor to place in a safetensors file.
@@ -494,13 +493,9 @@ impl Codec for Safetensors {
     fn capabilities(&self) -> &'static Capabilities {
         &CAPS
     }
-    fn recognize(&self, probe: &Probe) -> Result<Recognition> {
+    fn recognize(&self, probe: &Probe) -> Recognition {
         // any file that no format with a magic number claims; the reader says what is wrong
-        Ok(if probe.is_file {
-            Recognition::Fallback
-        } else {
-            Recognition::No
-        })
+        Recognition::fallback_if(probe.is_file)
     }
     fn read(&self, path: &Path) -> Result<Checkpoint> {
         read(path)

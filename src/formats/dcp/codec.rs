@@ -29,12 +29,8 @@ impl Codec for Dcp {
     fn capabilities(&self) -> &'static Capabilities {
         &DCP_CAPS
     }
-    fn recognize(&self, probe: &Probe) -> Result<Recognition> {
-        Ok(if !probe.is_file && dcp::is_dcp(probe.path)? {
-            Recognition::Marker
-        } else {
-            Recognition::No
-        })
+    fn recognize(&self, probe: &Probe) -> Recognition {
+        Recognition::marker_if(probe.files.iter().any(|n| dcp::is_metadata_name(n)))
     }
     fn read(&self, path: &Path) -> Result<Checkpoint> {
         dcp::read(path)

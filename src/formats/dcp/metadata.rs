@@ -12,20 +12,22 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 /// `__<R>.metadata` files of `dir` (written by `use_collectives=False`), by rank.
+/// The rank `R` of a per-rank metadata file name `__R.metadata` (`use_collectives=False`).
+pub(super) fn rank_of_metadata(name: &str) -> Option<u32> {
+    name.strip_suffix(".metadata")?
+        .strip_prefix("__")
+        .filter(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))?
+        .parse()
+        .ok()
+}
+
 pub(super) fn rank_metadata_files(dir: &Path) -> Result<Vec<(u32, PathBuf)>> {
     let mut v = vec![];
     for e in std::fs::read_dir(dir).at(dir)? {
         let e = e.at(dir)?;
         let name = e.file_name();
         let Some(name) = name.to_str() else { continue };
-        let Some(stem) = name.strip_suffix(".metadata") else {
-            continue;
-        };
-        if let Some(r) = stem
-            .strip_prefix("__")
-            .filter(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
-            .and_then(|d| d.parse::<u32>().ok())
-        {
+        if let Some(r) = rank_of_metadata(name) {
             if e.path().is_file() {
                 v.push((r, e.path()));
             }

@@ -36,7 +36,7 @@ use super::{Checkpoint, Extra, Format, RecordCrc};
 use crate::error::{Error, IoContext, Result};
 use crate::layout::{DType, Loc, Piece, TensorLayout};
 use memmap2::Mmap;
-use metadata::{load_metadata, rank_metadata_files, Chunk, IndexKey, Kind, Meta, StorageInfo};
+use metadata::{load_metadata, Chunk, IndexKey, Kind, Meta, StorageInfo};
 use rayon::prelude::*;
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
@@ -51,9 +51,9 @@ pub const ZSTD: &str = "stream.zstd/1";
 pub const META_PT: &str = "meta.pt";
 const SHARDING_INFO: &str = "DCP_SHARDING_INFO";
 
-/// True when `dir` holds a `.metadata` file or per-rank `__<R>.metadata` files.
-pub fn is_dcp(dir: &Path) -> Result<bool> {
-    Ok(dir.join(METADATA).is_file() || !rank_metadata_files(dir)?.is_empty())
+/// True for the name of a DCP metadata file: `.metadata`, or a per-rank `__<R>.metadata`.
+pub fn is_metadata_name(name: &str) -> bool {
+    name == METADATA || metadata::rank_of_metadata(name).is_some()
 }
 
 /// The rank `R` of a file named `__R_…` or `__R.metadata`.

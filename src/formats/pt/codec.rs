@@ -30,15 +30,12 @@ impl Codec for Pt {
     fn capabilities(&self) -> &'static Capabilities {
         &PT_CAPS
     }
-    fn recognize(&self, probe: &Probe) -> Result<Recognition> {
+    fn recognize(&self, probe: &Probe) -> Recognition {
         // a zip archive, or a legacy torch.save pickle (which the reader names and refuses)
-        let pt = probe.is_file
-            && (probe.head.starts_with(b"PK\x03\x04") || pt::read::is_legacy(&probe.head));
-        Ok(if pt {
-            Recognition::Marker
-        } else {
-            Recognition::No
-        })
+        Recognition::marker_if(
+            probe.is_file
+                && (probe.head.starts_with(b"PK\x03\x04") || pt::read::is_legacy(&probe.head)),
+        )
     }
     fn read(&self, path: &Path) -> Result<Checkpoint> {
         pt::read::read(path)
