@@ -51,7 +51,6 @@ static CAPS: Capabilities = Capabilities {
     extensions: &[],
     max_world: Some(1),
     family: Family::Safetensors,
-    python_values: false,
     extras_kept: "as JSON in the safetensors __metadata__ key `reshard.extras`",
     aliasing: Aliasing::Forbidden,
 };

@@ -49,7 +49,6 @@ static CAPS: Capabilities = Capabilities {
     extensions: &[],
     max_world: None,
     family: Family::Safetensors,
-    python_values: false,
     extras_kept: "as JSON in the safetensors __metadata__ key `reshard.extras`",
     aliasing: Aliasing::Forbidden,
 };

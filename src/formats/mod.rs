@@ -111,12 +111,14 @@ pub enum Container {
     Directory,
 }
 
-/// The family a format belongs to, which decides the default output for a source.
+/// The family a format belongs to, which decides the default output for a source and how
+/// non-tensor entries are kept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 #[non_exhaustive]
 pub enum Family {
-    /// safetensors files (no Python values; tensors only, string metadata).
+    /// safetensors files: tensors and string metadata, where reshard records non-tensor
+    /// entries and the state dict's nesting.
     Safetensors,
     /// `torch.save` and `torch.distributed.checkpoint` (Python values, nested state dicts).
     Torch,
@@ -165,9 +167,6 @@ pub struct Capabilities {
     pub max_world: Option<u32>,
     /// Its family.
     pub family: Family,
-    /// Keeps non-tensor entries as Python values and the nesting of the state dict itself;
-    /// otherwise reshard records them in string metadata.
-    pub python_values: bool,
     /// How it keeps non-tensor entries, in words (`as Python values`).
     pub extras_kept: &'static str,
     /// How it stores tied tensors.
@@ -428,8 +427,8 @@ pub struct WriteOptions {
     pub max_shard_size: u64,
     /// String metadata to carry into safetensors headers.
     pub metadata: BTreeMap<String, String>,
-    /// Non-tensor entries: formats with [`Capabilities::python_values`] store them as
-    /// values, the others record them in their string metadata.
+    /// Non-tensor entries: the torch family stores them as Python values, the safetensors
+    /// family records them in its string metadata ([`Capabilities::extras_kept`]).
     pub extras: Vec<Extra>,
     /// Nesting of flat names in the original state dict; names absent here are top-level.
     pub paths: BTreeMap<String, Vec<KeyPart>>,

@@ -484,7 +484,6 @@ static CAPS: Capabilities = Capabilities {
     extensions: &["safetensors"],
     max_world: Some(1),
     family: Family::Safetensors,
-    python_values: false,
     extras_kept: "as JSON in the safetensors __metadata__ key `reshard.extras`",
     aliasing: Aliasing::Forbidden,
 };

@@ -20,7 +20,6 @@ static DCP_CAPS: Capabilities = Capabilities {
     extensions: &[],
     max_world: None,
     family: Family::Torch,
-    python_values: true,
     extras_kept: "as BYTE_IO items (Lightning's meta.pt keys in meta.pt)",
     aliasing: Aliasing::CopyPerName,
 };

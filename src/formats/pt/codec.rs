@@ -21,7 +21,6 @@ static PT_CAPS: Capabilities = Capabilities {
     extensions: &["pt", "pth"],
     max_world: Some(1),
     family: Family::Torch,
-    python_values: true,
     extras_kept: "as Python values",
     aliasing: Aliasing::StoresOnce,
 };
