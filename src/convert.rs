@@ -123,8 +123,12 @@ pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions)
         .iter()
         .filter(|e| opts.select.keeps(&e.name))
         .collect();
-    let (policy, dropped, selected, kept_extras) =
-        apply_policy(opts.per_rank, source.ranks, world, selected, kept_extras)?;
+    let Kept {
+        policy,
+        dropped,
+        tensors: selected,
+        extras: kept_extras,
+    } = apply_policy(opts.per_rank, source.ranks, world, selected, kept_extras)?;
     if selected.is_empty() && !source.tensors.is_empty() {
         return Err(Error::usage(format!(
             "every selected tensor of {} is per-rank state the policy leaves out",
@@ -190,21 +194,27 @@ pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions)
     })
 }
 
-/// Per-rank state: the policy resolved from what is selected (tensors and non-tensor
-/// entries), the per-rank names it leaves out, and what stays.
-#[allow(clippy::type_complexity)]
+/// What the per-rank state policy keeps of a selection.
+struct Kept<'a> {
+    /// The policy resolved from what is selected.
+    policy: Policy,
+    /// The per-rank names it leaves out.
+    dropped: Vec<String>,
+    /// The tensors that stay.
+    tensors: Vec<&'a TensorLayout>,
+    /// The non-tensor entries that stay.
+    extras: Vec<&'a formats::Extra>,
+}
+
+/// Per-rank state: resolve the policy from what is selected (tensors and non-tensor
+/// entries), then leave out what it drops.
 fn apply_policy<'a>(
     chosen: Option<Policy>,
     source_ranks: u32,
     world: u64,
     selected: Vec<&'a TensorLayout>,
     extras: Vec<&'a formats::Extra>,
-) -> Result<(
-    Policy,
-    Vec<String>,
-    Vec<&'a TensorLayout>,
-    Vec<&'a formats::Extra>,
-)> {
+) -> Result<Kept<'a>> {
     let per_rank_names: Vec<&str> = selected
         .iter()
         .map(|t| t.name.as_str())
@@ -225,7 +235,12 @@ fn apply_policy<'a>(
         .into_iter()
         .filter(|e| policy.keeps(classify(&e.name)))
         .collect();
-    Ok((policy, dropped, selected, extras))
+    Ok(Kept {
+        policy,
+        dropped,
+        tensors: selected,
+        extras,
+    })
 }
 
 /// The writer's settings: the options' own, the source's string metadata, the non-tensor
