@@ -258,14 +258,19 @@ fn convert_help() -> String {
     let formats: Vec<String> = Format::all()
         .map(|f| format!("  {:12} {}", f.name(), f.capabilities().summary))
         .collect();
+    let files: Vec<String> = Format::all()
+        .flat_map(|f| f.capabilities().extensions)
+        .map(|e| format!("*.{e}"))
+        .collect();
     format!(
         "Examples:\n  reshard convert ckpt/ model.safetensors --to 1\n  reshard convert ckpt/ out/ --to 2\n  \
          reshard convert ckpt/ hf/ --to 1 --format hf --max-shard-size 2GB\n  \
          reshard convert ckpt/ out/ --to 8 --exclude 'optimizer.*' --dtype bf16\n\n\
          Without --format, the output format follows DST, M and the source: for M = 1 a file\n\
-         named *.safetensors or *.pt/*.pth is that file, any other name a Hugging Face sharded\n\
-         directory; for M > 1 a DCP source gives DCP, a safetensors source per-rank safetensors\n\
-         shards. `plan` and `convert` say which format they chose and why.\n\nFormats:\n{}",
+         named {} is that format, any other name a Hugging Face sharded\n\
+         directory; for M > 1 a DCP source gives DCP, a safetensors source per-rank\n\
+         safetensors shards. `plan` and `convert` say which format they chose and why.\n\nFormats:\n{}",
+        files.join(", "),
         formats.join("\n")
     )
 }
