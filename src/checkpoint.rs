@@ -58,17 +58,6 @@ pub struct Extra {
     pub origin: &'static str,
 }
 
-impl Extra {
-    /// The entry as a Python value: its decoded pickle when it can be re-emitted, its JSON
-    /// otherwise.
-    pub(crate) fn py_value(&self) -> pickle::PyValue {
-        self.pickle
-            .as_ref()
-            .and_then(pickle::from_pickle)
-            .unwrap_or_else(|| pickle::from_json(&self.value))
-    }
-}
-
 /// A checkpoint as a reader sees it: its files, and every tensor's layout over them.
 #[derive(Clone, Debug, Serialize)]
 pub struct Checkpoint {

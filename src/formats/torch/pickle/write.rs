@@ -518,6 +518,17 @@ fn write_value(w: &mut Vec<u8>, v: &PyValue) {
     }
 }
 
+impl crate::checkpoint::Extra {
+    /// The entry as a Python value to pickle: its decoded pickle when it can be re-emitted,
+    /// its JSON otherwise.
+    pub(crate) fn py_value(&self) -> PyValue {
+        self.pickle
+            .as_ref()
+            .and_then(from_pickle)
+            .unwrap_or_else(|| from_json(&self.value))
+    }
+}
+
 /// Convert a value decoded by [`super::parse`] (with
 /// [`crate::formats::pickle::torch_save_globals`]) into a [`PyValue`] that re-emits it:
 /// None, bools, ints, floats, str, bytes, lists, tuples, dicts (an `OrderedDict` decodes to a
