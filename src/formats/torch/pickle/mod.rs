@@ -59,6 +59,6 @@ pub mod write;
 pub use globals::{dcp_metadata_globals, torch_save_globals, Globals};
 pub use read::{parse, PickleError};
 pub use value::Value;
-pub use write::{from_json, from_pickle, pickle, PyValue};
+pub use write::{pickle, PyValue};
 #[cfg(any(test, feature = "internals"))]
 pub use write::{pickle_checked, validate, validate_torch21};
