@@ -61,4 +61,6 @@ pub use read::{parse, PickleError};
 pub use value::Value;
 pub use write::{pickle, PyValue};
 #[cfg(any(test, feature = "internals"))]
+pub use write::from_pickle;
+#[cfg(any(test, feature = "internals"))]
 pub use write::{pickle_checked, validate, validate_torch21};
