@@ -4,9 +4,9 @@
 
 use crate::checkpoint::check_buffer;
 use crate::error::{Error, Result};
-use crate::exec::read_regions_into;
+use crate::exec::{read_many_into, read_regions_into};
 use crate::formats::Checkpoint;
-use crate::layout::{DType, Region};
+use crate::layout::{row_major_strides, DType, Loc, Piece, Region, Sharding};
 use crate::select::Selection;
 use crate::target::LayoutSpec;
 
@@ -138,4 +138,173 @@ pub fn local_shards(
             data,
         })
         .collect())
+}
+
+/// One global region of a checkpoint tensor and where it sits in a [`LocalTensor`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalPart {
+    /// The region of the global tensor.
+    pub region: Region,
+    /// Its first element's index in the local tensor (per dimension).
+    pub at: Vec<u64>,
+}
+
+/// A destination tensor in the caller's memory made of regions of one checkpoint tensor:
+/// a DTensor's `to_local()`, a `ShardedTensor`'s local shard, or a whole tensor. Its bytes
+/// are row-major in `dtype`; [`read_local_tensors_into`] fills them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalTensor {
+    /// The checkpoint tensor's name.
+    pub name: String,
+    /// Element type of the destination (a cast when it differs from the checkpoint's).
+    pub dtype: DType,
+    /// The destination's shape.
+    pub shape: Vec<u64>,
+    /// What it is made of.
+    pub parts: Vec<LocalPart>,
+}
+
+impl LocalTensor {
+    /// The whole tensor `name` of `shape`.
+    pub fn whole(name: impl Into<String>, dtype: DType, shape: &[u64]) -> Self {
+        Self::region(name, dtype, Region::full(shape))
+    }
+
+    /// One region of tensor `name` as a tensor of its own (a `ShardedTensor` shard).
+    pub fn region(name: impl Into<String>, dtype: DType, region: Region) -> Self {
+        LocalTensor {
+            name: name.into(),
+            dtype,
+            shape: region.sizes.clone(),
+            parts: vec![LocalPart {
+                at: vec![0; region.ndim()],
+                region,
+            }],
+        }
+    }
+
+    /// What the rank at `coordinate` of `sharding`'s mesh holds of tensor `name` of
+    /// `global_shape`: DTensor's local tensor under those placements (uneven and empty
+    /// shards as `torch.chunk` gives them; several parts under `StridedShard`).
+    pub fn of_sharding(
+        name: impl Into<String>,
+        dtype: DType,
+        global_shape: &[u64],
+        sharding: &Sharding,
+        coordinate: &[u64],
+    ) -> Result<Self> {
+        let name = name.into();
+        sharding
+            .check(global_shape.len())
+            .map_err(|e| Error::layout(&name, e.to_string()))?;
+        let mesh = &sharding.mesh.0;
+        if coordinate.len() != mesh.len() || coordinate.iter().zip(mesh).any(|(c, m)| c >= m) {
+            return Err(Error::layout(
+                &name,
+                format!("mesh coordinate {coordinate:?} is outside the mesh {mesh:?}"),
+            ));
+        }
+        let rank = coordinate.iter().zip(mesh).fold(0, |r, (c, m)| r * m + c);
+        let segs = sharding.rank_segments(global_shape, rank);
+        let shape: Vec<u64> = segs.iter().map(|d| d.iter().map(|s| s.1).sum()).collect();
+        let mut parts = vec![LocalPart {
+            region: Region::new(vec![], vec![]),
+            at: vec![],
+        }];
+        for d in &segs {
+            let mut next = Vec::with_capacity(parts.len() * d.len());
+            for p in &parts {
+                let mut at = 0;
+                for &(start, len) in d {
+                    let mut q = p.clone();
+                    q.region.offsets.push(start);
+                    q.region.sizes.push(len);
+                    q.at.push(at);
+                    at += len;
+                    next.push(q);
+                }
+            }
+            parts = next;
+        }
+        parts.retain(|p| !p.region.is_empty());
+        Ok(LocalTensor {
+            name,
+            dtype,
+            shape,
+            parts,
+        })
+    }
+
+    /// Bytes of the destination: the size of the buffer it is read into.
+    pub fn nbytes(&self) -> u64 {
+        self.shape
+            .iter()
+            .fold(self.dtype.size() as u64, |n, &d| n.saturating_mul(d))
+    }
+}
+
+/// Fill each of `tensors` from `ck` into the caller's buffer of the same index, exactly
+/// [`LocalTensor::nbytes`] long (e.g. a torch tensor's memory). Everything is checked before
+/// a byte is written; the copies run in parallel on the current rayon pool.
+pub fn read_local_tensors_into(
+    ck: &Checkpoint,
+    tensors: &[LocalTensor],
+    outs: &mut [&mut [u8]],
+) -> Result<()> {
+    if tensors.len() != outs.len() {
+        return Err(Error::usage(format!(
+            "{} tensors but {} buffers",
+            tensors.len(),
+            outs.len()
+        )));
+    }
+    let mut jobs = Vec::with_capacity(tensors.len());
+    for (lt, out) in tensors.iter().zip(outs.iter()) {
+        if out.len() as u64 != lt.nbytes() {
+            return Err(Error::layout(
+                &lt.name,
+                format!(
+                    "a local tensor {:?} of {} is {} bytes, the buffer {}",
+                    lt.shape,
+                    lt.dtype,
+                    lt.nbytes(),
+                    out.len()
+                ),
+            ));
+        }
+        let mut pieces = Vec::with_capacity(lt.parts.len());
+        let mut src = None;
+        for p in &lt.parts {
+            src = Some(ck.checked(&lt.name, &p.region, Some(lt.dtype))?);
+            let fits = p.at.len() == lt.shape.len()
+                && (0..lt.shape.len())
+                    .all(|d| p.at[d].saturating_add(p.region.sizes[d]) <= lt.shape[d]);
+            if !fits {
+                return Err(Error::layout(
+                    &lt.name,
+                    format!(
+                        "part {} at {:?} does not fit a local tensor {:?}",
+                        p.region, p.at, lt.shape
+                    ),
+                ));
+            }
+            let strides = row_major_strides(&lt.shape);
+            let first: u64 = p.at.iter().zip(&strides).map(|(a, s)| a * s).sum();
+            pieces.push(Piece {
+                rank: 0,
+                region: p.region.clone(),
+                loc: Loc {
+                    file: 0,
+                    offset: first * lt.dtype.size() as u64,
+                    strides: Some(strides),
+                },
+            });
+        }
+        let mut ops = vec![];
+        if let Some(t) = src {
+            crate::plan::fill(t, &pieces, lt.dtype, &mut ops);
+        }
+        jobs.push(ops);
+    }
+    read_many_into(&jobs, &ck.files, outs)
 }

@@ -20,7 +20,7 @@ mod schedule;
 mod window;
 
 pub use crc::{Checksum, KnownCrc};
-pub use read::{map_sources, read_into, read_regions, read_regions_into};
+pub use read::{map_sources, read_into, read_many_into, read_regions, read_regions_into};
 pub use schedule::balance;
 // Kept at its old path: page release is platform I/O, used by `verify` too.
 pub(crate) use crate::sys::release;

@@ -38,21 +38,153 @@ pub(super) fn apply(o: &CopyOp, srcs: &[Mmap], buf: &mut [u8], lo: u64) {
 /// Run `ops` whose destination is a single buffer `out` (destination file index ignored,
 /// offsets relative to `out`), reading `sources`. For reading a region into memory.
 pub fn read_into(ops: &[CopyOp], sources: &[PathBuf], out: &mut [u8]) -> Result<()> {
-    let maps = map_sources_with(sources, memmap2::Advice::Random)?;
-    read_with(ops, sources, &maps, out)
+    read_many_into(&[ops.to_vec()], sources, &mut [out])
 }
 
 /// Like [`read_into`] for several buffers at once, mapping the sources once: `jobs[i]` fills
 /// `outs[i]`. Sources are advised for random access, so only the pages the ops touch (and
-/// the kernel's fault-around) are read.
+/// the kernel's fault-around) are read. The copies run in parallel on the current rayon
+/// pool: large contiguous copies are cut into pieces of [`TASK_BYTES`], and a buffer is
+/// carved into disjoint slices, one per task, when its ops' destinations do not interleave.
 pub fn read_many_into(
     jobs: &[Vec<CopyOp>],
     sources: &[PathBuf],
     outs: &mut [&mut [u8]],
 ) -> Result<()> {
+    use rayon::prelude::*;
+    if jobs.len() != outs.len() {
+        return Err(Error::usage("copy jobs and buffers differ in number"));
+    }
     let maps = map_sources_with(sources, memmap2::Advice::Random)?;
+    for (ops, out) in jobs.iter().zip(outs.iter()) {
+        check_ops(ops, sources, &maps, out.len() as u64)?;
+    }
+    let mut tasks: Vec<Task> = vec![];
     for (ops, out) in jobs.iter().zip(outs.iter_mut()) {
-        read_with(ops, sources, &maps, out)?;
+        carve(ops, out, &mut tasks);
+    }
+    tasks.into_par_iter().for_each(|t| {
+        for o in &t.ops {
+            apply(o, &maps, t.buf, t.lo);
+        }
+    });
+    Ok(())
+}
+
+/// Bytes of copying one parallel task does at most, when its copies can be cut.
+pub const TASK_BYTES: u64 = 4 << 20;
+
+/// Copies into one slice of a buffer, whose first byte is the buffer's byte `lo`.
+struct Task<'a> {
+    ops: Vec<CopyOp>,
+    buf: &'a mut [u8],
+    lo: u64,
+}
+
+/// `o` cut into copies of at most about [`TASK_BYTES`] destination bytes: a contiguous copy
+/// into byte ranges, a strided one into groups of rows.
+fn cut(o: &CopyOp) -> Vec<CopyOp> {
+    let dl = o.dst_len();
+    if o.count == 1 {
+        // Keep cuts on element boundaries of both dtypes.
+        let (es, ed) = match o.cast {
+            Some(c) => (c.from.size() as u64, c.to.size() as u64),
+            None => (1, 1),
+        };
+        let elems = o.len / es;
+        let step = (TASK_BYTES / ed).max(1);
+        if elems <= step {
+            return vec![*o];
+        }
+        return (0..elems)
+            .step_by(step as usize)
+            .map(|a| {
+                let n = step.min(elems - a);
+                CopyOp {
+                    src_offset: o.src_offset + a * es,
+                    dst_offset: o.dst_offset + a * ed,
+                    len: n * es,
+                    ..*o
+                }
+            })
+            .collect();
+    }
+    let rows = (TASK_BYTES / dl.max(1)).max(1);
+    if o.count <= rows {
+        return vec![*o];
+    }
+    (0..o.count)
+        .step_by(rows as usize)
+        .map(|r| CopyOp {
+            src_offset: o.src_offset + r * o.src_stride,
+            dst_offset: o.dst_offset + r * o.dst_stride,
+            count: rows.min(o.count - r),
+            ..*o
+        })
+        .collect()
+}
+
+/// Split the copies `ops` into `out` (already checked against it) into tasks over disjoint
+/// slices of `out`, or one task over all of it when their destinations interleave.
+fn carve<'a>(ops: &[CopyOp], out: &'a mut [u8], tasks: &mut Vec<Task<'a>>) {
+    let mut pieces: Vec<CopyOp> = ops.iter().flat_map(cut).collect();
+    pieces.sort_unstable_by_key(|o| o.dst_offset);
+    let disjoint = pieces
+        .windows(2)
+        .all(|w| w[0].dst_span().1 <= w[1].dst_offset);
+    if !disjoint {
+        tasks.push(Task {
+            ops: pieces,
+            buf: out,
+            lo: 0,
+        });
+        return;
+    }
+    // Group neighbouring small copies so a task does about TASK_BYTES of work.
+    let mut rest = out;
+    let mut at = 0u64;
+    let mut i = 0;
+    while i < pieces.len() {
+        let lo = pieces[i].dst_offset;
+        let mut j = i;
+        let mut bytes = 0;
+        while j < pieces.len() && (j == i || bytes + pieces[j].dst_len() * pieces[j].count <= TASK_BYTES) {
+            bytes += pieces[j].dst_len() * pieces[j].count;
+            j += 1;
+        }
+        let hi = pieces[j - 1].dst_span().1;
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut((lo - at) as usize);
+        let (buf, tail) = tail.split_at_mut((hi - lo) as usize);
+        rest = tail;
+        at = hi;
+        tasks.push(Task {
+            ops: pieces[i..j].to_vec(),
+            buf,
+            lo,
+        });
+        i = j;
+    }
+}
+
+/// Check each op against its source's length and the buffer's.
+fn check_ops(ops: &[CopyOp], sources: &[PathBuf], maps: &[Mmap], out_len: u64) -> Result<()> {
+    for o in ops {
+        let m = maps
+            .get(o.src as usize)
+            .ok_or_else(|| Error::usage("copy op names an unknown source"))?;
+        let (_, b) = o.src_span();
+        if b > m.len() as u64 {
+            return Err(Error::format(
+                &sources[o.src as usize],
+                format!(
+                    "is truncated: bytes up to {b} are needed, the file has {}",
+                    m.len()
+                ),
+            ));
+        }
+        if o.count == 0 || o.dst_span().1 > out_len {
+            return Err(Error::usage("copy op past the end of the buffer"));
+        }
     }
     Ok(())
 }
@@ -87,27 +219,3 @@ pub fn read_regions_into(
     read_many_into(&jobs, sources, outs)
 }
 
-/// Perform `ops` into `out` from the mapped `sources`, checking each op against the
-/// source's length and the buffer's first.
-fn read_with(ops: &[CopyOp], sources: &[PathBuf], maps: &[Mmap], out: &mut [u8]) -> Result<()> {
-    for o in ops {
-        let m = maps
-            .get(o.src as usize)
-            .ok_or_else(|| Error::usage("copy op names an unknown source"))?;
-        let (_, b) = o.src_span();
-        if b > m.len() as u64 {
-            return Err(Error::format(
-                &sources[o.src as usize],
-                format!(
-                    "is truncated: bytes up to {b} are needed, the file has {}",
-                    m.len()
-                ),
-            ));
-        }
-        if o.dst_span().1 > out.len() as u64 {
-            return Err(Error::usage("copy op past the end of the buffer"));
-        }
-        apply(o, maps, out, 0);
-    }
-    Ok(())
-}

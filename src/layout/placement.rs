@@ -215,6 +215,27 @@ impl Sharding {
     /// `StridedShard`; one empty region for a rank that gets nothing). A placement that splits
     /// a dimension the tensor does not have acts as `Replicate`.
     pub fn rank_regions(&self, shape: &[u64], rank: u64) -> Vec<Region> {
+        // Cartesian product of the per-dimension segment lists.
+        let mut out = vec![Region::new(vec![], vec![])];
+        for segs in &self.rank_segments(shape, rank) {
+            let mut next = Vec::with_capacity(out.len() * segs.len());
+            for r in &out {
+                for &(s, l) in segs {
+                    let mut o = r.offsets.clone();
+                    let mut z = r.sizes.clone();
+                    o.push(s);
+                    z.push(l);
+                    next.push(Region::new(o, z));
+                }
+            }
+            out = next;
+        }
+        out
+    }
+
+    /// Per tensor dimension, the runs `(start, len)` of global indices rank `rank` holds, in
+    /// the order its local tensor holds them (DTensor's `to_local()` is their product).
+    pub fn rank_segments(&self, shape: &[u64], rank: u64) -> Vec<Vec<(u64, u64)>> {
         let coords = self.mesh.coords(rank);
         let mut dims: Vec<Vec<Segment>> = shape.iter().map(|&n| vec![(0, n)]).collect();
         for (m, p) in self.placements.iter().enumerate() {
@@ -256,22 +277,7 @@ impl Sharding {
                 }
             }
         }
-        // Cartesian product of the per-dimension segment lists.
-        let mut out = vec![Region::new(vec![], vec![])];
-        for segs in &dims {
-            let mut next = Vec::with_capacity(out.len() * segs.len());
-            for r in &out {
-                for &(s, l) in segs {
-                    let mut o = r.offsets.clone();
-                    let mut z = r.sizes.clone();
-                    o.push(s);
-                    z.push(l);
-                    next.push(Region::new(o, z));
-                }
-            }
-            out = next;
-        }
-        out
+        dims
     }
 }
 

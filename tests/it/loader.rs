@@ -189,3 +189,164 @@ fn caller_buffers_receive_the_same_bytes_and_a_wrong_size_is_refused() {
         .read_region_into(&t.name, &full, None, &mut small)
         .is_err());
 }
+
+/// Bytes of the local tensor whose dimension `d` holds global indices `idx[d]` (in order).
+fn gather(t: &Full, idx: &[Vec<u64>]) -> Vec<u8> {
+    let e = elem(t.dtype);
+    let n = t.shape.len();
+    let strides: Vec<usize> = (0..n).map(|d| t.shape[d + 1..].iter().product()).collect();
+    let total: usize = idx.iter().map(Vec::len).product();
+    let mut out = Vec::with_capacity(total * e);
+    for k in 0..total {
+        let mut rem = k;
+        let mut at = 0usize;
+        for d in (0..n).rev() {
+            let i = rem % idx[d].len();
+            rem /= idx[d].len();
+            at += idx[d][i] as usize * strides[d];
+        }
+        out.extend_from_slice(&t.data[at * e..(at + 1) * e]);
+    }
+    out
+}
+
+#[test]
+fn local_tensors_of_any_sharding_are_filled_in_place_with_their_parts_where_they_sit() {
+    use reshard::layout::{Placement, Sharding};
+    use reshard::load::{read_local_tensors_into, LocalTensor};
+    let case = "fsdp2_w4_f32";
+    let ck = Checkpoint::open(fixture(case).join("checkpoint")).unwrap();
+    let oracle = read_safetensors(&fixture(case).join("oracle/full.safetensors"));
+    let p = |s: &str| s.parse::<Placement>().unwrap();
+    let shardings: Vec<Sharding> = [
+        (vec![2, 2], vec!["StridedShard(0, 2)", "Shard(0)"]),
+        (vec![2, 2], vec!["StridedShard(1, 2)", "Shard(1)"]),
+        (vec![3, 2], vec!["Shard(1)", "Shard(0)"]),
+        (vec![2, 2], vec!["Shard(1)", "StridedShard(1, 2)"]),
+        (vec![2], vec!["Replicate"]),
+        (vec![5], vec!["Shard(0)"]),
+        (vec![7], vec!["Shard(1)"]),
+    ]
+    .into_iter()
+    .map(|(mesh, pl)| Sharding {
+        mesh: reshard::layout::Mesh(mesh),
+        placements: pl.into_iter().map(p).collect(),
+    })
+    .collect();
+    let mut interleaved = 0;
+    for sh in &shardings {
+        for rank in 0..sh.mesh.world() {
+            let coord = sh.mesh.coords(rank);
+            let mut lts = vec![];
+            for t in ck.tensors.iter().filter(|t| t.shape.len() == 2) {
+                lts.push(LocalTensor::of_sharding(&t.name, t.dtype, &t.shape, sh, &coord).unwrap());
+            }
+            let mut bufs: Vec<Vec<u8>> = lts
+                .iter()
+                .map(|l| vec![0xAA; l.nbytes() as usize])
+                .collect();
+            let mut outs: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+            read_local_tensors_into(&ck, &lts, &mut outs).unwrap();
+            for (lt, got) in lts.iter().zip(&bufs) {
+                let segs = sh.rank_segments(
+                    &oracle[&lt.name]
+                        .shape
+                        .iter()
+                        .map(|&d| d as u64)
+                        .collect::<Vec<_>>(),
+                    rank,
+                );
+                if segs
+                    .iter()
+                    .skip(1)
+                    .any(|d| d.iter().filter(|s| s.1 > 0).count() > 1)
+                {
+                    interleaved += 1;
+                }
+                let idx: Vec<Vec<u64>> = segs
+                    .iter()
+                    .map(|d| d.iter().flat_map(|&(a, n)| a..a + n).collect())
+                    .collect();
+                let want = gather(&oracle[&lt.name], &idx);
+                assert_eq!(
+                    got, &want,
+                    "{} under {:?} at {coord:?}",
+                    lt.name, sh.placements
+                );
+            }
+        }
+    }
+    assert!(
+        interleaved > 0,
+        "a part interleaved along dim 1 was exercised"
+    );
+    // A buffer of the wrong size, a coordinate off the mesh and a region outside the tensor
+    // are refused before anything is read.
+    let t = &ck.tensors[0];
+    let lt = LocalTensor::whole(&t.name, t.dtype, &t.shape);
+    let mut short = vec![0u8; lt.nbytes() as usize - 1];
+    let err = read_local_tensors_into(&ck, &[lt], &mut [short.as_mut_slice()]).unwrap_err();
+    assert!(err.to_string().contains("bytes, the buffer"), "{err}");
+    let sh = Sharding::fsdp(2);
+    let err = LocalTensor::of_sharding(&t.name, t.dtype, &t.shape, &sh, &[2]).unwrap_err();
+    assert!(err.to_string().contains("outside the mesh"), "{err}");
+    let mut big = t.shape.clone();
+    big[0] += 1;
+    let lt = LocalTensor::whole(&t.name, t.dtype, &big);
+    let mut buf = vec![0u8; lt.nbytes() as usize];
+    let err = read_local_tensors_into(&ck, &[lt], &mut [buf.as_mut_slice()]).unwrap_err();
+    assert!(err.to_string().contains("outside the shape"), "{err}");
+}
+
+#[test]
+fn large_local_tensors_are_cut_into_parallel_copies_and_cast_exactly() {
+    use reshard::layout::{DType, Sharding};
+    use reshard::load::{read_local_tensors_into, LocalTensor};
+    // 1500 x 2048 f32 = 12 MiB: several parallel tasks per copy.
+    let shape = vec![1500usize, 2048];
+    let vals: Vec<f32> = (0..shape[0] * shape[1])
+        .map(|i| (i as f32) * 0.25 - 7.0)
+        .collect();
+    let data: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("big.safetensors");
+    let full = Full {
+        dtype: safetensors::Dtype::F32,
+        shape: shape.clone(),
+        data,
+    };
+    write_safetensors(&path, &[("w".to_string(), full)].into_iter().collect());
+    let ck = Checkpoint::open(&path).unwrap();
+    let oracle = read_safetensors(&path);
+    let g: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+    for (sh, coord) in [(Sharding::fsdp(1), vec![0]), (Sharding::fsdp(3), vec![1])] {
+        let lt = LocalTensor::of_sharding("w", DType::F32, &g, &sh, &coord).unwrap();
+        let mut buf = vec![0u8; lt.nbytes() as usize];
+        read_local_tensors_into(&ck, std::slice::from_ref(&lt), &mut [buf.as_mut_slice()]).unwrap();
+        let r = &lt.parts[0].region;
+        assert_eq!(buf, slice(&oracle["w"], r));
+        // The same as bf16: every element converted (round to nearest even).
+        let lt16 = LocalTensor {
+            dtype: DType::BF16,
+            ..lt.clone()
+        };
+        let mut b16 = vec![0u8; lt16.nbytes() as usize];
+        read_local_tensors_into(&ck, &[lt16], &mut [b16.as_mut_slice()]).unwrap();
+        let want: Vec<u8> = buf
+            .chunks(4)
+            .flat_map(|c| {
+                half::bf16::from_f32(f32::from_le_bytes(c.try_into().unwrap())).to_le_bytes()
+            })
+            .collect();
+        assert_eq!(b16, want);
+    }
+    // A column block (strided rows, 1500 rows of 4 KiB) lands where it belongs.
+    let sh = Sharding {
+        mesh: reshard::layout::Mesh(vec![2]),
+        placements: vec!["Shard(1)".parse().unwrap()],
+    };
+    let lt = LocalTensor::of_sharding("w", DType::F32, &g, &sh, &[1]).unwrap();
+    let mut buf = vec![0u8; lt.nbytes() as usize];
+    read_local_tensors_into(&ck, std::slice::from_ref(&lt), &mut [buf.as_mut_slice()]).unwrap();
+    assert_eq!(buf, slice(&oracle["w"], &lt.parts[0].region));
+}
