@@ -44,6 +44,9 @@ pub(crate) use internal;
 
 mod array;
 mod checkpoint;
+#[cfg(feature = "cli")]
+#[doc(hidden)]
+pub mod cli;
 pub mod convert;
 pub mod diff;
 mod error;

@@ -1,14 +1,14 @@
 //! The command line as clap sees it (subcommands, their arguments and help texts), and the
 //! translation of target arguments into the library's [`ConvertOptions`].
 
+use crate::convert::{ConvertOptions, Selection};
+use crate::formats::{Format, WriteOptions};
+use crate::layout::DType;
+use crate::target::LayoutSpec;
+use crate::ExecOptions;
+use crate::{Error, Result};
 use bytesize::ByteSize;
 use clap::{Args, Parser, Subcommand};
-use reshard::convert::{ConvertOptions, Selection};
-use reshard::formats::{Format, WriteOptions};
-use reshard::layout::DType;
-use reshard::target::LayoutSpec;
-use reshard::ExecOptions;
-use reshard::{Error, Result};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
@@ -163,7 +163,7 @@ pub struct TargetArgs {
     /// rank 0's, or keep every rank's. Default: rank 0's for --to 1, all of it when M equals
     /// the source's world size, otherwise an error asking for a choice.
     #[arg(long, value_name = "drop|rank0|keep")]
-    per_rank_state: Option<reshard::per_rank::Policy>,
+    per_rank_state: Option<crate::per_rank::Policy>,
     /// Store tied tensors (two names, same dtype, shape and bytes) once per name in a .pt
     /// too, instead of sharing one storage as torch.save of a tied model does.
     #[arg(long)]
@@ -205,7 +205,7 @@ impl TargetArgs {
             exec: ExecOptions {
                 threads: self.threads,
                 progress: (!quiet && std::io::stderr().is_terminal())
-                    .then(|| std::sync::Arc::new(crate::progress_bar::Bar::new()) as _),
+                    .then(|| std::sync::Arc::new(super::progress_bar::Bar::new()) as _),
                 // RESHARD_WINDOW (bytes): the work-unit size, for the executor measurements
                 // in BENCHMARKS.md; not a user setting.
                 window: std::env::var("RESHARD_WINDOW")
@@ -277,7 +277,7 @@ fn convert_help() -> String {
 
 /// The command-line words for the setting that would let a refused request through.
 pub fn hint(e: &Error) -> String {
-    use reshard::Hint;
+    use crate::Hint;
     match (e.hint(), e) {
         (Some(Hint::Force), _) => " (use --force to replace it)".into(),
         (Some(Hint::PerRankState), _) => {

@@ -1,12 +1,12 @@
 //! `reshard convert`: run the conversion, then say what was written.
 
-use crate::args::{ConvertFlags, TargetArgs};
-use crate::text::{clip, shown, size};
-use crate::Outcome;
-use reshard::convert::{self, Job};
-use reshard::per_rank::Policy;
-use reshard::ExecStats;
-use reshard::Result;
+use super::args::{ConvertFlags, TargetArgs};
+use super::text::{clip, shown, size};
+use super::Outcome;
+use crate::convert::{self, Job};
+use crate::per_rank::Policy;
+use crate::ExecStats;
+use crate::Result;
 use std::io::{self, Write};
 use std::path::Path;
 use std::time::Instant;

@@ -1,11 +1,11 @@
 //! `reshard diff`: two checkpoints compared tensor by tensor; a difference is the command's
 //! finding (exit status 1), not an error.
 
-use crate::text::{clip, json, shown};
-use crate::Outcome;
-use reshard::diff::{Diff, Difference};
-use reshard::formats::Checkpoint;
-use reshard::Result;
+use super::text::{clip, json, shown};
+use super::Outcome;
+use crate::diff::{Diff, Difference};
+use crate::formats::Checkpoint;
+use crate::Result;
 use std::io::{self, Write};
 use std::path::Path;
 
@@ -13,7 +13,7 @@ use std::path::Path;
 pub fn run(a: &Path, b: &Path, as_json: bool, out: &mut dyn Write) -> Result<Outcome> {
     let ca = Checkpoint::open(a)?;
     let cb = Checkpoint::open(b)?;
-    let d = reshard::diff::diff(&ca, &cb)?;
+    let d = crate::diff::diff(&ca, &cb)?;
     shown(if as_json {
         json(out, &d)
     } else {

@@ -1,10 +1,10 @@
 //! `reshard inspect`: a checkpoint's format, ranks, tensors and layouts, as a table or JSON.
 
-use crate::text::{clip, json, name_width, shown, size};
-use crate::Outcome;
-use reshard::formats::{Aliasing, Checkpoint, Format};
-use reshard::per_rank::{classify, PerRank};
-use reshard::{Error, Result};
+use super::text::{clip, json, name_width, shown, size};
+use super::Outcome;
+use crate::formats::{Aliasing, Checkpoint, Format};
+use crate::per_rank::{classify, PerRank};
+use crate::{Error, Result};
 use std::collections::BTreeMap;
 use std::io::{self, Write};
 use std::path::Path;
@@ -114,7 +114,7 @@ fn print_tensors(out: &mut dyn Write, ck: &Checkpoint) -> io::Result<()> {
             t.dtype.name(),
             format!("{:?}", t.shape),
             size(t.nbytes()),
-            reshard::layout::summary(t),
+            crate::layout::summary(t),
             mark(&t.name)
         )?;
     }

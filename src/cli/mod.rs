@@ -1,5 +1,6 @@
-//! `reshard`: the command-line face of the library. Parsing and printing only; every decision
-//! is made in the library.
+//! The `reshard` command: the command-line face of the library, behind the `cli` feature so
+//! that the binary and the Python package's `reshard` command run the same code. Parsing and
+//! printing only; every decision is made in the library.
 //!
 //! This file owns dispatch and the exit status, as diff(1) and ripgrep use it: 0 when all is
 //! well, 1 when `diff` finds a difference or `verify` a corrupt record, 2 for every error
@@ -16,9 +17,9 @@ mod progress_bar;
 mod text;
 mod verify;
 
+use crate::Result;
 use args::{Cli, Cmd};
 use clap::Parser;
-use reshard::Result;
 use std::io::{self, BufWriter, Write};
 use std::process::ExitCode;
 
@@ -65,12 +66,18 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_default()
 }
 
-fn main() -> ExitCode {
+/// Run the command line `args` (the program name first, as `std::env::args_os` gives it)
+/// and return the exit status. Prints to standard output and standard error.
+pub fn main<I, T>(args: I) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
     // A file over `ulimit -f` must fail its write with EFBIG (reported, staging removed), not
     // kill the process with SIGXFSZ.
     // SAFETY: setting a signal's disposition to SIG_IGN before any thread starts.
     unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(args);
     std::panic::set_hook(Box::new(|_| {}));
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<Outcome> {
         // Not locked: a line printed from another thread must not wait for the command to end.

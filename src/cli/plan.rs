@@ -1,10 +1,10 @@
 //! `reshard plan`: what a conversion would read and write, without writing anything.
 
-use crate::args::TargetArgs;
-use crate::text::{json, name_width, shown, size};
-use crate::Outcome;
-use reshard::convert::{self, ConvertOptions, Job};
-use reshard::Result;
+use super::args::TargetArgs;
+use super::text::{json, name_width, shown, size};
+use super::Outcome;
+use crate::convert::{self, ConvertOptions, Job};
+use crate::Result;
 use std::io::{self, Write};
 use std::path::Path;
 

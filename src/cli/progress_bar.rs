@@ -1,8 +1,8 @@
 //! The CLI's progress bar: an indicatif bar on stderr behind the library's
-//! [`reshard::Progress`]. Part of the binary only, so
+//! [`crate::Progress`]. Part of the binary only, so
 //! the library does not depend on indicatif.
 
-use reshard::Progress;
+use crate::Progress;
 
 /// A bar of destination bytes written, with rate and ETA, drawn on stderr (only when it is a
 /// terminal) and cleared when the run finishes.

@@ -2,8 +2,8 @@
 //! turning a failed write to standard output into an error (or into nothing, when the reader
 //! closed the pipe early), and lines to standard error.
 
+use crate::{Error, Result};
 use bytesize::ByteSize;
-use reshard::{Error, Result};
 use std::io::{self, Write};
 
 /// `n` bytes in binary units: `512 B`, `20.7 KiB`, `1.0 MiB`.

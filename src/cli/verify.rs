@@ -1,11 +1,11 @@
 //! `reshard verify`: a checkpoint's structure (checked on opening) and the CRC-32s its files
 //! record; damage is the command's finding (exit status 1), not an error.
 
-use crate::text::{complain, json, shown, size};
-use crate::Outcome;
-use reshard::formats::Checkpoint;
-use reshard::verify::Report;
-use reshard::Result;
+use super::text::{complain, json, shown, size};
+use super::Outcome;
+use crate::formats::Checkpoint;
+use crate::verify::Report;
+use crate::Result;
 use std::io::{self, Write};
 use std::path::Path;
 
@@ -13,7 +13,7 @@ use std::path::Path;
 /// corrupt record is the finding, the others are listed on standard error (table only).
 pub fn run(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<Outcome> {
     let ck = Checkpoint::open(path)?;
-    let report = reshard::verify::checksums(&ck)?;
+    let report = crate::verify::checksums(&ck)?;
     shown(print(out, &ck, &report, as_json))?;
     let Some((first, others)) = report.mismatches.split_first() else {
         return Ok(Outcome::Clean);
