@@ -60,6 +60,13 @@ impl Selection {
         Ok(out)
     }
 
+    /// Check the include and exclude globs are valid patterns.
+    pub fn check(&self) -> Result<()> {
+        globset(&self.include)?;
+        globset(&self.exclude)?;
+        Ok(())
+    }
+
     /// True when `name` passes the include and exclude globs.
     pub fn keeps(&self, name: &str) -> bool {
         let inc = self.include.is_empty() || globset(&self.include).is_ok_and(|g| g.is_match(name));

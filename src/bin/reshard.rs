@@ -2,5 +2,5 @@
 //! Python package's `reshard` command runs too.
 
 fn main() -> std::process::ExitCode {
-    reshard::cli::main(std::env::args_os())
+    reshard::cli::main(std::env::args_os()).into()
 }

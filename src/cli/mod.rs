@@ -21,7 +21,6 @@ use crate::Result;
 use args::{Cli, Cmd};
 use clap::Parser;
 use std::io::{self, BufWriter, Write};
-use std::process::ExitCode;
 
 /// Exit status of a `diff` that found a difference or a `verify` that found damage.
 const FOUND: u8 = 1;
@@ -67,15 +66,16 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// Run the command line `args` (the program name first, as `std::env::args_os` gives it)
-/// and return the exit status. Prints to standard output and standard error.
-pub fn main<I, T>(args: I) -> ExitCode
+/// and return the exit status (0, 1 or 2). Prints to standard output and standard error.
+pub fn main<I, T>(args: I) -> u8
 where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
     // A file over `ulimit -f` must fail its write with EFBIG (reported, staging removed), not
     // kill the process with SIGXFSZ.
-    // SAFETY: setting a signal's disposition to SIG_IGN before any thread starts.
+    // SAFETY: SIG_IGN installs no handler, so no code runs on the signal; changing a
+    // disposition is sound with other threads running (the Python command calls this too).
     unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
     let cli = Cli::parse_from(args);
     std::panic::set_hook(Box::new(|_| {}));
@@ -87,7 +87,7 @@ where
         Ok(outcome)
     }));
     let (status, msg) = match result {
-        Ok(Ok(Outcome::Clean)) => return ExitCode::SUCCESS,
+        Ok(Ok(Outcome::Clean)) => return 0,
         Ok(Ok(Outcome::Found(msg))) => (FOUND, msg),
         Ok(Err(e)) => (TROUBLE, format!("{e}{}", args::hint(&e))),
         Err(payload) => (
@@ -99,5 +99,5 @@ where
         ),
     };
     text::complain(&format!("error: {msg}"));
-    ExitCode::from(status)
+    status
 }

@@ -527,6 +527,14 @@ impl crate::checkpoint::Extra {
             .and_then(from_pickle)
             .unwrap_or_else(|| from_json(&self.value))
     }
+
+    /// The entry as a protocol-2 pickle of plain Python values (what the pickle writers
+    /// emit for it): its decoded value where it can be re-emitted, its JSON otherwise. The
+    /// only globals it names are `_codecs.encode`, `builtins.set`/`complex`,
+    /// `collections.OrderedDict`, `torch.device` and torch dtypes.
+    pub fn to_pickle(&self) -> Vec<u8> {
+        pickle(&self.py_value())
+    }
 }
 
 /// Convert a value decoded by [`super::parse`] (with

@@ -1,0 +1,85 @@
+"""reshard's dtype names (as safetensors names them) and torch's and numpy's dtypes."""
+
+from typing import Any
+
+_TORCH = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "F64": "float64",
+    "I64": "int64",
+    "U64": "uint64",
+}
+
+_NUMPY = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "F64": "float64",
+    "I64": "int64",
+    "U64": "uint64",
+}
+
+_ALIASES = {
+    "bf16": "BF16", "bfloat16": "BF16", "f16": "F16", "fp16": "F16", "half": "F16",
+    "float16": "F16", "f32": "F32", "fp32": "F32", "float": "F32", "float32": "F32",
+    "f64": "F64", "fp64": "F64", "double": "F64", "float64": "F64", "bool": "BOOL",
+    "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "int32": "I32",
+    "uint32": "U32", "int64": "I64", "uint64": "U64", "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+
+
+def name_of(dtype: Any) -> str:
+    """reshard's name of ``dtype``: a torch or numpy dtype, or a name such as ``"bf16"``."""
+    from ._reshard import RequestError
+
+    if isinstance(dtype, str):
+        key = dtype if dtype in _TORCH else _ALIASES.get(dtype.lower())
+        if key is None:
+            raise RequestError(f"unknown dtype `{dtype}`")
+        return key
+    text = str(dtype)
+    if text.startswith("torch."):
+        text = text[len("torch."):]
+    for k, v in _TORCH.items():
+        if v == text:
+            return k
+    for k, v in _NUMPY.items():
+        if v == text:
+            return k
+    raise RequestError(f"dtype {dtype} has no counterpart in checkpoints reshard reads")
+
+
+def torch_dtype(name: str) -> Any:
+    """The torch dtype of reshard's dtype ``name``."""
+    import torch
+
+    return getattr(torch, _TORCH[name])
+
+
+def numpy_dtype(name: str) -> Any:
+    """The numpy dtype of reshard's dtype ``name`` (bfloat16 and float8 have none)."""
+    import numpy as np
+    from ._reshard import RequestError
+
+    if name not in _NUMPY:
+        raise RequestError(
+            f"{name} has no numpy dtype; use framework=\"pt\" or pass dtype= to convert it"
+        )
+    return np.dtype(_NUMPY[name])

@@ -1,0 +1,622 @@
+//! `reshard._reshard`: the native module of the Python package — a thin PyO3 binding of the
+//! reshard library's public API. It holds no logic of its own: opening, layouts, local
+//! shards, reading, converting, verifying and diffing are the library's; this file turns
+//! arguments and results into Python values and library errors into Python exceptions
+//! (with the same one-line messages as the command line).
+//!
+//! torch is never linked: tensors are filled through the address and size of their memory
+//! (`data_ptr()`, `nbytes`), which the Python side passes in and keeps alive for the call.
+
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use pyo3::IntoPyObjectExt;
+use reshard::layout::{DType, Mesh, Placement, Region, Sharding};
+use reshard::load::{self, LocalPart, LocalTensor};
+use reshard::{Checkpoint, ConvertOptions, Error, Format, Hint, LayoutSpec, Selection};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+create_exception!(
+    _reshard,
+    ReshardError,
+    PyException,
+    "Every error reshard raises: one line naming the file or tensor and the problem."
+);
+create_exception!(
+    _reshard,
+    CheckpointError,
+    ReshardError,
+    "A checkpoint that cannot be read as its format says: missing, truncated or corrupt files, bad layouts."
+);
+create_exception!(
+    _reshard,
+    RequestError,
+    ReshardError,
+    "A request that cannot be carried out as asked: a bad option, a key the checkpoint lacks, a shape or dtype that does not fit."
+);
+create_exception!(
+    _reshard,
+    ReshardIOError,
+    ReshardError,
+    "An operating-system error on a named file (permissions, no space, unreadable)."
+);
+
+/// The Python words for the setting that would let a refused request through.
+fn hint(e: &Error) -> String {
+    match (e.hint(), e) {
+        (Some(Hint::Force), _) => " (pass overwrite=True to replace it)".into(),
+        (Some(Hint::PerRankState), _) => {
+            ": pass per_rank_state=\"drop\" (leave it out) or per_rank_state=\"rank0\" (keep rank 0's)".into()
+        }
+        (Some(Hint::WorldSize), Error::TooManyRanks { world, .. }) => {
+            let more: Vec<String> = Format::all()
+                .filter(|f| f.holds(*world))
+                .map(|f| format!("format=\"{}\"", f.name()))
+                .collect();
+            format!(": use world_size=1, or {}", more.join(" or "))
+        }
+        _ => String::new(),
+    }
+}
+
+/// A library error as the Python exception of its kind, with the CLI's one-line message.
+fn py_err(e: Error) -> PyErr {
+    let msg = format!("{e}{}", hint(&e));
+    match e {
+        Error::Io { .. } => ReshardIOError::new_err(msg),
+        Error::Format { .. } | Error::Layout { .. } => CheckpointError::new_err(msg),
+        _ => RequestError::new_err(msg),
+    }
+}
+
+fn request(msg: impl Into<String>) -> PyErr {
+    RequestError::new_err(msg.into())
+}
+
+fn dtype(name: &str) -> PyResult<DType> {
+    name.parse::<DType>().map_err(request)
+}
+
+fn format_named(name: &str) -> PyResult<Format> {
+    name.parse::<Format>().map_err(request)
+}
+
+fn selection(include: Option<Vec<String>>, exclude: Option<Vec<String>>) -> Selection {
+    Selection {
+        include: include.unwrap_or_default(),
+        exclude: exclude.unwrap_or_default(),
+        ..Default::default()
+    }
+}
+
+/// The target layout: a layout JSON text, or `Shard(0)` over `world_size` ranks.
+fn layout_spec(world_size: u64, layout: Option<&str>) -> PyResult<LayoutSpec> {
+    match layout {
+        Some(json) => {
+            let spec = LayoutSpec::from_json(json.as_bytes()).map_err(py_err)?;
+            if spec.world() != world_size {
+                return Err(request(format!(
+                    "world_size={world_size} disagrees with the layout's mesh {:?} ({} ranks)",
+                    spec.mesh,
+                    spec.world()
+                )));
+            }
+            Ok(spec)
+        }
+        None if world_size == 0 => Err(request("world_size must be at least 1")),
+        None => Ok(LayoutSpec::fsdp(world_size)),
+    }
+}
+
+/// An open checkpoint (the library's `Checkpoint`): layouts and byte locations, no data.
+#[pyclass(frozen, module = "reshard._reshard", name = "NativeCheckpoint")]
+struct PyCheckpoint {
+    ck: Arc<Checkpoint>,
+}
+
+/// A part of a destination: `(offsets, sizes, at)`.
+type Part = (Vec<u64>, Vec<u64>, Vec<u64>);
+/// One extra: `(name, origin, raw, pickled)`.
+type ExtraItem<'py> = (
+    String,
+    &'static str,
+    Option<Bound<'py, PyBytes>>,
+    Bound<'py, PyBytes>,
+);
+/// One local region: `(name, dtype, global shape, offsets, sizes)`.
+type RegionItem = (String, &'static str, Vec<u64>, Vec<u64>, Vec<u64>);
+
+/// One destination of `read_into`: `(name, dtype, shape, parts, address, nbytes)`, each part
+/// `(offsets, sizes, at)`.
+type Dest = (String, String, Vec<u64>, Vec<Part>, usize, usize);
+
+#[pymethods]
+impl PyCheckpoint {
+    /// The format's name (`dcp`, `pt`, `safetensors`, `hf`, `hf-storage`).
+    #[getter]
+    fn format(&self) -> &'static str {
+        self.ck.format.name()
+    }
+
+    /// The path it was opened from.
+    #[getter]
+    fn path(&self) -> PathBuf {
+        self.ck.path.clone()
+    }
+
+    /// The data files it reads.
+    #[getter]
+    fn files(&self) -> Vec<PathBuf> {
+        self.ck.files.clone()
+    }
+
+    /// The world size it was saved at.
+    #[getter]
+    fn world_size(&self) -> u32 {
+        self.ck.ranks
+    }
+
+    /// What wrote it, when the files say.
+    #[getter]
+    fn producer(&self) -> Option<String> {
+        self.ck.producer.clone()
+    }
+
+    /// String metadata (safetensors headers).
+    #[getter]
+    fn metadata(&self) -> Vec<(String, String)> {
+        self.ck
+            .metadata
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
+    /// Bytes of all tensors.
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.ck.nbytes()
+    }
+
+    /// Every tensor as `(name, dtype, shape, layout summary)`.
+    fn tensors(&self) -> Vec<(String, &'static str, Vec<u64>, String)> {
+        self.ck
+            .tensors
+            .iter()
+            .map(|t| {
+                (
+                    t.name.clone(),
+                    t.dtype.name(),
+                    t.shape.clone(),
+                    reshard::layout::summary(t),
+                )
+            })
+            .collect()
+    }
+
+    /// Every non-tensor entry as `(name, origin, raw, pickled)`: `raw` the serialized item
+    /// as stored (a DCP `BYTE_IO` item is a `torch.save` stream), `pickled` the value as a
+    /// plain protocol-2 pickle.
+    fn extras<'py>(&self, py: Python<'py>) -> PyResult<Vec<ExtraItem<'py>>> {
+        let mut out = vec![];
+        for e in &self.ck.extras {
+            let raw = match e.raw {
+                Some((file, offset, len)) => {
+                    Some(PyBytes::new(py, &read_raw(&self.ck, file, offset, len)?))
+                }
+                None => None,
+            };
+            out.push((
+                e.name.clone(),
+                e.origin,
+                raw,
+                PyBytes::new(py, &e.to_pickle()),
+            ));
+        }
+        Ok(out)
+    }
+
+    /// The nested path of each flat key that has one: `{name: [part, ...]}`, a part a str
+    /// (dict key) or an int (list index or int dict key).
+    fn paths<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (name, parts) in &self.ck.paths {
+            let items: Vec<Bound<'py, PyAny>> = parts
+                .iter()
+                .map(|p| match p {
+                    reshard::KeyPart::Key(k) => k.clone().into_bound_py_any(py),
+                    reshard::KeyPart::Index(i) | reshard::KeyPart::IntKey { int: i } => {
+                        (*i).into_bound_py_any(py)
+                    }
+                })
+                .collect::<PyResult<_>>()?;
+            d.set_item(name, items)?;
+        }
+        Ok(d)
+    }
+
+    /// Groups of tied tensors (same dtype, shape and bytes), by name.
+    fn tied_names(&self, py: Python<'_>) -> PyResult<Vec<Vec<String>>> {
+        let ck = self.ck.clone();
+        py.detach(move || ck.tied_names()).map_err(py_err)
+    }
+
+    /// Which of `names` the include and exclude globs keep.
+    fn keeps(
+        &self,
+        names: Vec<String>,
+        include: Option<Vec<String>>,
+        exclude: Option<Vec<String>>,
+    ) -> PyResult<Vec<bool>> {
+        let sel = selection(include, exclude);
+        sel.check().map_err(py_err)?;
+        Ok(names.iter().map(|n| sel.keeps(n)).collect())
+    }
+
+    /// The regions rank `rank` of `world_size` holds under a layout (JSON text, or
+    /// `Shard(0)`), as `(name, dtype, global shape, offsets, sizes)`.
+    #[pyo3(signature = (rank, world_size, layout=None, include=None, exclude=None, dtype=None))]
+    fn local_regions(
+        &self,
+        rank: u64,
+        world_size: u64,
+        layout: Option<&str>,
+        include: Option<Vec<String>>,
+        exclude: Option<Vec<String>>,
+        dtype: Option<&str>,
+    ) -> PyResult<Vec<RegionItem>> {
+        let spec = layout_spec(world_size, layout)?;
+        let dt = dtype.map(self::dtype).transpose()?;
+        let regions = load::local_regions(&self.ck, &spec, rank, &selection(include, exclude), dt)
+            .map_err(py_err)?;
+        Ok(regions
+            .into_iter()
+            .map(|r| {
+                (
+                    r.name,
+                    r.dtype.name(),
+                    r.global_shape,
+                    r.region.offsets,
+                    r.region.sizes,
+                )
+            })
+            .collect())
+    }
+
+    /// Fill destinations from the checkpoint, with the GIL released and the copies spread
+    /// over threads. Each destination is `(name, dtype, shape, parts, address, nbytes)`: the
+    /// memory at `address` (a contiguous CPU tensor's `data_ptr()`, which the caller keeps
+    /// alive and does not touch during the call) receives the parts of tensor `name` in
+    /// `dtype`; a part `(offsets, sizes, at)` is the global region at `offsets`/`sizes`
+    /// placed at index `at` of the destination. Everything is checked before a byte is
+    /// written.
+    fn read_into(&self, py: Python<'_>, dests: Vec<Dest>) -> PyResult<()> {
+        let mut tensors = Vec::with_capacity(dests.len());
+        let mut spans = Vec::with_capacity(dests.len());
+        for (name, dt, shape, parts, addr, nbytes) in dests {
+            let lt = LocalTensor {
+                dtype: dtype(&dt)?,
+                shape,
+                parts: parts
+                    .into_iter()
+                    .map(|(offsets, sizes, at)| LocalPart {
+                        region: Region::new(offsets, sizes),
+                        at,
+                    })
+                    .collect(),
+                name,
+            };
+            if lt.nbytes() != nbytes as u64 {
+                return Err(request(format!(
+                    "tensor `{}`: a destination of {:?} {} is {} bytes, the memory given {nbytes}",
+                    lt.name,
+                    lt.shape,
+                    lt.dtype,
+                    lt.nbytes()
+                )));
+            }
+            if nbytes > 0 && addr == 0 {
+                return Err(request(format!("tensor `{}`: a null destination", lt.name)));
+            }
+            spans.push((addr, nbytes, lt.name.clone()));
+            tensors.push(lt);
+        }
+        // Destinations are written from several threads: they must not share a byte.
+        let mut sorted: Vec<&(usize, usize, String)> = spans.iter().filter(|s| s.1 > 0).collect();
+        sorted.sort_by_key(|s| s.0);
+        for w in sorted.windows(2) {
+            if w[0].0.saturating_add(w[0].1) > w[1].0 {
+                return Err(request(format!(
+                    "destinations of `{}` and `{}` share memory",
+                    w[0].2, w[1].2
+                )));
+            }
+        }
+        let ck = self.ck.clone();
+        let addrs: Vec<(usize, usize)> = spans.iter().map(|s| (s.0, s.1)).collect();
+        py.detach(move || {
+            let mut outs: Vec<&mut [u8]> = addrs
+                .iter()
+                .map(|&(addr, n)| {
+                    if n == 0 {
+                        return &mut [][..];
+                    }
+                    // SAFETY: the caller passes the address and byte size of memory it owns
+                    // (a contiguous CPU tensor it keeps alive and leaves alone for the
+                    // duration of this call); the spans were checked above to be non-null
+                    // and pairwise disjoint, so no two slices alias.
+                    unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, n) }
+                })
+                .collect();
+            load::read_local_tensors_into(&ck, &tensors, &mut outs)
+        })
+        .map_err(py_err)
+    }
+}
+
+/// Read `len` bytes at `offset` of the checkpoint's file `file` (a non-tensor item).
+fn read_raw(ck: &Checkpoint, file: u32, offset: u64, len: u64) -> PyResult<Vec<u8>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let path = ck
+        .files
+        .get(file as usize)
+        .ok_or_else(|| CheckpointError::new_err("a non-tensor item names an unknown file"))?;
+    let io = |e: std::io::Error| {
+        py_err(Error::Io {
+            path: path.clone(),
+            source: e,
+        })
+    };
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let size = f.metadata().map_err(io)?.len();
+    if offset.saturating_add(len) > size {
+        return Err(py_err(Error::format(
+            path,
+            format!(
+                "is truncated: a non-tensor item needs bytes up to {}, the file has {size}",
+                offset.saturating_add(len)
+            ),
+        )));
+    }
+    f.seek(SeekFrom::Start(offset)).map_err(io)?;
+    let mut buf = vec![0u8; len as usize];
+    f.read_exact(&mut buf).map_err(io)?;
+    Ok(buf)
+}
+
+/// Open a checkpoint of any supported format (detected, or `format` by name) and validate it.
+#[pyfunction]
+#[pyo3(signature = (path, format=None))]
+fn open(py: Python<'_>, path: PathBuf, format: Option<&str>) -> PyResult<PyCheckpoint> {
+    let format = format.map(format_named).transpose()?;
+    let ck = py
+        .detach(move || match format {
+            Some(f) => Checkpoint::open_as(&path, f),
+            None => Checkpoint::open(&path),
+        })
+        .map_err(py_err)?;
+    Ok(PyCheckpoint { ck: Arc::new(ck) })
+}
+
+/// What the rank at `coordinate` of a mesh of shape `mesh` holds of a tensor of
+/// `global_shape` under `placements` (`Shard(0)`, `Replicate()`, `_StridedShard(dim=0, sf=2)`):
+/// `(local shape, [(offsets, sizes, at), ...])`.
+#[pyfunction]
+fn local_tensor(
+    global_shape: Vec<u64>,
+    mesh: Vec<u64>,
+    placements: Vec<String>,
+    coordinate: Vec<u64>,
+) -> PyResult<(Vec<u64>, Vec<Part>)> {
+    let placements = placements
+        .iter()
+        .map(|p| p.parse::<Placement>().map_err(request))
+        .collect::<PyResult<Vec<_>>>()?;
+    let sharding = Sharding {
+        mesh: Mesh(mesh),
+        placements,
+    };
+    let lt = LocalTensor::of_sharding("tensor", DType::U8, &global_shape, &sharding, &coordinate)
+        .map_err(|e| request(e.to_string()))?;
+    Ok((
+        lt.shape,
+        lt.parts
+            .into_iter()
+            .map(|p| (p.region.offsets, p.region.sizes, p.at))
+            .collect(),
+    ))
+}
+
+/// Progress of a conversion, reported to a Python callable `(done_bytes, total_bytes)`.
+struct Callback {
+    f: Py<PyAny>,
+    total: std::sync::atomic::AtomicU64,
+    done: std::sync::atomic::AtomicU64,
+}
+
+impl Callback {
+    fn call(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let (d, t) = (self.done.load(Relaxed), self.total.load(Relaxed));
+        Python::attach(|py| {
+            if let Err(e) = self.f.call1(py, (d, t)) {
+                e.write_unraisable(py, None);
+            }
+        });
+    }
+}
+
+impl reshard::Progress for Callback {
+    fn start(&self, total_bytes: u64) {
+        self.total
+            .store(total_bytes, std::sync::atomic::Ordering::Relaxed);
+        self.call();
+    }
+    fn advance(&self, bytes: u64) {
+        self.done
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+        self.call();
+    }
+    fn finish(&self) {
+        let t = self.total.load(std::sync::atomic::Ordering::Relaxed);
+        self.done.store(t, std::sync::atomic::Ordering::Relaxed);
+        self.call();
+    }
+}
+
+/// Convert `src` into `dst` at `world_size` ranks (or a layout JSON text), returning a JSON
+/// summary: format (and why), world size, files written, bytes, dropped entries, ties.
+#[pyfunction]
+#[pyo3(signature = (src, dst, world_size, format=None, layout=None, include=None, exclude=None,
+    strip_prefix=None, add_prefix=None, dtype=None, max_shard_size=None, threads=None,
+    per_rank_state=None, untie=false, overwrite=false, verify=true, progress=None, dry_run=false))]
+#[allow(clippy::too_many_arguments)]
+fn convert(
+    py: Python<'_>,
+    src: PathBuf,
+    dst: PathBuf,
+    world_size: u64,
+    format: Option<&str>,
+    layout: Option<&str>,
+    include: Option<Vec<String>>,
+    exclude: Option<Vec<String>>,
+    strip_prefix: Option<String>,
+    add_prefix: Option<String>,
+    dtype: Option<&str>,
+    max_shard_size: Option<u64>,
+    threads: Option<usize>,
+    per_rank_state: Option<&str>,
+    untie: bool,
+    overwrite: bool,
+    verify: bool,
+    progress: Option<Py<PyAny>>,
+    dry_run: bool,
+) -> PyResult<String> {
+    let mut opts = ConvertOptions::to(1);
+    opts.layout = layout_spec(world_size, layout)?;
+    opts.format = format.map(format_named).transpose()?;
+    opts.select = Selection {
+        include: include.unwrap_or_default(),
+        exclude: exclude.unwrap_or_default(),
+        strip_prefix,
+        add_prefix,
+    };
+    opts.dtype = dtype.map(self::dtype).transpose()?;
+    if let Some(n) = max_shard_size {
+        if n == 0 {
+            return Err(request("max_shard_size must be at least 1 byte"));
+        }
+        opts.write.max_shard_size = n;
+    }
+    if threads == Some(0) {
+        return Err(request("threads must be at least 1"));
+    }
+    opts.exec.threads = threads;
+    opts.per_rank = per_rank_state
+        .map(|p| p.parse().map_err(|e: String| request(e)))
+        .transpose()?;
+    opts.untie = untie;
+    opts.force = overwrite;
+    opts.verify = verify;
+    opts.exec.progress = progress.map(|f| {
+        Arc::new(Callback {
+            f,
+            total: 0.into(),
+            done: 0.into(),
+        }) as Arc<dyn reshard::Progress>
+    });
+    py.detach(move || -> reshard::Result<String> {
+        let job = reshard::convert::prepare(&src, Some(&dst), &opts)?;
+        let stats = if dry_run {
+            None
+        } else {
+            Some(reshard::convert::run(&job, &dst, &opts)?)
+        };
+        let files = job.output_files();
+        Ok(serde_json::json!({
+            "source": job.source.path,
+            "source_format": job.source.format.name(),
+            "source_world_size": job.source.ranks,
+            "format": job.format.name(),
+            "format_reason": job.format_reason,
+            "world_size": job.world,
+            "tensors": job.plan.tensors.len(),
+            "bytes": job.plan.tensors.iter().map(|t| t.bytes.1).sum::<u64>(),
+            "extras": job.extras,
+            "dropped": job.dropped,
+            "ties": job.ties,
+            "files": files,
+            "bytes_read": stats.as_ref().map(|s| s.bytes_read),
+            "bytes_written": stats.as_ref().map(|s| s.bytes_written),
+        })
+        .to_string())
+    })
+    .map_err(py_err)
+}
+
+/// Check a checkpoint's structure and every CRC-32 its files record: a JSON report.
+#[pyfunction]
+fn verify(py: Python<'_>, path: PathBuf) -> PyResult<String> {
+    py.detach(move || -> reshard::Result<String> {
+        let ck = Checkpoint::open(&path)?;
+        let report = reshard::verify::checksums(&ck)?;
+        let mismatches: Vec<String> = report
+            .mismatches
+            .iter()
+            .map(|m| m.to_error().to_string())
+            .collect();
+        Ok(serde_json::json!({
+            "path": ck.path, "format": ck.format.name(), "world_size": ck.ranks,
+            "tensors": ck.tensors.len(), "tensor_bytes": ck.nbytes(),
+            "records": report.records, "bytes": report.bytes, "mismatches": mismatches,
+        })
+        .to_string())
+    })
+    .map_err(py_err)
+}
+
+/// Compare two checkpoints tensor by tensor, whatever their formats and world sizes: JSON.
+#[pyfunction]
+fn diff(py: Python<'_>, a: PathBuf, b: PathBuf) -> PyResult<String> {
+    py.detach(move || -> reshard::Result<String> {
+        let (ca, cb) = (Checkpoint::open(&a)?, Checkpoint::open(&b)?);
+        let d = reshard::diff::diff(&ca, &cb)?;
+        Ok(serde_json::to_string(&d).expect("a diff serializes"))
+    })
+    .map_err(py_err)
+}
+
+/// Names and summaries of the formats reshard reads and writes: `[(name, summary), ...]`.
+#[pyfunction]
+fn formats() -> Vec<(&'static str, &'static str)> {
+    Format::all()
+        .map(|f| (f.name(), f.capabilities().summary))
+        .collect()
+}
+
+/// Run the `reshard` command line (`argv[0]` the program name) and return its exit status.
+#[pyfunction]
+fn cli_main(py: Python<'_>, argv: Vec<String>) -> u8 {
+    py.detach(move || reshard::cli::main(argv))
+}
+
+#[pymodule]
+fn _reshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("ReshardError", py.get_type::<ReshardError>())?;
+    m.add("CheckpointError", py.get_type::<CheckpointError>())?;
+    m.add("RequestError", py.get_type::<RequestError>())?;
+    m.add("ReshardIOError", py.get_type::<ReshardIOError>())?;
+    m.add_class::<PyCheckpoint>()?;
+    m.add_function(wrap_pyfunction!(open, m)?)?;
+    m.add_function(wrap_pyfunction!(local_tensor, m)?)?;
+    m.add_function(wrap_pyfunction!(convert, m)?)?;
+    m.add_function(wrap_pyfunction!(verify, m)?)?;
+    m.add_function(wrap_pyfunction!(diff, m)?)?;
+    m.add_function(wrap_pyfunction!(formats, m)?)?;
+    m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
