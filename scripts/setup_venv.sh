@@ -2,8 +2,9 @@
 # Create (if missing) the Python environments used to generate fixtures and to let real
 # torch judge reshard's outputs (scripts/gen_fixtures.py, scripts/torch_interop.py).
 #
-#   scripts/setup_venv.sh                 main venv: newest torch + safetensors + numpy
-#   scripts/setup_venv.sh --lightning     ... plus Lightning (fixture cases fabric_*)
+#   scripts/setup_venv.sh                 main venv: newest torch + safetensors + numpy + pytest
+#   scripts/setup_venv.sh --lightning     ... plus Lightning (fixture cases fabric_*; the
+#                                          Python package's tests, which CI runs)
 #   scripts/setup_venv.sh --bench         ... plus Lightning, accelerate and matplotlib
 #                                          (scripts/compare.py)
 #   scripts/setup_venv.sh --torch21       ... plus a second venv with torch==2.1.0
@@ -56,10 +57,10 @@ ensure_venv() {
   fi
 }
 
-CHECK='import torch, safetensors, numpy; print("torch", torch.__version__, "safetensors", safetensors.__version__, "numpy", numpy.__version__)'
+CHECK='import torch, safetensors, numpy, pytest; print("torch", torch.__version__, "safetensors", safetensors.__version__, "numpy", numpy.__version__, "pytest", pytest.__version__)'
 CHECK_L='import torch, safetensors, numpy, lightning; print("torch", torch.__version__, "safetensors", safetensors.__version__, "numpy", numpy.__version__, "lightning", lightning.__version__)'
 
-ensure_venv "$VENV" "$CHECK" torch safetensors numpy
+ensure_venv "$VENV" "$CHECK" torch safetensors numpy pytest
 if [ "$want_lightning" = 1 ]; then
   ensure_venv "$VENV" "$CHECK_L" "$LIGHTNING_SPEC"
 fi

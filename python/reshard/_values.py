@@ -44,11 +44,8 @@ def decode(raw: Optional[bytes], pickled: bytes) -> Any:
     if raw is not None:
         try:
             import torch
-        except ImportError:
-            torch = None
-        if torch is not None:
-            try:
-                return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-            except Exception:
-                pass
+
+            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except Exception:
+            pass  # no torch, or not a torch.save stream: the plain pickle says the same
     return _PlainUnpickler(io.BytesIO(pickled)).load()

@@ -19,25 +19,25 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 create_exception!(
-    _reshard,
+    reshard,
     ReshardError,
     PyException,
     "Every error reshard raises: one line naming the file or tensor and the problem."
 );
 create_exception!(
-    _reshard,
+    reshard,
     CheckpointError,
     ReshardError,
     "A checkpoint that cannot be read as its format says: missing, truncated or corrupt files, bad layouts."
 );
 create_exception!(
-    _reshard,
+    reshard,
     RequestError,
     ReshardError,
     "A request that cannot be carried out as asked: a bad option, a key the checkpoint lacks, a shape or dtype that does not fit."
 );
 create_exception!(
-    _reshard,
+    reshard,
     ReshardIOError,
     ReshardError,
     "An operating-system error on a named file (permissions, no space, unreadable)."

@@ -1,0 +1,105 @@
+"""Type stubs of the native module (a thin PyO3 binding of the reshard library)."""
+
+from os import PathLike
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+__version__: str
+
+class ReshardError(Exception):
+    """Every error reshard raises: one line naming the file or tensor and the problem."""
+
+class CheckpointError(ReshardError):
+    """A checkpoint that cannot be read as its format says."""
+
+class RequestError(ReshardError):
+    """A request that cannot be carried out as asked."""
+
+class ReshardIOError(ReshardError):
+    """An operating-system error on a named file."""
+
+_Part = Tuple[List[int], List[int], List[int]]
+_Dest = Tuple[str, str, List[int], List[_Part], int, int]
+
+class NativeCheckpoint:
+    """An open checkpoint: layouts and byte locations, no data."""
+
+    @property
+    def format(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def files(self) -> List[str]: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def producer(self) -> Optional[str]: ...
+    @property
+    def metadata(self) -> List[Tuple[str, str]]: ...
+    @property
+    def nbytes(self) -> int: ...
+    def tensors(self) -> List[Tuple[str, str, List[int], str]]:
+        """Every tensor as ``(name, dtype, shape, layout summary)``."""
+    def extras(self) -> List[Tuple[str, str, Optional[bytes], bytes]]:
+        """Every non-tensor entry as ``(name, origin, raw, pickled)``."""
+    def paths(self) -> Dict[str, List[Union[str, int]]]:
+        """The nested path of each flat key that has one."""
+    def tied_names(self) -> List[List[str]]:
+        """Groups of tied tensors, by name."""
+    def keeps(
+        self, names: List[str], include: Optional[List[str]], exclude: Optional[List[str]]
+    ) -> List[bool]:
+        """Which of ``names`` the include and exclude globs keep."""
+    def local_regions(
+        self,
+        rank: int,
+        world_size: int,
+        layout: Optional[str] = None,
+        include: Optional[List[str]] = None,
+        exclude: Optional[List[str]] = None,
+        dtype: Optional[str] = None,
+    ) -> List[Tuple[str, str, List[int], List[int], List[int]]]:
+        """The regions rank ``rank`` of ``world_size`` holds under a layout."""
+    def read_into(self, dests: List[_Dest]) -> None:
+        """Fill destinations ``(name, dtype, shape, parts, address, nbytes)`` in memory."""
+
+def open(path: Union[str, "PathLike[str]"], format: Optional[str] = None) -> NativeCheckpoint:
+    """Open and validate a checkpoint of any supported format."""
+
+def local_tensor(
+    global_shape: Sequence[int], mesh: Sequence[int], placements: Sequence[str], coordinate: Sequence[int]
+) -> Tuple[List[int], List[_Part]]:
+    """What a mesh coordinate holds of a tensor under placements."""
+
+def convert(
+    src: str,
+    dst: str,
+    world_size: int,
+    format: Optional[str] = None,
+    layout: Optional[str] = None,
+    include: Optional[List[str]] = None,
+    exclude: Optional[List[str]] = None,
+    strip_prefix: Optional[str] = None,
+    add_prefix: Optional[str] = None,
+    dtype: Optional[str] = None,
+    max_shard_size: Optional[int] = None,
+    threads: Optional[int] = None,
+    per_rank_state: Optional[str] = None,
+    untie: bool = False,
+    overwrite: bool = False,
+    verify: bool = True,
+    progress: Optional[Callable[[int, int], Any]] = None,
+    dry_run: bool = False,
+) -> str:
+    """Convert a checkpoint; a JSON summary."""
+
+def verify(path: str) -> str:
+    """Check structure and recorded CRC-32s; a JSON report."""
+
+def diff(a: str, b: str) -> str:
+    """Compare two checkpoints; JSON."""
+
+def formats() -> List[Tuple[str, str]]:
+    """The formats reshard reads and writes."""
+
+def cli_main(argv: List[str]) -> int:
+    """Run the command line and return its exit status."""

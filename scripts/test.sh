@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The project's one test command (README "Tests"; .ci/run calls it): every Rust test suite,
+# then the Python package built and installed from this clone with pip (as a user installs
+# it) into the torch venv, and its pytest suite with real torch, Lightning and gloo.
+#
+#   scripts/test.sh              everything
+#   scripts/test.sh --rust       Rust only      scripts/test.sh --python   Python only
+#   extra arguments after -- go to pytest (e.g. scripts/test.sh --python -- -k slice)
+#
+# The Python part needs the venv of scripts/setup_venv.sh --lightning (found at .venv or
+# $RESHARD_VENV). Without it the Python tests are reported skipped, except under CI=true,
+# where a missing venv fails the run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+rust=1 python=1
+pytest_args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --rust) python=0 ;;
+    --python) rust=0 ;;
+    --) shift; pytest_args=("$@"); break ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    *) echo "test.sh: unknown argument: $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+if [ "$rust" = 1 ]; then
+  echo "== Rust: cargo test"
+  cargo test
+fi
+
+if [ "$python" = 1 ]; then
+  venv="${RESHARD_VENV:-.venv}"
+  py="$venv/bin/python"
+  if [ ! -x "$py" ] || ! "$py" -c 'import torch, pytest' >/dev/null 2>&1; then
+    msg="no venv with torch and pytest at $venv (run scripts/setup_venv.sh --lightning)"
+    if [ "${CI:-}" = true ]; then echo "test.sh: error: $msg" >&2; exit 1; fi
+    echo "== Python: SKIPPED: $msg"
+    exit 0
+  fi
+  echo "== Python: pip install ./python (maturin builds the native module in release mode)"
+  start=$(date +%s)
+  "$py" -m pip install --disable-pip-version-check -q --no-deps --force-reinstall ./python
+  echo "   built and installed in $(( $(date +%s) - start )) s"
+  echo "== Python: pytest python/tests"
+  (cd python && "../$py" -m pytest tests -q -p no:cacheprovider "${pytest_args[@]}")
+fi
