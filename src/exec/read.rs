@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::layout::cast;
 use crate::layout::{DType, Region, TensorLayout};
 use crate::plan::{region_ops, CopyOp};
-use crate::sys::map_readonly;
+use crate::sys::{map_readonly, release};
 use memmap2::Mmap;
 use std::path::PathBuf;
 
@@ -66,10 +66,20 @@ pub fn read_many_into(
     tasks.into_par_iter().for_each(|t| {
         for o in &t.ops {
             apply(o, &maps, t.buf, t.lo);
+            // The caller's buffers hold the data now: drop the source pages from this
+            // process's resident set (they stay in the page cache), so reading N bytes
+            // costs N bytes of memory, not 2N. Small copies are left to the unmapping.
+            let (a, b) = o.src_span();
+            if b - a >= RELEASE_BYTES {
+                release(&maps[o.src as usize], a, b);
+            }
         }
     });
     Ok(())
 }
+
+/// Copies at least this long release their source pages as soon as they are done.
+const RELEASE_BYTES: u64 = 64 << 10;
 
 /// Bytes of copying one parallel task does at most, when its copies can be cut.
 pub const TASK_BYTES: u64 = 4 << 20;
