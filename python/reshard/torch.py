@@ -1,0 +1,359 @@
+"""Loading checkpoints into PyTorch state dicts and models at any world size, with no
+collectives.
+
+- :func:`load` fills a state dict in place, like ``torch.distributed.checkpoint.load``:
+  ``DTensor`` s (any mesh and placements), ``ShardedTensor`` s and plain tensors get
+  exactly the region they hold, read from the files straight into their memory.
+- :func:`load_model` / :func:`load_optimizer`: the usual resume, through
+  ``torch.distributed.checkpoint.state_dict`` (FSDP2, FSDP1 and plain modules).
+- :class:`StorageReader`: a ``torch.distributed.checkpoint.StorageReader``, so
+  ``dcp.load(sd, storage_reader=reshard.torch.StorageReader(path), no_dist=True)`` reads
+  every format reshard reads.
+
+No function here calls a collective or needs a process group (``load_model`` of an FSDP1
+module needs the one FSDP1 itself needs to build its state dict): each rank reads what it
+holds, whatever the other ranks do. The shard each rank holds is computed by the Rust
+library from the tensor's mesh coordinate and placements.
+"""
+
+from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import Checkpoint, RequestError, _dtypes, _reshard
+from . import open as _open
+
+__all__ = ["load", "load_model", "load_optimizer", "LoadResult", "StorageReader"]
+
+
+class LoadResult(NamedTuple):
+    """What :func:`load` could not match: state-dict keys the checkpoint lacks, and
+    checkpoint entries under the state dict's top-level keys that it has no place for."""
+
+    missing_keys: List[str]
+    unexpected_keys: List[str]
+
+
+def _checkpoint(path: Any) -> Checkpoint:
+    return path if isinstance(path, Checkpoint) else _open(path)
+
+
+def _is_stateful(v: Any) -> bool:
+    return (
+        not isinstance(v, (torch.Tensor, Mapping, list, tuple))
+        and callable(getattr(v, "state_dict", None))
+        and callable(getattr(v, "load_state_dict", None))
+    )
+
+
+class _Leaf(NamedTuple):
+    path: Tuple[Any, ...]
+    container: Any
+    key: Any
+    value: Any
+
+
+def _walk(obj: Any, path: Tuple[Any, ...], leaves: List[_Leaf], nodes: Dict[str, Tuple[Any, Any, Tuple[Any, ...]]], parent: Any, key: Any) -> None:
+    """Collect the leaves (tensors and other values) of a nested state dict, and every inner
+    node by flat name (a checkpoint value may replace a whole node)."""
+    if path:
+        nodes[_flat(path)] = (parent, key, path)
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _walk(v, path + (k,), leaves, nodes, obj, k)
+    elif isinstance(obj, list) and obj and _has_tensor(obj):
+        for i, v in enumerate(obj):
+            _walk(v, path + (i,), leaves, nodes, obj, i)
+    else:
+        leaves.append(_Leaf(path, parent, key, obj))
+
+
+def _has_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, Mapping):
+        return any(_has_tensor(v) for v in obj.values())
+    if isinstance(obj, list):
+        return any(_has_tensor(v) for v in obj)
+    return False
+
+
+def _flat(path: Sequence[Any]) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _placement(p: Any, name: str) -> str:
+    """A DTensor placement as the Rust layout algebra names it."""
+    cls = type(p).__name__
+    if cls == "_StridedShard":
+        return f"StridedShard({p.dim}, {p.split_factor})"
+    if cls == "Shard" or (hasattr(p, "is_shard") and p.is_shard() and hasattr(p, "dim")):
+        return f"Shard({p.dim})"
+    if cls == "Replicate" or (hasattr(p, "is_replicate") and p.is_replicate()):
+        return "Replicate"
+    raise RequestError(f"tensor `{name}`: placement {p} cannot be loaded (only Shard, _StridedShard and Replicate can)")
+
+
+def _is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "device_mesh") and hasattr(t, "placements")
+
+
+def _is_sharded_tensor(t: Any) -> bool:
+    return type(t).__name__ == "ShardedTensor" and hasattr(t, "local_shards")
+
+
+class _Fill:
+    """Destinations gathered for one native read, and the copies to finish after it."""
+
+    def __init__(self, ck: Checkpoint) -> None:
+        self.ck = ck
+        self.dests: List[Tuple[Any, ...]] = []
+        self.keep: List[torch.Tensor] = []
+        self.after: List[Tuple[torch.Tensor, torch.Tensor]] = []
+
+    def add(self, src: str, dest: torch.Tensor, parts: List[Tuple[List[int], List[int], List[int]]], what: str) -> None:
+        if dest.device.type == "meta":
+            raise RequestError(f"{what}: is on the meta device; allocate it (to_empty) before loading")
+        dt = _dtypes.name_of(dest.dtype)
+        if dest.device.type == "cpu" and dest.is_contiguous():
+            buf = dest
+        else:
+            # A CUDA (or strided) destination: fill a (pinned) host buffer, then copy_.
+            pin = dest.device.type == "cuda" and torch.cuda.is_available()
+            buf = torch.empty(tuple(dest.shape), dtype=dest.dtype, pin_memory=pin)
+            self.after.append((dest, buf))
+        self.keep.append(buf)
+        nbytes = buf.numel() * buf.element_size()
+        self.dests.append((src, dt, list(buf.shape), parts, buf.data_ptr() if nbytes else 0, nbytes))
+
+    def run(self) -> None:
+        if self.dests:
+            self.ck._ck.read_into(self.dests)
+        for dest, buf in self.after:
+            dest.copy_(buf, non_blocking=buf.is_pinned())
+        if any(d.device.type == "cuda" for d, _ in self.after):
+            torch.cuda.synchronize()
+
+
+def _check_shape(what: str, want: Sequence[int], have: Sequence[int]) -> None:
+    if tuple(want) != tuple(have):
+        raise RequestError(
+            f"{what}: the checkpoint's shape is {list(have)}, the state dict's {list(want)}"
+        )
+
+
+def _plan_tensor(fill: _Fill, src: str, shape: Tuple[int, ...], t: torch.Tensor, what: str) -> None:
+    """Add the destinations of target tensor ``t`` for checkpoint tensor ``src``."""
+    if _is_dtensor(t):
+        _check_shape(what, t.shape, shape)
+        mesh = t.device_mesh
+        coord = mesh.get_coordinate()
+        if coord is None:
+            return  # this rank is not in the tensor's mesh: it holds nothing
+        placements = [_placement(p, what) for p in t.placements]
+        local = t._local_tensor if hasattr(t, "_local_tensor") else t.to_local()
+        lshape, parts = _reshard.local_tensor(list(shape), list(mesh.mesh.shape), placements, list(coord))
+        _check_shape(f"{what} (local shard)", local.shape, lshape)
+        fill.add(src, local, [(list(o), list(s), list(a)) for (o, s, a) in parts], what)
+    elif _is_sharded_tensor(t):
+        _check_shape(what, t.size(), shape)
+        for shard in t.local_shards():
+            offs = list(shard.metadata.shard_offsets)
+            sizes = list(shard.metadata.shard_sizes)
+            _check_shape(f"{what} (local shard at {offs})", shard.tensor.shape, sizes)
+            fill.add(src, shard.tensor, [(offs, sizes, [0] * len(sizes))], what)
+    else:
+        _check_shape(what, t.shape, shape)
+        fill.add(src, t, [([0] * len(shape), list(shape), [0] * len(shape))], what)
+
+
+def _rename_fn(rename: Any) -> Callable[[str], Optional[str]]:
+    if rename is None:
+        return lambda n: n
+    if isinstance(rename, Mapping):
+        table = dict(rename)
+        return lambda n: table.get(n, n)
+    if callable(rename):
+        return rename
+    raise RequestError("rename must be a dict {checkpoint name: state-dict name} or a callable")
+
+
+def load(
+    state_dict: Dict[str, Any],
+    path: Any,
+    *,
+    strict: bool = True,
+    include: Optional[Sequence[str]] = None,
+    exclude: Optional[Sequence[str]] = None,
+    rename: Any = None,
+) -> LoadResult:
+    """Fill ``state_dict`` in place from the checkpoint at ``path`` (any world size, any
+    format reshard reads; an open :class:`reshard.Checkpoint` works too), like
+    ``torch.distributed.checkpoint.load``.
+
+    Each tensor gets exactly what it holds: a ``DTensor`` its local shard (from its mesh
+    coordinate and placements: ``Shard``, ``_StridedShard``, ``Replicate``, uneven and empty
+    shards), a ``ShardedTensor`` its local shards, a plain tensor all of it — read from the
+    files into the tensor's memory (CUDA tensors through a pinned host buffer and
+    ``copy_``), cast to its dtype where they differ (floating types). Nested dicts and
+    lists are matched by their flattened names (``optimizer.state.w.exp_avg``); objects
+    with ``state_dict``/``load_state_dict`` are loaded through them; non-tensor entries
+    replace the state dict's values.
+
+    ``include``/``exclude``: globs of checkpoint names to consider. ``rename``: a dict or a
+    callable mapping a checkpoint name to its state-dict name (``None``: skip it).
+    ``strict``: raise :class:`reshard.RequestError` when a state-dict key is missing from
+    the checkpoint, or the checkpoint has entries under the state dict's top-level keys
+    that the state dict lacks. Returns the :class:`LoadResult` either way (when not raised).
+    No collective is called.
+    """
+    ck = _checkpoint(path)
+    if not isinstance(state_dict, Mapping):
+        raise RequestError(f"state_dict must be a dict, not {type(state_dict).__name__}")
+    # Stateful objects are loaded through their own state dicts.
+    stateful: List[Tuple[Any, Any]] = []
+    view: Dict[str, Any] = {}
+    for k, v in state_dict.items():
+        if _is_stateful(v):
+            sd = v.state_dict()
+            stateful.append((v, sd))
+            view[k] = sd
+        else:
+            view[k] = v
+    leaves: List[_Leaf] = []
+    nodes: Dict[str, Tuple[Any, Any, Tuple[Any, ...]]] = {}
+    _walk(view, (), leaves, nodes, None, None)
+    by_name = {_flat(l.path): l for l in leaves}
+
+    infos = {t.name: t for t in ck.tensors()}
+    values_raw = {e[0]: e for e in ck._ck.extras()}
+    names = list(infos) + list(values_raw)
+    keep = ck._ck.keeps(names, list(include) if include else None, list(exclude) if exclude else None)
+    ren = _rename_fn(rename)
+    tops = {str(k) for k in view}
+
+    fill = _Fill(ck)
+    matched: set = set()
+    unexpected: List[str] = []
+    replace: List[Tuple[Any, Any, Any]] = []
+    for name, kept in zip(names, keep):
+        if not kept:
+            continue
+        target = ren(name)
+        if target is None:
+            continue
+        leaf = by_name.get(target)
+        if name in infos:
+            info = infos[name]
+            if leaf is not None and isinstance(leaf.value, torch.Tensor):
+                _plan_tensor(fill, name, info.shape, leaf.value, f"tensor `{target}`")
+                matched.add(target)
+                continue
+            if leaf is not None:
+                # A tensor where the state dict has a plain value: the tensor replaces it.
+                replace.append((leaf.container, leaf.key, ("tensor", name)))
+                matched.add(target)
+                continue
+        else:
+            if leaf is not None:
+                replace.append((leaf.container, leaf.key, ("value", name)))
+                matched.add(target)
+                continue
+            node = nodes.get(target)
+            if node is not None:
+                # A value stored whole where the state dict has a container (a list of
+                # strings, a dict): the value replaces it, as dcp.load does.
+                parent, key, npath = node
+                replace.append((parent, key, ("value", name)))
+                prefix = target + "."
+                matched.update(n for n in by_name if n == target or n.startswith(prefix))
+                continue
+        if target.split(".", 1)[0] in tops:
+            unexpected.append(target)
+
+    missing = [n for n in by_name if n not in matched]
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} key(s) of the state dict are not in it: {_few(missing)}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} of its entries have no place in the state dict: {_few(unexpected)}")
+        raise RequestError(f"{ck.path}: " + "; ".join(parts) + " (pass strict=False to load the rest)")
+
+    fill.run()
+    from . import _values
+
+    for container, key, (kind, name) in replace:
+        if kind == "tensor":
+            value = Checkpoint(ck._ck, "pt").get_tensor(name)
+        else:
+            _n, _o, raw, pickled = values_raw[name]
+            value = _values.decode(raw, pickled)
+        if container is None:
+            state_dict[key] = value
+        else:
+            container[key] = value
+    for obj, sd in stateful:
+        obj.load_state_dict(sd)
+    return LoadResult(missing, unexpected)
+
+
+def _few(names: List[str], n: int = 5) -> str:
+    shown = ", ".join(f"`{x}`" for x in names[:n])
+    return shown + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _prefixed(prefix: str) -> Callable[[str], Optional[str]]:
+    return lambda n: n[len(prefix):] if n.startswith(prefix) else None
+
+
+def load_model(
+    model: torch.nn.Module,
+    path: Any,
+    *,
+    strict: bool = True,
+    prefix: str = "model.",
+) -> LoadResult:
+    """Load a model's parameters and buffers from the checkpoint at ``path``, whatever the
+    world size it was saved at: the model's state dict
+    (``torch.distributed.checkpoint.state_dict.get_model_state_dict``: DTensors for FSDP2,
+    ShardedTensors or DTensors for FSDP1, plain tensors otherwise) is filled by
+    :func:`load` from the checkpoint entries named ``prefix`` + key, then set back with
+    ``set_model_state_dict``. ``prefix`` defaults to what Fabric and most trainers write
+    (``{"model": ...}``); pass ``""`` for a bare model state dict."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    sd = get_model_state_dict(model)
+    res = load(sd, path, strict=strict, rename=_prefixed(prefix))
+    set_model_state_dict(model, sd, options=StateDictOptions(strict=strict))
+    return res
+
+
+def load_optimizer(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    path: Any,
+    *,
+    strict: bool = True,
+    prefix: str = "optimizer.",
+) -> LoadResult:
+    """Load an optimizer's state (moments, steps, ``param_groups``) for ``model`` from the
+    checkpoint at ``path``, whatever the world size it was saved at, through
+    ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (state keyed by parameter
+    names, as DCP checkpoints of FSDP2, FSDP1 and Fabric hold it)."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    osd = get_optimizer_state_dict(model, optimizer)
+    res = load(osd, path, strict=strict, rename=_prefixed(prefix))
+    set_optimizer_state_dict(model, optimizer, osd)
+    return res
+
+
+from ._reader import StorageReader  # noqa: E402
