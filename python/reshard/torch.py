@@ -61,21 +61,11 @@ def _walk(obj: Any, path: Tuple[Any, ...], leaves: List[_Leaf], nodes: Dict[str,
     if isinstance(obj, Mapping):
         for k, v in obj.items():
             _walk(v, path + (k,), leaves, nodes, obj, k)
-    elif isinstance(obj, list) and obj and _has_tensor(obj):
+    elif isinstance(obj, list) and any(isinstance(v, (Mapping, list, torch.Tensor)) for v in obj):
         for i, v in enumerate(obj):
             _walk(v, path + (i,), leaves, nodes, obj, i)
     else:
         leaves.append(_Leaf(path, parent, key, obj))
-
-
-def _has_tensor(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return True
-    if isinstance(obj, Mapping):
-        return any(_has_tensor(v) for v in obj.values())
-    if isinstance(obj, list):
-        return any(_has_tensor(v) for v in obj)
-    return False
 
 
 def _flat(path: Sequence[Any]) -> str:
