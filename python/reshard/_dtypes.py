@@ -20,20 +20,8 @@ _TORCH = {
     "U64": "uint64",
 }
 
-_NUMPY = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "U16": "uint16",
-    "F16": "float16",
-    "I32": "int32",
-    "U32": "uint32",
-    "F32": "float32",
-    "F64": "float64",
-    "I64": "int64",
-    "U64": "uint64",
-}
+# numpy names the same types as torch; it has no bfloat16 or float8.
+_NUMPY = {k: v for k, v in _TORCH.items() if k not in ("BF16", "F8_E4M3", "F8_E5M2")}
 
 _ALIASES = {
     "bf16": "BF16", "bfloat16": "BF16", "f16": "F16", "fp16": "F16", "half": "F16",
