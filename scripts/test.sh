@@ -45,5 +45,7 @@ if [ "$python" = 1 ]; then
   "$py" -m pip install --disable-pip-version-check -q --no-deps --force-reinstall ./python
   echo "   built and installed in $(( $(date +%s) - start )) s"
   echo "== Python: pytest python/tests"
-  (cd python && "../$py" -m pytest tests -q -p no:cacheprovider "${pytest_args[@]}")
+  # From the repository's root, so that `import reshard` is the installed package, not the
+  # source folder python/reshard (which has no native module in a clean clone).
+  "$py" -m pytest python/tests -q -p no:cacheprovider "${pytest_args[@]}"
 fi

@@ -100,6 +100,7 @@ class _Fill:
         self.dests: List[Tuple[Any, ...]] = []
         self.keep: List[torch.Tensor] = []
         self.after: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.alias: Dict[Tuple[int, int], int] = {}
 
     def add(self, src: str, dest: torch.Tensor, parts: List[Tuple[List[int], List[int], List[int]]], what: str) -> None:
         if dest.device.type == "meta":
@@ -112,9 +113,20 @@ class _Fill:
             pin = dest.device.type == "cuda" and torch.cuda.is_available()
             buf = torch.empty(tuple(dest.shape), dtype=dest.dtype, pin_memory=pin)
             self.after.append((dest, buf))
-        self.keep.append(buf)
         nbytes = buf.numel() * buf.element_size()
-        self.dests.append((src, dt, list(buf.shape), parts, buf.data_ptr() if nbytes else 0, nbytes))
+        if nbytes == 0:
+            return  # an empty shard: nothing to read
+        entry = (src, dt, list(buf.shape), parts, buf.data_ptr(), nbytes)
+        same = self.alias.get((buf.data_ptr(), nbytes))
+        if same is not None:
+            # One tensor under two names (FSDP1 shares one `step` among parameters): the
+            # last entry wins, as with dcp.load's writes in turn. Partial overlaps are
+            # refused by the native read.
+            self.dests[same] = entry
+            return
+        self.alias[(buf.data_ptr(), nbytes)] = len(self.dests)
+        self.keep.append(buf)
+        self.dests.append(entry)
 
     def run(self) -> None:
         if self.dests:
@@ -151,6 +163,8 @@ def _plan_tensor(fill: _Fill, src: str, shape: Tuple[int, ...], t: torch.Tensor,
             offs = list(shard.metadata.shard_offsets)
             sizes = list(shard.metadata.shard_sizes)
             _check_shape(f"{what} (local shard at {offs})", shard.tensor.shape, sizes)
+            if 0 in sizes:
+                continue  # an empty shard (chunks past the end of a dim): its offset may lie past it
             fill.add(src, shard.tensor, [(offs, sizes, [0] * len(sizes))], what)
     else:
         _check_shape(what, t.shape, shape)
@@ -220,7 +234,9 @@ def load(
     names = list(infos) + list(values_raw)
     keep = ck._ck.keeps(names, list(include) if include else None, list(exclude) if exclude else None)
     ren = _rename_fn(rename)
-    tops = {str(k) for k in view}
+    # "Under the state dict's top-level keys": by first name component, so that a flat
+    # dict ({"model.w": ...}) and a nested one ({"model": {"w": ...}}) behave the same.
+    tops = {str(k).split(".", 1)[0] for k in view}
 
     fill = _Fill(ck)
     matched: set = set()
@@ -279,7 +295,8 @@ def load(
         else:
             _n, _o, raw, pickled = values_raw[name]
             value = _values.decode(raw, pickled)
-        if container is None:
+        if container is None or container is view:
+            # a top-level entry: ``view`` is a copy of the caller's dict
             state_dict[key] = value
         else:
             container[key] = value
