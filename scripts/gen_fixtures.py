@@ -425,6 +425,25 @@ def job_fsdp2(rank, world, spec, stage, scale, hf: bool):
     dist.destroy_process_group()
 
 
+def parallelize_2d(model, mesh):
+    """The dtensor2d model's parallelism over a ("dp", "tp") mesh: TP (qkv/fc1 colwise,
+    proj/fc2 rowwise) on tp, then FSDP2 on dp per block and at the root."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for b in model.blocks:
+        parallelize_module(b, mesh["tp"], {
+            "qkv": ColwiseParallel(output_layouts=Replicate()),
+            "proj": RowwiseParallel(input_layouts=Replicate()),
+            "fc1": ColwiseParallel(),
+            "fc2": RowwiseParallel(),
+        })
+        fully_shard(b, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
 def job_dtensor2d(rank, world, spec, stage, scale):
     import torch
     import torch.distributed as dist
@@ -437,16 +456,7 @@ def job_dtensor2d(rank, world, spec, stage, scale):
 
     hidden = 14  # 13 cannot be split colwise->rowwise over tp=2 (DTensor sharding propagation)
     mesh = init_device_mesh("cpu", tuple(spec["mesh"]), mesh_dim_names=("dp", "tp"))
-    model = build_model(scale, torch.float32, hidden=hidden)
-    for b in model.blocks:
-        parallelize_module(b, mesh["tp"], {
-            "qkv": ColwiseParallel(output_layouts=Replicate()),
-            "proj": RowwiseParallel(input_layouts=Replicate()),
-            "fc1": ColwiseParallel(),
-            "fc2": RowwiseParallel(),
-        })
-        fully_shard(b, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    model = parallelize_2d(build_model(scale, torch.float32, hidden=hidden), mesh)
     opt, sched = make_optim(model)
     dp_rank = mesh.get_local_rank("dp")
     loss = train_one_step(model, opt, sched, scale, dp_rank, hidden)

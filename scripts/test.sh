@@ -40,6 +40,9 @@ if [ "$python" = 1 ]; then
     echo "== Python: SKIPPED: $msg"
     exit 0
   fi
+  # The venv's real path, not the .venv link: pip writes the interpreter's path into the
+  # `reshard` command's shebang, and the venv is shared by every clone that links it.
+  py="$(cd "$venv" && pwd -P)/bin/python"
   echo "== Python: pip install ./python (maturin builds the native module in release mode)"
   start=$(date +%s)
   "$py" -m pip install --disable-pip-version-check -q --no-deps --force-reinstall ./python

@@ -105,6 +105,8 @@ class _Fill:
     def add(self, src: str, dest: torch.Tensor, parts: List[Tuple[List[int], List[int], List[int]]], what: str) -> None:
         if dest.device.type == "meta":
             raise RequestError(f"{what}: is on the meta device; allocate it (to_empty) before loading")
+        if dest.numel() == 0:
+            return  # an empty shard (chunks past a dim's end): nothing to read, its offsets unused
         dt = _dtypes.name_of(dest.dtype)
         if dest.device.type == "cpu" and dest.is_contiguous():
             buf = dest
@@ -114,8 +116,6 @@ class _Fill:
             buf = torch.empty(tuple(dest.shape), dtype=dest.dtype, pin_memory=pin)
             self.after.append((dest, buf))
         nbytes = buf.numel() * buf.element_size()
-        if nbytes == 0:
-            return  # an empty shard: nothing to read
         entry = (src, dt, list(buf.shape), parts, buf.data_ptr(), nbytes)
         same = self.alias.get((buf.data_ptr(), nbytes))
         if same is not None:
@@ -163,8 +163,6 @@ def _plan_tensor(fill: _Fill, src: str, shape: Tuple[int, ...], t: torch.Tensor,
             offs = list(shard.metadata.shard_offsets)
             sizes = list(shard.metadata.shard_sizes)
             _check_shape(f"{what} (local shard at {offs})", shard.tensor.shape, sizes)
-            if 0 in sizes:
-                continue  # an empty shard (chunks past the end of a dim): its offset may lie past it
             fill.add(src, shard.tensor, [(offs, sizes, [0] * len(sizes))], what)
     else:
         _check_shape(what, t.shape, shape)

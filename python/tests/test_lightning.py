@@ -6,6 +6,7 @@ Oracles: the fixtures' ``oracle/full.safetensors`` (gathered in the job that sav
 what ``fabric.load`` itself returns at the world size the checkpoint was saved at (4).
 """
 
+import functools
 import os
 import pickle
 import socket
@@ -22,51 +23,25 @@ REPO = HERE.parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
 CASES = ["fabric_fsdp1_w4_f32", "fabric_fsdp1_w4_f32_torch21"]
 PY = sys.executable
+sys.path.insert(0, str(REPO / "scripts"))
+import gen_fixtures as g  # noqa: E402  (the fixtures' model)
 
 # ------------------------------------------------------------------------------------------
-# the fixtures' model (scripts/gen_fixtures.py build_model / make_optim, scale 1)
+# the fixtures' model (scripts/gen_fixtures.py build_model, scale 1), an optimizer with other
+# hyperparameters than the fixtures' (loading must overwrite them too)
 
 
 def build_model() -> Any:
+    """gen_fixtures' model at scale 1, every parameter and buffer overwritten with seed-99
+    values: deliberately not the fixture's, so loading must overwrite everything."""
     import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
 
-    class Block(nn.Module):
-        def __init__(self, d: int, h: int) -> None:
-            super().__init__()
-            self.norm = nn.LayerNorm(d)
-            self.qkv = nn.Linear(d, 3 * d, bias=False)
-            self.proj = nn.Linear(d, d)
-            self.fc1 = nn.Linear(d, h)
-            self.fc2 = nn.Linear(h, d)
-
-        def forward(self, x: Any) -> Any:
-            a = self.qkv(self.norm(x))
-            q, k, v = a.chunk(3, dim=-1)
-            x = x + self.proj(q * torch.sigmoid(k) + v)
-            return x + self.fc2(F.gelu(self.fc1(x)))
-
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.cls = nn.Parameter(torch.zeros(3, 12))
-            self.logit_scale = nn.Parameter(torch.zeros(1))
-            self.embed = nn.Embedding(10, 12)
-            self.blocks = nn.ModuleList([Block(12, 13)])
-            self.final_norm = nn.LayerNorm(12)
-            self.head = nn.Linear(12, 5)
-            self.register_buffer("pos_scale", torch.zeros(12))
-
-        def forward(self, tokens: Any) -> Any:
-            x = self.embed(tokens) * self.pos_scale
-            x = torch.cat([self.cls.unsqueeze(0).expand(x.shape[0], -1, -1), x], dim=1)
-            for b in self.blocks:
-                x = b(x)
-            return self.head(self.final_norm(x[:, 0])) * self.logit_scale
-
-    torch.manual_seed(99)  # deliberately not the fixture's seed: loading must overwrite everything
-    return Model()
+    model = g.build_model(1, torch.float32)
+    gen = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.copy_(torch.randn(t.shape, generator=gen))
+    return model
 
 
 def make_optim(model: Any) -> Any:
@@ -85,7 +60,7 @@ def _fsdp_strategy() -> Any:
     import torch
     from lightning.fabric.strategies import FSDPStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
     class CPUFSDPStrategy(FSDPStrategy):
         def setup_module(self, module: Any) -> Any:
@@ -97,8 +72,9 @@ def _fsdp_strategy() -> Any:
             _setup_activation_checkpointing(module, self._activation_checkpointing_kwargs)
             return module
 
-    block_cls = type(build_model().blocks[0])
-    return CPUFSDPStrategy(state_dict_type="sharded", auto_wrap_policy=ModuleWrapPolicy({block_cls}),
+    # each build_model() defines its own Block class, so match blocks by name, not by type
+    policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: type(m).__name__ == "Block")
+    return CPUFSDPStrategy(state_dict_type="sharded", auto_wrap_policy=policy,
                            process_group_backend="gloo")
 
 
@@ -242,10 +218,13 @@ def job_oracle_busy(world: int, out: str, stop: str, beat: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     fabric = _fabric("fsdp", world)
     results = {}
     for case in CASES:
         model = fabric.setup_module(build_model())
+        assert len(FSDP.fsdp_modules(model)) == 2, "the root and its block wrapped, as the fixtures were"
         opt = fabric.setup_optimizers(make_optim(model))
         state = {"model": model, "optimizer": opt}
         try:
@@ -449,6 +428,16 @@ def _fabric_oracle(world4: Any, case: str) -> Dict[str, Any]:
     return o
 
 
+def _check_result(r: Dict[str, Any], world4: Any, case: str, what: str) -> None:
+    """One job's load of ``case``: tensors byte-equal to the oracle, the checkpoint's
+    param_groups, and the remainder fabric.load returns at 4."""
+    _check_tensors(r["tensors"], case, what)
+    _check_groups(r["param_groups"], what)
+    # "step" was asked for (in state): fabric.load at 4 was not asked, so returned it
+    assert r["step"] == 1, what
+    assert {**r["remainder"], "step": r["step"]} == _fabric_oracle(world4, case)["remainder"], what
+
+
 def test_fabric_load_oracle_matches_fixture(world4: Any) -> None:
     """The oracle itself: fabric.load at world 4 gives the fixture's full tensors."""
     for case in CASES:
@@ -469,12 +458,7 @@ def test_load_at_any_world(world4: Any, tmp_path: Path, strategy: str, world: in
     with open(out, "rb") as f:
         res = pickle.load(f)
     for case in CASES:
-        r = res[case]
-        _check_tensors(r["tensors"], case, f"{strategy} at {world}, {case}")
-        _check_groups(r["param_groups"], f"{strategy} at {world}, {case}")
-        # "step" was asked for (in state): fabric.load at 4 was not asked, so returned it
-        assert r["step"] == 1
-        assert {**r["remainder"], "step": r["step"]} == _fabric_oracle(world4, case)["remainder"]
+        _check_result(res[case], world4, case, f"{strategy} at {world}, {case}")
 
 
 def test_single_process_while_job_is_busy(world4: Any, tmp_path: Path) -> None:
@@ -508,11 +492,7 @@ def test_single_process_while_job_is_busy(world4: Any, tmp_path: Path) -> None:
     assert res["process_group"] is False
     for case in CASES:
         r = res[case]
-        _check_tensors(r["tensors"], case, f"single process, {case}")
-        _check_groups(r["param_groups"], f"single process, {case}")
-        # "step" was asked for (in state): fabric.load at 4 was not asked, so returned it
-        assert r["step"] == 1
-        assert {**r["remainder"], "step": r["step"]} == _fabric_oracle(world4, case)["remainder"]
+        _check_result(r, world4, case, f"single process, {case}")
         want = {k: v for k, v in _oracle(case).items() if k.startswith("model.")}
         assert sorted(r["plain"]) == sorted(want)
         assert all(_bytes_equal(r["plain"][k], want[k]) for k in want)
