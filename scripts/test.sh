@@ -45,7 +45,13 @@ if [ "$python" = 1 ]; then
   py="$(cd "$venv" && pwd -P)/bin/python"
   echo "== Python: pip install ./python (maturin builds the native module in release mode)"
   start=$(date +%s)
-  "$py" -m pip install --disable-pip-version-check -q --no-deps --force-reinstall ./python
+  # One wheel, built once: installed here, and into venvs of the other CPython versions
+  # found on the machine by python/tests/test_abi3.py (RESHARD_WHEEL).
+  rm -rf target/wheels/test && mkdir -p target/wheels/test
+  "$py" -m pip wheel --disable-pip-version-check -q --no-deps -w target/wheels/test ./python
+  wheel="$(ls target/wheels/test/reshard-*.whl)"
+  "$py" -m pip install --disable-pip-version-check -q --no-deps --force-reinstall "$wheel"
+  export RESHARD_WHEEL="$PWD/$wheel"
   echo "   built and installed in $(( $(date +%s) - start )) s"
   echo "== Python: pytest python/tests"
   # From the repository's root, so that `import reshard` is the installed package, not the

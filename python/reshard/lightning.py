@@ -98,8 +98,6 @@ def _load_optimizer_by_index(
 ) -> None:
     """Load an optimizer state keyed by parameter index into ``optimizer`` through its
     name-keyed state dict (``get_optimizer_state_dict``), so that any sharding works."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
     names = {id(p): _clean_fqn(n) for n, p in module.named_parameters(remove_duplicate=False)}
     index: Dict[int, str] = {}
     i = 0
@@ -125,10 +123,8 @@ def _load_optimizer_by_index(
             return None  # indices here, names in the target: the target's own are kept
         return ".".join(str(p) for p in rest)
 
-    osd = get_optimizer_state_dict(module, optimizer)
-    res = _rt.load(osd, ck, strict=False, rename=rename)
+    res = _rt._load_optimizer_state(module, optimizer, ck, False, rename)
     missing = [k for k in res.missing_keys if not (k.startswith("param_groups.") and k.endswith(".params"))]
-    set_optimizer_state_dict(module, optimizer, osd)
     _finish_optimizer(optimizer, ck, prefix, _rt.LoadResult(missing, res.unexpected_keys), strict)
 
 

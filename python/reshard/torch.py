@@ -16,6 +16,7 @@ holds, whatever the other ranks do. The shard each rank holds is computed by the
 library from the tensor's mesh coordinate and placements.
 """
 
+import inspect
 from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -338,6 +339,123 @@ def load_model(
     return res
 
 
+# Distinct sizes per dimension, so that a probe's state tensor shaped like its parameter is
+# told apart from any other shape.
+_PROBE_SHAPE = (2, 3, 5, 7, 11, 13, 17, 19)
+
+
+def _probe_state(cls: type, hyper: Dict[str, Any], ndim: int, dtype: torch.dtype, device: torch.device) -> Optional[Dict[str, Tuple[str, torch.dtype, torch.device]]]:
+    """The state an optimizer of class ``cls`` with ``hyper`` makes for a parameter of
+    ``ndim`` dimensions at its first step (taken as torch's ``_init_optim_state`` takes it:
+    zero gradient, lr 0, on a small probe): per key, "param" (shaped like the parameter) or
+    "scalar", with dtype and device. None where that is not all it holds."""
+    if ndim == 0 or ndim > len(_PROBE_SHAPE):
+        return None
+    shape = _PROBE_SHAPE[:ndim]
+    try:
+        p = torch.zeros(shape, dtype=dtype, device=device, requires_grad=True)
+        p.grad = torch.zeros_like(p)
+        opt = cls([p], **hyper)
+        for g in opt.param_groups:
+            if "lr" in g:
+                g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+        opt.step()
+        state = opt.state.get(p, {})
+    except Exception:
+        return None
+    proto = {}
+    for k, v in state.items():
+        if not isinstance(v, torch.Tensor):
+            return None
+        if tuple(v.shape) == shape:
+            proto[k] = ("param", v.dtype, v.device)
+        elif v.dim() == 0:
+            proto[k] = ("scalar", v.dtype, v.device)
+        else:
+            return None
+    return proto or None
+
+
+def _make_optimizer_state(optimizer: torch.optim.Optimizer) -> Optional[List[torch.Tensor]]:
+    """Give a fresh ``optimizer`` (no state, no gradients) the state tensors its first step
+    would make, allocated but not written (``torch.empty``, DTensors like their parameters),
+    for the checkpoint's values to be read into. Without this,
+    ``get_optimizer_state_dict`` makes them by a step with zero gradients: a gradient per
+    parameter held at once, and the step's arithmetic over every element. Returns the
+    parameters given state (to undo on error), or None when nothing was done: the optimizer
+    has state or gradients already, or its state is not only parameter-shaped and scalar
+    tensors (then torch's own way runs)."""
+    if optimizer.state:
+        return None
+    groups = optimizer.param_groups
+    if any(p.grad is not None for g in groups for p in g["params"]):
+        return None
+    cls = type(optimizer)
+    try:
+        sig = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return None
+    anykw = any(a.kind is inspect.Parameter.VAR_KEYWORD for a in sig.values())
+    plan = []
+    for g in groups:
+        hyper = {k: g[k] for k in optimizer.defaults if k in g and (anykw or k in sig) and k != "params"}
+        probes: Dict[Any, Any] = {}
+        for p in g["params"]:
+            if not p.requires_grad:
+                continue
+            local = p.to_local() if hasattr(p, "to_local") else p
+            key = (p.dim(), local.dtype, local.device)
+            if key not in probes:
+                probes[key] = _probe_state(cls, hyper, *key)
+            if probes[key] is None:
+                return None
+            plan.append((p, probes[key]))
+    if not plan:
+        return None
+    for p, proto in plan:
+        optimizer.state[p] = {
+            k: torch.empty_like(p, dtype=dt) if kind == "param" else torch.empty((), dtype=dt, device=dev)
+            for k, (kind, dt, dev) in proto.items()
+        }
+    return [p for p, _ in plan]
+
+
+def _load_optimizer_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ck: Checkpoint,
+    strict: bool,
+    rename: Any,
+) -> LoadResult:
+    """``get_optimizer_state_dict``, :func:`load` into it, ``set_optimizer_state_dict``; a
+    fresh optimizer's state made first by :func:`_make_optimizer_state`. State made so and
+    not in the checkpoint (``strict=False``) is zeroed, as a fresh optimizer's is; on error
+    the made state is removed again."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    made = _make_optimizer_state(optimizer)
+    try:
+        fresh = {id(t) for p in made or () for t in optimizer.state[p].values()}
+        osd = get_optimizer_state_dict(model, optimizer)
+        res = load(osd, ck, strict=strict, rename=rename)
+        if fresh and res.missing_keys:
+            leaves: List[_Leaf] = []
+            _walk(osd, (), leaves, {}, None, None)
+            missing = set(res.missing_keys)
+            for leaf in leaves:
+                if id(leaf.value) in fresh and _flat(leaf.path) in missing:
+                    leaf.value.zero_()
+        set_optimizer_state_dict(model, optimizer, osd)
+    except BaseException:
+        for p in made or ():
+            optimizer.state.pop(p, None)
+        raise
+    return res
+
+
 def load_optimizer(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -349,16 +467,15 @@ def load_optimizer(
     """Load an optimizer's state (moments, steps, ``param_groups``) for ``model`` from the
     checkpoint at ``path``, whatever the world size it was saved at, through
     ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (state keyed by parameter
-    names, as DCP checkpoints of FSDP2, FSDP1 and Fabric hold it)."""
-    from torch.distributed.checkpoint.state_dict import (
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
+    names, as DCP checkpoints of FSDP2, FSDP1 and Fabric hold it).
 
-    osd = get_optimizer_state_dict(model, optimizer)
-    res = load(osd, path, strict=strict, rename=_prefixed(prefix))
-    set_optimizer_state_dict(model, optimizer, osd)
-    return res
+    A fresh optimizer (no state yet) gets its state tensors allocated and read straight
+    from the checkpoint, not made by a step with zero gradients as
+    ``get_optimizer_state_dict`` would make them (which holds a gradient for every
+    parameter at once), wherever the optimizer's state is parameter-shaped and scalar
+    tensors (Adam, AdamW, SGD with momentum, ...); otherwise torch's way is used. With
+    ``strict=False``, state the checkpoint lacks starts at zero."""
+    return _load_optimizer_state(model, optimizer, _checkpoint(path), strict, _prefixed(prefix))
 
 
 from ._reader import StorageReader  # noqa: E402

@@ -199,9 +199,26 @@ def _init_optimizer_state(model, opt) -> None:
     get_optimizer_state_dict(model, opt)
 
 
-def load_and_check(case: str, world: int, kind: str) -> str:
+def _no_step(*args, **kwargs):
+    raise AssertionError("the optimizer stepped: load_optimizer was to make a fresh optimizer's state without a step")
+
+
+def prepare(model, opt, fresh: bool) -> None:
+    """Scribble over the model. ``fresh``: leave the optimizer without state and forbid it
+    to step (load_optimizer makes the state itself, reading into it); otherwise make its
+    state now and scribble over that too."""
+    if fresh:
+        assert not opt.state
+        opt.step = _no_step
+    else:
+        _init_optimizer_state(model, opt)
+    scribble_all(model, None if fresh else opt)
+
+
+def load_and_check(case: str, world: int, kind: str, fresh: bool) -> str:
     """Load fixture ``case`` into a fresh model of ``kind`` (fsdp2, fsdp1) at ``world`` ranks
-    through load_model + load_optimizer, and compare with the oracle."""
+    through load_model + load_optimizer (its optimizer without state when ``fresh``), and
+    compare with the oracle."""
     dtype, hidden, tied = case_model_args(case)
     if kind == "fsdp2":
         model, opt, _ = build_fsdp2(world, dtype, hidden, tied)
@@ -211,8 +228,7 @@ def load_and_check(case: str, world: int, kind: str) -> str:
         # saved without a scheduler: the target's StepLR entry has no value to get
         for grp in opt.param_groups:
             grp.pop("initial_lr", None)
-    _init_optimizer_state(model, opt)
-    scribble_all(model, opt)
+    prepare(model, opt, fresh)
     ck = FIX / case / "checkpoint"
     r1 = rt.load_model(model, ck)
     r2 = rt.load_optimizer(model, opt, ck)
@@ -220,7 +236,7 @@ def load_and_check(case: str, world: int, kind: str) -> str:
     if kind == "fsdp2":
         assert _is_dtensor(model.embed.weight)
     n = check_against_oracle(case, model, opt, fsdp1=(kind == "fsdp1"))
-    return f"{case}:{kind}:{n}"
+    return f"{case}:{kind}{':fresh' if fresh else ''}:{n}"
 
 
 def load_2d_and_check(case: str, world: int) -> str:
@@ -231,8 +247,7 @@ def load_2d_and_check(case: str, world: int) -> str:
     mesh, model, opt = build_2d(world)
     strided = [n for n, p in model.named_parameters() if any(type(x).__name__ == "_StridedShard" for x in p.placements)]
     assert strided, "the 2-D model has no _StridedShard parameter"
-    _init_optimizer_state(model, opt)
-    scribble_all(model, opt)
+    prepare(model, opt, fresh=True)
     ck = FIX / case / "checkpoint"
     assert rt.load_model(model, ck) == ([], [])
     assert rt.load_optimizer(model, opt, ck) == ([], [])
@@ -285,10 +300,11 @@ def load_sharded_tensors_and_check(case: str, world: int) -> str:
 def job_fixtures(rank: int, world: int, plan: list) -> list:
     """Run ``plan`` ([(case, kind)]) in every rank of a gloo job."""
     out = []
-    for case, kind in plan:
+    for i, (case, kind) in enumerate(plan):
         t0 = time.monotonic()
         if kind in ("fsdp2", "fsdp1"):
-            what = load_and_check(case, world, kind)
+            # half the cases (FSDP1 at 2) into a fresh optimizer, half into one with state
+            what = load_and_check(case, world, kind, fresh=(world + i) % 2 == 1)
         elif kind == "2d":
             what = load_2d_and_check(case, world)
         elif kind == "sharded":
@@ -324,8 +340,9 @@ def test_matrix_covers_every_dcp_fixture():
 @pytest.mark.parametrize("world", sorted(MATRIX))
 def test_fixtures_into_models(world):
     """Each fixture of the row into a fresh FSDP2 / FSDP1 / 2-D model at ``world`` gloo
-    processes through load_model + load_optimizer: every parameter's and optimizer state's
-    full tensor equals the oracle byte for byte, on every rank."""
+    processes through load_model + load_optimizer (into optimizers with and without state):
+    every parameter's and optimizer state's full tensor equals the oracle byte for byte, on
+    every rank."""
     results = _dist.run(world, job_fixtures, MATRIX[world], timeout=180)
     assert all(len(r) == len(MATRIX[world]) for r in results)
     print(f"\nworld {world}: " + "; ".join(results[0]))
@@ -508,6 +525,86 @@ def test_plain_tensors_without_a_process_group(tmp_path):
     assert rt.load(hf, FIX / "hf_storage_w4_f32" / "checkpoint") == ([], [])
     assert all(same(hf[k], hf_want[k]) for k in hf_want)
     assert not dist.is_initialized()
+
+
+def _trained_optimizer(cls, **kw):
+    """A small plain model and an optimizer ``cls`` after two steps, and their state saved
+    as one torch.save file in the trainers' layout ({"model": ..., "optimizer": ...})."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+    opt = cls(model.parameters(), **kw)
+    for _ in range(2):
+        model(torch.randn(4, 6)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, opt, {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
+
+
+def _fresh_like(cls, **kw):
+    torch.manual_seed(6)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+    return model, cls(model.parameters(), **kw)
+
+
+def _opt_state(opt) -> dict:
+    return {f"{i}.{k}": v for i, st in enumerate(opt.state.values()) for k, v in st.items()}
+
+
+@pytest.mark.parametrize("cls,kw,made", [
+    (torch.optim.AdamW, dict(lr=0.1, weight_decay=0.3), {"step", "exp_avg", "exp_avg_sq"}),
+    (torch.optim.Adam, dict(lr=0.1, amsgrad=True, weight_decay=0.1), {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}),
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9), {"momentum_buffer"}),
+    (torch.optim.Adafactor, dict(lr=0.1), None),  # row/column factors: not parameter-shaped
+])
+def test_fresh_optimizer_state(tmp_path, cls, kw, made):
+    """load_optimizer into an optimizer without state: made without a step where the state
+    is parameter-shaped and scalar tensors (else torch's own way), equal to the saved state
+    byte for byte, dtypes included; a failing load leaves it without state; with
+    strict=False, state the checkpoint lacks is zero."""
+    _src_model, src_opt, saved = _trained_optimizer(cls, **kw)
+    path = tmp_path / "ckpt.pt"
+    torch.save(saved, path)
+    want = _opt_state(src_opt)
+
+    model, opt = _fresh_like(cls, **kw)
+    got = rt._make_optimizer_state(opt)
+    if made is None:
+        assert got is None and not opt.state
+    else:
+        assert len(got) == 6 and all(set(st) == made for st in opt.state.values())
+        opt.state.clear()
+        opt.step = _no_step
+    assert rt.load_model(model, path) == ([], [])
+    assert rt.load_optimizer(model, opt, path) == ([], [])
+    have = _opt_state(opt)
+    assert sorted(have) == sorted(want)
+    assert all(same(have[k], want[k]) for k in want), [k for k in want if not same(have[k], want[k])]
+    assert opt.param_groups[0]["lr"] == 0.1
+
+    if made is None:
+        return
+    model, opt = _fresh_like(cls, **kw)
+    with pytest.raises(reshard.RequestError, match="not in it"):
+        rt.load_optimizer(model, opt, path, prefix="optim.")
+    assert not opt.state, "a failed load left state in the optimizer"
+
+    key = sorted(made - {"step"})[0]
+    state = {n: dict(st) for n, st in saved["optimizer"]["state"].items()}
+    del state["0.weight"][key]
+    if not state["0.weight"]:
+        del state["0.weight"]  # an empty dict would be stored as a value, replacing the state
+    part = {"model": saved["model"], "optimizer": {"state": state, "param_groups": saved["optimizer"]["param_groups"]}}
+    torch.save(part, tmp_path / "part.pt")
+    model, opt = _fresh_like(cls, **kw)
+    opt.step = _no_step
+    res = rt.load_optimizer(model, opt, tmp_path / "part.pt", strict=False)
+    assert res.missing_keys == [f"state.0.weight.{key}"]
+    first = opt.state[model[0].weight]
+    assert torch.count_nonzero(first[key]) == 0 and first[key].shape == model[0].weight.shape
+    have = _opt_state(opt)
+    assert all(same(have[k], want[k]) for k in want if k != f"0.{key}")
 
 
 def test_strided_and_cast_destinations():

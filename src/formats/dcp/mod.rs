@@ -100,6 +100,14 @@ impl Source {
         self.map.as_deref().unwrap_or_default()
     }
 
+    /// Drop the pages of `length` bytes at `offset` from this process's resident set
+    /// (they stay in the page cache; a later read faults them in again).
+    fn release(&self, offset: u64, length: u64) {
+        if let Some(m) = &self.map {
+            crate::sys::release(m, offset, offset.saturating_add(length));
+        }
+    }
+
     /// `length` bytes at `offset` (callers checked the range against `len`).
     fn slice(&self, offset: u64, length: u64) -> &[u8] {
         let (Ok(a), Ok(n)) = (usize::try_from(offset), usize::try_from(length)) else {
@@ -337,7 +345,15 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
     let got: Vec<Result<Got>> = works
         .par_iter()
         .zip(blob_of.par_iter())
-        .map(|(w, &blob)| read_item(w, blob, &meta, &sources, &blobs))
+        .map(|(w, &blob)| {
+            let got = read_item(w, blob, &meta, &sources, &blobs);
+            // Parsing touched the item's headers (and the page cache may map them as
+            // large folios): drop those pages from this process's resident set, so that
+            // opening a checkpoint does not hold its data files resident.
+            sources[w.file].release(w.offset, w.length);
+            sources[w.at.0].release(w.at.1, w.at.2);
+            got
+        })
         .collect();
     let got: Vec<Got> = got.into_iter().collect::<Result<_>>()?;
     let (tensors, mut extras, checksums) = assemble(&meta, &meta_paths, got)?;
@@ -490,6 +506,8 @@ fn parse_blobs(works: &[Work], sources: &[Source]) -> Result<(Blobs, Vec<bool>)>
                 v.insert(parse_blob(&sources[w.file], w.offset)?);
             }
         }
+        // Looking at the item's first bytes mapped them (see `read`).
+        sources[w.file].release(w.offset, w.length);
     }
     Ok((blobs, blob_of))
 }
