@@ -420,6 +420,14 @@ def _make_optimizer_state(optimizer: torch.optim.Optimizer) -> Optional[List[tor
     return [p for p, _ in plan]
 
 
+def _has_fsdp1(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return False
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
 def _load_optimizer_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -436,7 +444,9 @@ def _load_optimizer_state(
         set_optimizer_state_dict,
     )
 
-    made = _make_optimizer_state(optimizer)
+    # FSDP1 computes over the state while building its state dict (steps compared across
+    # ranks, moments gathered), so its state must hold values: torch's way there.
+    made = None if _has_fsdp1(model) else _make_optimizer_state(optimizer)
     try:
         fresh = {id(t) for p in made or () for t in optimizer.state[p].values()}
         osd = get_optimizer_state_dict(model, optimizer)
@@ -473,7 +483,8 @@ def load_optimizer(
     from the checkpoint, not made by a step with zero gradients as
     ``get_optimizer_state_dict`` would make them (which holds a gradient for every
     parameter at once), wherever the optimizer's state is parameter-shaped and scalar
-    tensors (Adam, AdamW, SGD with momentum, ...); otherwise torch's way is used. With
+    tensors (Adam, AdamW, SGD with momentum, ...) and the model is not FSDP1; otherwise
+    torch's way is used. With
     ``strict=False``, state the checkpoint lacks starts at zero."""
     return _load_optimizer_state(model, optimizer, _checkpoint(path), strict, _prefixed(prefix))
 

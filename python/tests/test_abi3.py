@@ -27,7 +27,12 @@ import reshard
 assert "torch" not in sys.modules
 src, out = sys.argv[1], sys.argv[2]
 with reshard.open(src, framework="numpy") as ck:
-    sums = {t.name: hashlib.sha256(ck.get_tensor(t.name).tobytes()).hexdigest() for t in ck.tensors()}
+    sums = {}
+    for t in ck.tensors():
+        try:
+            sums[t.name] = hashlib.sha256(ck.get_tensor(t.name).tobytes()).hexdigest()
+        except reshard.RequestError as e:  # bf16 / fp8: no numpy dtype
+            assert "has no numpy dtype" in str(e), e
     world = ck.world_size
 reshard.convert(src, out, world_size=1, include=["model.*"])
 v = reshard.verify(out)
@@ -65,8 +70,11 @@ def test_one_wheel_on_other_pythons(tmp_path):
     exes = _interpreters()
     if not exes:
         pytest.skip("no other CPython >= 3.10 on this machine")
-    want = {k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-            for k, v in load_file(str(CASE / "oracle" / "full.safetensors")).items()}
+    # numpy has no bf16 / fp8 dtypes: those tensors are not read there
+    want = {k: hashlib.sha256(v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            for k, v in load_file(str(CASE / "oracle" / "full.safetensors")).items()
+            if v.dtype != torch.bfloat16 and not str(v.dtype).startswith("torch.float8")}
+    assert len(want) > 20
     seen = []
     for i, exe in enumerate(exes):
         venv = tmp_path / f"venv{i}"

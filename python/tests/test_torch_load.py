@@ -303,8 +303,9 @@ def job_fixtures(rank: int, world: int, plan: list) -> list:
     for i, (case, kind) in enumerate(plan):
         t0 = time.monotonic()
         if kind in ("fsdp2", "fsdp1"):
-            # half the cases (FSDP1 at 2) into a fresh optimizer, half into one with state
-            what = load_and_check(case, world, kind, fresh=(world + i) % 2 == 1)
+            # half the FSDP2 cases into a fresh optimizer, half into one with state (FSDP1
+            # makes a fresh optimizer's state by torch's zero-gradient step)
+            what = load_and_check(case, world, kind, fresh=kind == "fsdp2" and (world + i) % 2 == 1)
         elif kind == "2d":
             what = load_2d_and_check(case, world)
         elif kind == "sharded":
