@@ -27,7 +27,8 @@ barrier to its return on that rank:
   ``dcp.load``'s reading costs apart from torch's way of making the state.
 
 All allocate the optimizer moments inside the timed part: reshard and dcp-prealloc
-uninitialised, dcp by ``get_optimizer_state_dict``'s step with zero gradients. Memory per rank: peak = VmHWM after the timed part; delta = peak - baseline VmRSS (what
+uninitialised, dcp by ``get_optimizer_state_dict``'s step with zero gradients. Memory per
+rank: peak = VmHWM after the timed part; delta = peak - baseline VmRSS (what
 the load added: the rank's share of the checkpoint, which it must hold, plus overhead). The
 rank's share is the bytes of the local shards in the loaded model and optimizer state dicts.
 A run reports its slowest rank's time and the largest per-rank peak and delta.
@@ -400,29 +401,27 @@ def main() -> None:
     print()
 
     pr = a.rounds if a.pt_rounds is None else a.pt_rounds
-    if pr == 0:
-        print(f"\n<!-- total {time.perf_counter() - t_all:.0f} s of timed rounds -->")
-        return
-    pl = ["reshard", "reshard-pt", "torch.load", "torch.load-mmap"]
-    pruns: dict = {}
-    for rnd in range(pr):
-        for loader in (pl if rnd % 2 == 0 else pl[::-1]):
-            res = launch(1, ["--task", "load", "--mode", "plain", "--loader", loader, "--pt", str(pt), *common], tmp)
-            pruns.setdefault(loader, []).append(res[0])
-    label = {
-        "reshard": "`reshard.torch.load_model(model, dcp_ckpt)`",
-        "reshard-pt": "`reshard.torch.load_model(model, pt, prefix=\"\")`",
-        "torch.load": "`model.load_state_dict(torch.load(pt, weights_only=True))`",
-        "torch.load-mmap": "`model.load_state_dict(torch.load(pt, weights_only=True, mmap=True))`",
-    }
-    print("| M = 1, plain module, weights only | median (s) | rounds (s) | peak VmHWM (MiB) | delta over baseline (MiB) | share (MiB) |")
-    print("|---|---|---|---|---|---|")
-    for loader in pl:
-        rs = pruns[loader]
-        times = [r["time"] for r in rs]
-        print(f"| {label[loader]} | {statistics.median(times):.3f} | {' '.join(f'{x:.2f}' for x in times)} | "
-              f"{mib(statistics.median(r['peak'] for r in rs))} | {mib(statistics.median(r['delta'] for r in rs))} | "
-              f"{mib(rs[0]['share'])} |")
+    if pr:
+        pl = ["reshard", "reshard-pt", "torch.load", "torch.load-mmap"]
+        pruns: dict = {}
+        for rnd in range(pr):
+            for loader in (pl if rnd % 2 == 0 else pl[::-1]):
+                res = launch(1, ["--task", "load", "--mode", "plain", "--loader", loader, "--pt", str(pt), *common], tmp)
+                pruns.setdefault(loader, []).append(res[0])
+        label = {
+            "reshard": "`reshard.torch.load_model(model, dcp_ckpt)`",
+            "reshard-pt": "`reshard.torch.load_model(model, pt, prefix=\"\")`",
+            "torch.load": "`model.load_state_dict(torch.load(pt, weights_only=True))`",
+            "torch.load-mmap": "`model.load_state_dict(torch.load(pt, weights_only=True, mmap=True))`",
+        }
+        print("| M = 1, plain module, weights only | median (s) | rounds (s) | peak VmHWM (MiB) | delta over baseline (MiB) | share (MiB) |")
+        print("|---|---|---|---|---|---|")
+        for loader in pl:
+            rs = pruns[loader]
+            times = [r["time"] for r in rs]
+            print(f"| {label[loader]} | {statistics.median(times):.3f} | {' '.join(f'{x:.2f}' for x in times)} | "
+                  f"{mib(statistics.median(r['peak'] for r in rs))} | {mib(statistics.median(r['delta'] for r in rs))} | "
+                  f"{mib(rs[0]['share'])} |")
     print(f"\n<!-- total {time.perf_counter() - t_all:.0f} s of timed rounds -->")
 
 

@@ -449,9 +449,7 @@ def job_dtensor2d(rank, world, spec, stage, scale):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor, Shard, Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     hidden = 14  # 13 cannot be split colwise->rowwise over tp=2 (DTensor sharding propagation)

@@ -41,12 +41,6 @@ def _strategy_kind(fabric: Any) -> str:
     return "single"
 
 
-def _has_fsdp_modules(obj: Any) -> bool:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return isinstance(obj, torch.nn.Module) and any(isinstance(m, FullyShardedDataParallel) for m in obj.modules())
-
-
 def _has_dtensor_modules(obj: Any) -> bool:
     return isinstance(obj, torch.nn.Module) and any(_rt._is_dtensor(p) for p in obj.parameters())
 
@@ -205,7 +199,7 @@ def load(fabric: Any, path: Union[str, "os.PathLike[str]"], state: Optional[Dict
 
 def _load_dict(path: Path, state: Dict[str, Any], strict: bool, kind: str) -> Dict[str, Any]:
     if kind == "fsdp":
-        modules = {k: v for k, v in state.items() if _has_fsdp_modules(v)}
+        modules = {k: v for k, v in state.items() if _rt._has_fsdp1(v)}
     elif kind == "model_parallel":
         modules = {k: v for k, v in state.items() if _has_dtensor_modules(v)}
     else:

@@ -398,12 +398,12 @@ def _make_optimizer_state(optimizer: torch.optim.Optimizer) -> Optional[List[tor
     anykw = any(a.kind is inspect.Parameter.VAR_KEYWORD for a in sig.values())
     plan = []
     for g in groups:
-        hyper = {k: g[k] for k in optimizer.defaults if k in g and (anykw or k in sig) and k != "params"}
+        hyper = {k: g[k] for k in optimizer.defaults if k in g and (anykw or k in sig)}
         probes: Dict[Any, Any] = {}
         for p in g["params"]:
             if not p.requires_grad:
                 continue
-            local = p.to_local() if hasattr(p, "to_local") else p
+            local = p.to_local() if _is_dtensor(p) else p
             key = (p.dim(), local.dtype, local.device)
             if key not in probes:
                 probes[key] = _probe_state(cls, hyper, *key)
@@ -420,12 +420,11 @@ def _make_optimizer_state(optimizer: torch.optim.Optimizer) -> Optional[List[tor
     return [p for p, _ in plan]
 
 
-def _has_fsdp1(model: torch.nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:
-        return False
-    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+def _has_fsdp1(obj: Any) -> bool:
+    """Whether ``obj`` is a module with FSDP1 (``FullyShardedDataParallel``) in it."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return isinstance(obj, torch.nn.Module) and any(isinstance(m, FullyShardedDataParallel) for m in obj.modules())
 
 
 def _load_optimizer_state(
@@ -484,8 +483,7 @@ def load_optimizer(
     ``get_optimizer_state_dict`` would make them (which holds a gradient for every
     parameter at once), wherever the optimizer's state is parameter-shaped and scalar
     tensors (Adam, AdamW, SGD with momentum, ...) and the model is not FSDP1; otherwise
-    torch's way is used. With
-    ``strict=False``, state the checkpoint lacks starts at zero."""
+    torch's way is used. With ``strict=False``, state the checkpoint lacks starts at zero."""
     return _load_optimizer_state(model, optimizer, _checkpoint(path), strict, _prefixed(prefix))
 
 

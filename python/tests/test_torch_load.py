@@ -528,24 +528,27 @@ def test_plain_tensors_without_a_process_group(tmp_path):
     assert not dist.is_initialized()
 
 
+def _small_model(seed: int):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+
+
 def _trained_optimizer(cls, **kw):
-    """A small plain model and an optimizer ``cls`` after two steps, and their state saved
-    as one torch.save file in the trainers' layout ({"model": ..., "optimizer": ...})."""
+    """An optimizer ``cls`` after two steps on a small plain model, and the state to save in
+    the trainers' layout ({"model": ..., "optimizer": ...}, names as keys)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    torch.manual_seed(5)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+    model = _small_model(5)
     opt = cls(model.parameters(), **kw)
     for _ in range(2):
         model(torch.randn(4, 6)).square().mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return model, opt, {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
+    return opt, {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
 
 
 def _fresh_like(cls, **kw):
-    torch.manual_seed(6)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+    model = _small_model(6)
     return model, cls(model.parameters(), **kw)
 
 
@@ -564,7 +567,7 @@ def test_fresh_optimizer_state(tmp_path, cls, kw, made):
     is parameter-shaped and scalar tensors (else torch's own way), equal to the saved state
     byte for byte, dtypes included; a failing load leaves it without state; with
     strict=False, state the checkpoint lacks is zero."""
-    _src_model, src_opt, saved = _trained_optimizer(cls, **kw)
+    src_opt, saved = _trained_optimizer(cls, **kw)
     path = tmp_path / "ckpt.pt"
     torch.save(saved, path)
     want = _opt_state(src_opt)

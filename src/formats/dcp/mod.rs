@@ -349,8 +349,8 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             let got = read_item(w, blob, &meta, &sources, &blobs);
             // Parsing touched the item's headers (and the page cache may map them as
             // large folios): drop those pages from this process's resident set, so that
-            // opening a checkpoint does not hold its data files resident.
-            sources[w.file].release(w.offset, w.length);
+            // opening a checkpoint does not hold its data files resident. (The stored
+            // range, where it differs, was released by `parse_blobs`.)
             sources[w.at.0].release(w.at.1, w.at.2);
             got
         })
@@ -506,7 +506,8 @@ fn parse_blobs(works: &[Work], sources: &[Source]) -> Result<(Blobs, Vec<bool>)>
                 v.insert(parse_blob(&sources[w.file], w.offset)?);
             }
         }
-        // Looking at the item's first bytes mapped them (see `read`).
+        // Looking at the item's first bytes (and decoding it, when zstd-compressed)
+        // mapped its pages (see `read`).
         sources[w.file].release(w.offset, w.length);
     }
     Ok((blobs, blob_of))
