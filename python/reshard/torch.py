@@ -309,6 +309,19 @@ def _few(names: List[str], n: int = 5) -> str:
     return shown + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
+def _state_dict_api(what: str) -> Any:
+    """``torch.distributed.checkpoint.state_dict`` (torch >= 2.2), or a RequestError saying
+    what to use instead."""
+    try:
+        import torch.distributed.checkpoint.state_dict as sdapi
+    except ImportError:
+        raise RequestError(
+            f"{what} needs torch >= 2.2 (torch.distributed.checkpoint.state_dict), this is torch "
+            f"{torch.__version__}; reshard.torch.load fills a state dict with any torch"
+        ) from None
+    return sdapi
+
+
 def _prefixed(prefix: str) -> Callable[[str], Optional[str]]:
     return lambda n: n[len(prefix):] if n.startswith(prefix) else None
 
@@ -327,10 +340,11 @@ def load_model(
     :func:`load` from the checkpoint entries named ``prefix`` + key, then set back with
     ``set_model_state_dict``. ``prefix`` defaults to what Fabric and most trainers write
     (``{"model": ...}``); pass ``""`` for a bare model state dict."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_model_state_dict,
+    sdapi = _state_dict_api("load_model")
+    StateDictOptions, get_model_state_dict, set_model_state_dict = (
+        sdapi.StateDictOptions,
+        sdapi.get_model_state_dict,
+        sdapi.set_model_state_dict,
     )
 
     sd = get_model_state_dict(model)
@@ -438,10 +452,8 @@ def _load_optimizer_state(
     fresh optimizer's state made first by :func:`_make_optimizer_state`. State made so and
     not in the checkpoint (``strict=False``) is zeroed, as a fresh optimizer's is; on error
     the made state is removed again."""
-    from torch.distributed.checkpoint.state_dict import (
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
+    sdapi = _state_dict_api("load_optimizer")
+    get_optimizer_state_dict, set_optimizer_state_dict = sdapi.get_optimizer_state_dict, sdapi.set_optimizer_state_dict
 
     # FSDP1 computes over the state while building its state dict (steps compared across
     # ranks, moments gathered), so its state must hold values: torch's way there.
