@@ -712,3 +712,17 @@ def test_bad_inputs(tmp_path):
     with pytest.raises(reshard.RequestError, match="meta device"):
         rt.load({"model.head.bias": torch.empty(5, device="meta")}, good, strict=False)
     assert issubclass(reshard.RequestError, reshard.ReshardError)
+
+
+def test_state_dict_api_needed(monkeypatch):
+    """Without torch.distributed.checkpoint.state_dict (torch 2.1), load_model and
+    load_optimizer raise RequestError saying what they need; load works on."""
+    monkeypatch.setitem(sys.modules, "torch.distributed.checkpoint.state_dict", None)
+    model = torch.nn.Linear(2, 2)
+    ck = FIX / "fsdp2_w4_f32" / "checkpoint"
+    for call in (lambda: rt.load_model(model, ck), lambda: rt.load_optimizer(model, torch.optim.SGD(model.parameters()), ck)):
+        with pytest.raises(reshard.RequestError, match=r"needs torch >= 2.2") as e:
+            call()
+        assert "\n" not in str(e.value)
+    w = {"model.head.bias": torch.empty(5)}
+    assert rt.load(w, ck, strict=False).missing_keys == []
