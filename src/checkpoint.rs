@@ -103,7 +103,7 @@ pub struct RecordCrc {
     /// The recorded CRC-32.
     pub crc: u32,
     /// What the range holds, for messages (`record archive/data/3`, `tensor w`).
-    pub what: String,
+    pub what: std::sync::Arc<str>,
     /// The file to name in messages when it is not `file` (the `.distcp` file a
     /// zstd-compressed item came from, whose decoded bytes `file` holds).
     pub shown: Option<u32>,

@@ -146,7 +146,7 @@ fn check(ck: &Checkpoint, records: &[&RecordCrc]) -> Result<Report> {
             let shown = &ck.files[r.shown.unwrap_or(r.file) as usize];
             Ok((actual != r.crc).then(|| Mismatch {
                 file: shown.clone(),
-                what: r.what.clone(),
+                what: r.what.to_string(),
                 range: (r.offset, r.offset + r.len),
                 recorded: r.crc,
                 actual,

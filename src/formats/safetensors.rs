@@ -286,7 +286,7 @@ pub fn recorded_crcs(
                 offset: t.offset,
                 len: Region::full(&t.shape).volume() * t.dtype.size() as u64,
                 crc,
-                what: format!("tensor `{}`", t.name),
+                what: format!("tensor `{}`", t.name).into(),
                 shown: None,
             })
         })

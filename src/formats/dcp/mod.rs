@@ -36,12 +36,12 @@ use super::{Checkpoint, Extra, Format, RecordCrc};
 use crate::error::{Error, IoContext, Result};
 use crate::layout::{DType, Loc, Piece, TensorLayout};
 use memmap2::Mmap;
-use metadata::{load_metadata, Chunk, IndexKey, Kind, Meta, StorageInfo};
+use metadata::{load_metadata, Item, Kind, Meta};
 use rayon::prelude::*;
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
 use std::path::{Component, Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// The global metadata file.
 pub const METADATA: &str = ".metadata";
@@ -188,7 +188,8 @@ struct Work {
     file: usize,
     offset: u64,
     length: u64,
-    transforms: Vec<String>,
+    /// Index into [`Meta::transforms`] (0 = none).
+    transforms: u32,
     /// Where the (decoded) item bytes are: source index, offset, length.
     at: (usize, u64, u64),
 }
@@ -339,22 +340,32 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         sources.push(src);
         scratch.push(Arc::new(path));
     }
-    let (blobs, blob_of) = parse_blobs(&works, &sources)?;
-    // Parse every item (in parallel) and check it against the metadata. The first error in
-    // metadata order is reported, whichever thread met it first, so messages are stable.
-    let got: Vec<Result<Got>> = works
+    let batches = batches(&works);
+    let (blobs, blob_of) = parse_blobs(&works, &sources, &batches)?;
+    // Parse every item (batches in parallel) and check it against the metadata. The first
+    // error in metadata order is reported, whichever thread met it first, so messages are
+    // stable.
+    let labels: Vec<Label> = (0..meta.entries.len()).map(|_| Label::new()).collect();
+    let mut got: Vec<Option<Result<Got>>> = (0..works.len()).map(|_| None).collect();
+    let parsed: Vec<Vec<(usize, Result<Got>)>> = batches
         .par_iter()
-        .zip(blob_of.par_iter())
-        .map(|(w, &blob)| {
-            let got = read_item(w, blob, &meta, &sources, &blobs);
-            // Parsing touched the item's headers (and the page cache may map them as
-            // large folios): drop those pages from this process's resident set, so that
-            // opening a checkpoint does not hold its data files resident. (The stored
-            // range, where it differs, was released by `parse_blobs`.)
-            sources[w.at.0].release(w.at.1, w.at.2);
-            got
+        .map(|b| {
+            let out = b
+                .items
+                .iter()
+                .map(|&i| {
+                    let g = read_item(&works[i], blob_of[i], &meta, &sources, &blobs, &labels);
+                    (i, g)
+                })
+                .collect();
+            b.release(&works, &sources);
+            out
         })
         .collect();
+    for (i, g) in parsed.into_iter().flatten() {
+        got[i] = Some(g);
+    }
+    let got: Vec<Result<Got>> = got.into_iter().flatten().collect();
     let got: Vec<Got> = got.into_iter().collect::<Result<_>>()?;
     let (tensors, mut extras, checksums) = assemble(&meta, &meta_paths, got)?;
     let meta_pt = dir.join(META_PT);
@@ -385,8 +396,8 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
 struct Located {
     /// Data file paths relative to the directory, in order of first mention.
     rels: Vec<String>,
-    /// Per item: what it holds, the index of its data file in `rels`, its storage entry.
-    items: Vec<(Want, usize, StorageInfo)>,
+    /// Per item: what it holds, the index of its data file in `rels`, where it lies.
+    items: Vec<(Want, usize, Item)>,
 }
 
 /// Locate every item in the metadata: its storage entry, and its data file, resolved (and
@@ -398,44 +409,50 @@ fn locate_items(
     meta_paths: &[PathBuf],
 ) -> Result<Located> {
     let mut rels: Vec<String> = vec![];
-    let mut rel_index: HashMap<String, usize> = HashMap::new();
-    let mut items: Vec<(Want, usize, StorageInfo)> = vec![];
+    // Per `Meta::files` entry, its index in `rels` once resolved.
+    let mut rel_of: Vec<Option<usize>> = vec![None; meta.files.len()];
+    let total: usize = meta.entries.iter().map(|e| e.kind.chunk_count().max(1)).sum();
+    let mut items: Vec<(Want, usize, Item)> = Vec::with_capacity(total);
     for (ei, e) in meta.entries.iter().enumerate() {
         let meta_path = &meta_paths[e.origin];
-        let mut add = |want: Want, key: IndexKey, what: String| -> Result<()> {
-            let info = meta.storage.get(&key).ok_or_else(|| {
-                Error::format(meta_path, format!("no storage_data entry for {what}"))
+        let mut add = |want: Want, item: Option<Item>, what: &dyn Fn() -> String| -> Result<()> {
+            let item = item.ok_or_else(|| {
+                Error::format(meta_path, format!("no storage_data entry for {}", what()))
             })?;
-            let ri = match rel_index.get(&info.relative_path) {
-                Some(&i) => i,
+            let fi = item.file as usize;
+            let ri = match rel_of[fi] {
+                Some(i) => i,
                 None => {
-                    resolve(dir, dir_canon, meta_path, &info.relative_path, &e.name)?;
-                    rel_index.insert(info.relative_path.clone(), rels.len());
-                    rels.push(info.relative_path.clone());
+                    let rel = &meta.files[fi];
+                    resolve(dir, dir_canon, meta_path, rel, &e.name)?;
+                    rel_of[fi] = Some(rels.len());
+                    rels.push(rel.clone());
                     rels.len() - 1
                 }
             };
-            items.push((want, ri, info.clone()));
+            items.push((want, ri, item));
             Ok(())
         };
         match &e.kind {
-            Kind::Tensor { chunks, .. } => {
-                for (ci, c) in chunks.iter().enumerate() {
+            Kind::Tensor {
+                chunks,
+                items: chunk_items,
+                ..
+            } => {
+                for (ci, it) in chunk_items.iter().enumerate() {
                     add(
                         Want::Chunk {
                             entry: ei,
                             chunk: ci,
                         },
-                        (e.name.clone(), Some(c.offsets.clone())),
-                        format!("chunk {} of `{}`", c.region(), short(&e.name)),
+                        *it,
+                        &|| format!("chunk {} of `{}`", chunks.region(ci), short(&e.name)),
                     )?;
                 }
             }
-            Kind::Bytes => add(
-                Want::Bytes { entry: ei },
-                (e.name.clone(), None),
-                format!("`{}`", short(&e.name)),
-            )?,
+            Kind::Bytes { item } => add(Want::Bytes { entry: ei }, *item, &|| {
+                format!("`{}`", short(&e.name))
+            })?,
         }
     }
     Ok(Located { rels, items })
@@ -455,15 +472,15 @@ fn open_data_files(dir: &Path, located: Located) -> Result<(Vec<Source>, Vec<Wor
     }
     let works = items
         .into_iter()
-        .map(|(want, ri, info)| {
+        .map(|(want, ri, it)| {
             let file = new_index[ri];
             Work {
                 want,
                 file,
-                offset: info.offset,
-                length: info.length,
-                transforms: info.transforms,
-                at: (file, info.offset, info.length),
+                offset: it.offset,
+                length: it.length,
+                transforms: it.transforms,
+                at: (file, it.offset, it.length),
             }
         })
         .collect();
@@ -491,24 +508,88 @@ fn check_item_ranges(works: &[Work], meta: &Meta, sources: &[Source]) -> Result<
     Ok(())
 }
 
-/// Safetensors blobs (`serialization_format=SAFETENSORS`): each blob header parsed once, by
-/// (source, offset), and per work item whether it lies in one.
-fn parse_blobs(works: &[Work], sources: &[Source]) -> Result<(Blobs, Vec<bool>)> {
-    let mut blobs: Blobs = HashMap::new();
-    let mut blob_of = vec![false; works.len()];
-    for (i, w) in works.iter().enumerate() {
-        if matches!(w.want, Want::Chunk { .. })
-            && w.transforms.is_empty()
-            && is_blob(sources[w.file].bytes(), w.offset)
-        {
-            blob_of[i] = true;
-            if let std::collections::hash_map::Entry::Vacant(v) = blobs.entry((w.file, w.offset)) {
-                v.insert(parse_blob(&sources[w.file], w.offset)?);
+/// Items of one data file lying close together, parsed by one thread; the pages parsing
+/// touched are released at the end of the batch.
+struct Batch {
+    /// Indices into the work list, in file order.
+    items: Vec<usize>,
+    /// The source and the byte range the items span there.
+    source: usize,
+    span: (u64, u64),
+}
+
+/// Most bytes of a data file one batch spans (a larger item is a batch of its own).
+const BATCH_SPAN: u64 = 64 << 20;
+/// Most items in one batch, so that threads share the work.
+const BATCH_ITEMS: usize = 4096;
+
+impl Batch {
+    /// Drop the pages of the batch's span (and of the stored ranges of zstd items) from this
+    /// process's resident set: parsing touched the item headers, and the page cache may map
+    /// them as large folios, so opening a checkpoint would otherwise hold its data files
+    /// resident. One call per batch: a call per item made opening a million-chunk checkpoint
+    /// spend most of its time in TLB shootdowns.
+    fn release(&self, works: &[Work], sources: &[Source]) {
+        sources[self.source].release(self.span.0, self.span.1 - self.span.0);
+        for &i in &self.items {
+            let w = &works[i];
+            if w.at.0 != w.file {
+                sources[w.file].release(w.offset, w.length);
             }
         }
-        // Looking at the item's first bytes (and decoding it, when zstd-compressed)
-        // mapped its pages (see `read`).
-        sources[w.file].release(w.offset, w.length);
+    }
+}
+
+/// Split the work into batches: items sorted by where their (decoded) bytes are, cut where
+/// the source changes, the span would exceed [`BATCH_SPAN`] or the count [`BATCH_ITEMS`].
+fn batches(works: &[Work]) -> Vec<Batch> {
+    let mut order: Vec<usize> = (0..works.len()).collect();
+    order.sort_unstable_by_key(|&i| (works[i].at.0, works[i].at.1));
+    let mut out: Vec<Batch> = vec![];
+    for i in order {
+        let (src, off, len) = works[i].at;
+        let end = off.saturating_add(len);
+        match out.last_mut() {
+            Some(b)
+                if b.source == src
+                    && b.items.len() < BATCH_ITEMS
+                    && end.max(b.span.1) - b.span.0 <= BATCH_SPAN =>
+            {
+                b.items.push(i);
+                b.span.1 = b.span.1.max(end);
+            }
+            _ => out.push(Batch {
+                items: vec![i],
+                source: src,
+                span: (off, end),
+            }),
+        }
+    }
+    out
+}
+
+/// Safetensors blobs (`serialization_format=SAFETENSORS`): each blob header parsed once, by
+/// (source, offset), and per work item whether it lies in one.
+fn parse_blobs(works: &[Work], sources: &[Source], batches: &[Batch]) -> Result<(Blobs, Vec<bool>)> {
+    let mut blobs: Blobs = HashMap::new();
+    let mut blob_of = vec![false; works.len()];
+    for b in batches {
+        for &i in &b.items {
+            let w = &works[i];
+            if matches!(w.want, Want::Chunk { .. })
+                && w.transforms == 0
+                && is_blob(sources[w.file].bytes(), w.offset)
+            {
+                blob_of[i] = true;
+                if let std::collections::hash_map::Entry::Vacant(v) =
+                    blobs.entry((w.file, w.offset))
+                {
+                    v.insert(parse_blob(&sources[w.file], w.offset)?);
+                }
+            }
+        }
+        // Looking at the items' first bytes mapped their pages (see `Batch::release`).
+        b.release(works, sources);
     }
     Ok((blobs, blob_of))
 }
@@ -547,7 +628,7 @@ fn assemble(
                     .map_err(|err| Error::format(&meta_paths[e.origin], err.to_string()))?;
                 tensors.push(t);
             }
-            Kind::Bytes => extras.extend(x),
+            Kind::Bytes { .. } => extras.extend(x),
         }
     }
     Ok((tensors, extras, checksums))
@@ -615,7 +696,7 @@ fn decode_transforms(
     meta_paths: &[PathBuf],
     sources: &[Source],
 ) -> Result<Option<(Source, tempfile::TempPath)>> {
-    if works.iter().all(|w| w.transforms.is_empty()) {
+    if works.iter().all(|w| w.transforms == 0) {
         return Ok(None);
     }
     let dir = std::env::temp_dir();
@@ -629,10 +710,11 @@ fn decode_transforms(
     let scratch_index = sources.len();
     let mut pos = 0u64;
     let mut out = std::io::BufWriter::new(tmp.as_file_mut());
-    for w in works.iter_mut().filter(|w| !w.transforms.is_empty()) {
+    for w in works.iter_mut().filter(|w| w.transforms != 0) {
         let e = &meta.entries[w.want.entry()];
         let meta_path = &meta_paths[e.origin];
-        if let Some(t) = w.transforms.iter().find(|t| t.as_str() != ZSTD) {
+        let transforms = &meta.transforms[w.transforms as usize];
+        if let Some(t) = transforms.iter().find(|t| t.as_str() != ZSTD) {
             return Err(Error::format(
                 meta_path,
                 format!(
@@ -642,21 +724,21 @@ fn decode_transforms(
                 ),
             ));
         }
-        if w.transforms.len() != 1 {
+        if transforms.len() != 1 {
             return Err(Error::format(
                 meta_path,
                 format!(
                     "`{}` lists {} stream transforms; only a single {ZSTD} is supported",
                     short(&e.name),
-                    w.transforms.len()
+                    transforms.len()
                 ),
             ));
         }
         // A decompression bomb is refused: a tensor item is its chunk's bytes plus a few
         // KiB of zip and pickle.
         let expected = match (w.want, &e.kind) {
-            (Want::Chunk { chunk, .. }, Kind::Tensor { dtype, chunks, .. }) => chunks[chunk]
-                .region()
+            (Want::Chunk { chunk, .. }, Kind::Tensor { dtype, chunks, .. }) => chunks
+                .region(chunk)
                 .volume()
                 .saturating_mul(dtype.size() as u64),
             _ => 0,
@@ -682,7 +764,14 @@ fn decode_transforms(
 }
 
 /// Parse one item and check it against what the metadata says it holds.
-fn read_item(w: &Work, blob: bool, meta: &Meta, sources: &[Source], blobs: &Blobs) -> Result<Got> {
+fn read_item(
+    w: &Work,
+    blob: bool,
+    meta: &Meta,
+    sources: &[Source],
+    blobs: &Blobs,
+    labels: &[Label],
+) -> Result<Got> {
     let origin = &sources[w.file];
     let (entry, chunk) = match w.want {
         Want::Chunk { entry, chunk } => (entry, Some(chunk)),
@@ -705,7 +794,9 @@ fn read_item(w: &Work, blob: bool, meta: &Meta, sources: &[Source], blobs: &Blob
         )
     };
     let (want_dtype, c) = match (&e.kind, chunk) {
-        (Kind::Tensor { dtype, chunks, .. }, Some(ci)) => (*dtype, &chunks[ci]),
+        (Kind::Tensor { dtype, chunks, .. }, Some(ci)) => {
+            (*dtype, (chunks.offsets(ci), chunks.sizes(ci)))
+        }
         _ => {
             // A BYTE_IO item: decode the value.
             let (si, off, len) = w.at;
@@ -725,8 +816,10 @@ fn read_item(w: &Work, blob: bool, meta: &Meta, sources: &[Source], blobs: &Blob
     };
     let want = Expected {
         name: &e.name,
+        label: &labels[entry],
         dtype: want_dtype,
-        chunk: c,
+        offsets: c.0,
+        sizes: c.1,
     };
     let (loc, crc) = if blob {
         let loc = blob_chunk(&blobs[&(w.file, w.offset)], w.file, &want).map_err(err)?;
@@ -739,31 +832,55 @@ fn read_item(w: &Work, blob: bool, meta: &Meta, sources: &[Source], blobs: &Blob
         entry,
         piece: Piece {
             rank: origin.rank.unwrap_or(0),
-            region: c.region(),
+            region: want.region(),
             loc,
         },
     })
 }
 
+/// A tensor's label for its records' checksums (`item `w` record archive/data/0`), made
+/// once and shared by its chunks while their records have the same name.
+type Label = OnceLock<(String, Arc<str>)>;
+
 /// What the metadata says a chunk item holds.
 struct Expected<'a> {
     name: &'a str,
+    label: &'a Label,
     dtype: DType,
-    chunk: &'a Chunk,
+    offsets: &'a [u64],
+    sizes: &'a [u64],
 }
 
 impl Expected<'_> {
+    /// The checksum label of the record `record` of this chunk's item.
+    fn label(&self, record: &str, zst: &str) -> Arc<str> {
+        let make = || -> Arc<str> { format!("item `{}` record {record}{zst}", short(self.name)).into() };
+        let (key, label) = self
+            .label
+            .get_or_init(|| (format!("{record}{zst}"), make()));
+        if key.len() == record.len() + zst.len() && key.starts_with(record) && key.ends_with(zst) {
+            label.clone()
+        } else {
+            make()
+        }
+    }
+
+    /// The chunk as a region of its tensor.
+    fn region(&self) -> crate::layout::Region {
+        crate::layout::Region::new(self.offsets.to_vec(), self.sizes.to_vec())
+    }
+
     /// Check an item's dtype and shape against the metadata's.
     fn check(&self, dtype: DType, shape: &[u64]) -> std::result::Result<(), String> {
-        let (c, want) = (self.chunk, self.dtype);
+        let want = self.dtype;
         if dtype != want {
             return Err(format!("holds {dtype} but the metadata says {want}"));
         }
-        if shape != c.sizes {
+        if shape != self.sizes {
             return Err(format!(
                 "has shape {shape:?} but its chunk {} has sizes {:?}",
-                c.region(),
-                c.sizes
+                self.region(),
+                self.sizes
             ));
         }
         Ok(())
@@ -778,7 +895,6 @@ fn blob_chunk(b: &Blob, file: usize, want: &Expected) -> std::result::Result<Loc
         .get(want.name)
         .ok_or("the safetensors blob there has no such tensor")?;
     want.check(*dtype, shape)?;
-    let c = want.chunk;
     if let Some(saved) = b
         .sharding
         .get(want.name)
@@ -787,10 +903,10 @@ fn blob_chunk(b: &Blob, file: usize, want: &Expected) -> std::result::Result<Loc
         let saved: Option<Vec<u64>> = saved
             .as_array()
             .and_then(|a| a.iter().map(|x| x.as_u64()).collect());
-        if saved.as_ref() != Some(&c.offsets) {
+        if saved.as_deref() != Some(want.offsets) {
             return Err(format!(
                 "`{SHARDING_INFO}` offsets {saved:?} disagree with the chunk {}",
-                c.region()
+                want.region()
             ));
         }
     }
@@ -810,10 +926,10 @@ fn zip_chunk(
     zst: &str,
 ) -> std::result::Result<(Loc, Option<RecordCrc>), String> {
     let (si, off, len) = w.at;
-    let item = save::parse(sources[si].slice(off, len)).map_err(|e| e.to_string())?;
+    let item = save::parse_tensor(sources[si].slice(off, len)).map_err(|e| e.to_string())?;
     let t = item
         .tensor
-        .ok_or_else(|| format!("holds a pickled {}, not a tensor", item.value.kind()))?;
+        .ok_or_else(|| format!("holds a pickled {}, not a tensor", item.kind))?;
     want.check(t.dtype, &t.shape)?;
     let record = format!("{}/data/{}", item.archive.prefix, t.storage_key);
     let crc = item.archive.entry(&record).map(|x| RecordCrc {
@@ -821,7 +937,7 @@ fn zip_chunk(
         offset: off + t.record.offset,
         len: t.record.len,
         crc: x.crc,
-        what: format!("item `{}` record {record}{zst}", short(want.name)),
+        what: want.label(&record, zst),
         shown: (si != w.file).then_some(w.file as u32),
     });
     let loc = Loc {

@@ -299,7 +299,7 @@ impl<'a> Walker<'a> {
                             offset: t.record.offset,
                             len: t.record.len,
                             crc: entry.crc,
-                            what: format!("tensor `{}` (record {rec})", short(&name)),
+                            what: format!("tensor `{}` (record {rec})", short(&name)).into(),
                             shown: None,
                         });
                     }

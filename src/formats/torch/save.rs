@@ -232,20 +232,8 @@ pub fn parse(bytes: &[u8]) -> Result<Item> {
     let archive = Archive::parse(bytes)?;
     let pkl_name = format!("{}/data.pkl", archive.prefix);
     let pkl = archive.read_checked(bytes, &pkl_name)?;
-    let order_name = format!("{}/byteorder", archive.prefix);
-    if archive.entry(&order_name).is_some() {
-        let order = archive.read_checked(bytes, &order_name)?;
-        if order != b"little" {
-            return Err(zip_err(format!(
-                "archive byte order is `{}`; only little-endian archives are supported",
-                short(&String::from_utf8_lossy(order))
-            )));
-        }
-    }
-    // Built once: a checkpoint has one archive per item, often thousands.
-    static GLOBALS: std::sync::OnceLock<pickle::Globals> = std::sync::OnceLock::new();
-    let globals = GLOBALS.get_or_init(pickle::torch_save_globals);
-    let value = pickle::parse(pkl, globals).map_err(|source| TorchZipError::Pickle {
+    check_byte_order(&archive, bytes)?;
+    let value = pickle::parse(pkl, globals()).map_err(|source| TorchZipError::Pickle {
         record: short(&pkl_name),
         source,
     })?;
@@ -272,6 +260,11 @@ fn storage_dtype(name: &str) -> Result<DType> {
 /// A torch dtype global (`torch.float32`) as a [`DType`].
 pub fn torch_dtype(v: &Value) -> Option<std::result::Result<DType, String>> {
     let (module, name) = v.as_global()?;
+    torch_dtype_named(module, name)
+}
+
+/// The global `module.name` as a [`DType`], when it names a torch dtype.
+pub fn torch_dtype_named(module: &str, name: &str) -> Option<std::result::Result<DType, String>> {
     if module != "torch" {
         return None;
     }
@@ -301,6 +294,45 @@ pub(crate) fn tensor_of(
     archive: &Archive,
     bytes: &[u8],
 ) -> Result<Option<TensorItem>> {
+    match decode_tensor(value)? {
+        Some(d) => d.locate(archive, bytes).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// What a `data.pkl` alone says of the tensor it rebuilds: a function of its bytes only, so
+/// it is decoded once for the many items of a checkpoint that share one (see
+/// [`parse_tensor`]).
+#[derive(Clone, Debug)]
+struct Decoded {
+    dtype: DType,
+    shape: Vec<u64>,
+    strides: Vec<u64>,
+    storage_offset: u64,
+    key: String,
+    storage_bytes: u64,
+}
+
+impl Decoded {
+    /// The tensor, with its storage record found in `archive` and its view checked to lie
+    /// inside it.
+    fn locate(self, archive: &Archive, bytes: &[u8]) -> Result<TensorItem> {
+        let record = archive.record(bytes, &format!("{}/data/{}", archive.prefix, self.key))?;
+        let t = TensorItem {
+            dtype: self.dtype,
+            shape: self.shape,
+            strides: self.strides,
+            storage_offset: self.storage_offset,
+            storage_key: self.key,
+            record,
+        };
+        check_view(&t, self.storage_bytes)?;
+        Ok(t)
+    }
+}
+
+/// The tensor rebuild call `value`, decoded; `None` when `value` is no such call.
+fn decode_tensor(value: &Value) -> Result<Option<Decoded>> {
     let Some((args, v3)) = rebuild_call(value)? else {
         return Ok(None);
     };
@@ -350,17 +382,97 @@ pub(crate) fn tensor_of(
             strides.len()
         )));
     }
-    let record = archive.record(bytes, &format!("{}/data/{key}", archive.prefix))?;
-    let t = TensorItem {
+    Ok(Some(Decoded {
         dtype,
         shape,
         strides,
         storage_offset,
-        storage_key: key,
-        record,
+        key,
+        storage_bytes,
+    }))
+}
+
+/// A `torch.save` archive of (usually) one tensor, as [`parse_tensor`] gives it.
+#[derive(Debug)]
+pub struct TensorArchive {
+    /// The archive's central directory.
+    pub archive: Archive,
+    /// The tensor, when `data.pkl` is a single tensor rebuild call.
+    pub tensor: Option<TensorItem>,
+    /// The kind of value `data.pkl` holds (for messages when it is not a tensor).
+    pub kind: &'static str,
+}
+
+/// `data.pkl` bytes → what they decode to, per thread, for the items of a checkpoint that
+/// share them (every chunk of one shape and dtype).
+type DecodeCache = std::collections::HashMap<Box<[u8]>, (&'static str, Option<Decoded>)>;
+
+/// Largest `data.pkl` kept in the decode cache, and most entries per thread.
+const CACHE_PICKLE_BYTES: usize = 4096;
+const CACHE_ENTRIES: usize = 1024;
+
+/// Parse a `torch.save` archive for its tensor, as [`parse`] does (same checks and errors),
+/// without keeping the decoded pickle: the `data.pkl` of a chunk item is the same for every
+/// chunk of its shape and dtype, so it is decoded once per thread and reused.
+pub fn parse_tensor(bytes: &[u8]) -> Result<TensorArchive> {
+    thread_local! {
+        static CACHE: std::cell::RefCell<DecodeCache> = Default::default();
+    }
+    let archive = Archive::parse(bytes)?;
+    let pkl_name = format!("{}/data.pkl", archive.prefix);
+    let pkl = archive.read_checked(bytes, &pkl_name)?;
+    check_byte_order(&archive, bytes)?;
+    let hit = CACHE.with(|c| c.borrow().get(pkl).cloned());
+    let (kind, decoded) = match hit {
+        Some(h) => h,
+        None => {
+            let value = pickle::parse(pkl, globals()).map_err(|source| TorchZipError::Pickle {
+                record: short(&pkl_name),
+                source,
+            })?;
+            let d = (value.kind(), decode_tensor(&value)?);
+            if pkl.len() <= CACHE_PICKLE_BYTES {
+                CACHE.with(|c| {
+                    let mut c = c.borrow_mut();
+                    if c.len() < CACHE_ENTRIES {
+                        c.insert(pkl.into(), d.clone());
+                    }
+                });
+            }
+            d
+        }
     };
-    check_view(&t, storage_bytes)?;
-    Ok(Some(t))
+    let tensor = match decoded {
+        Some(d) => Some(d.locate(&archive, bytes)?),
+        None => None,
+    };
+    Ok(TensorArchive {
+        archive,
+        tensor,
+        kind,
+    })
+}
+
+/// The allow-list of `torch.save` pickles, built once: a checkpoint has one archive per
+/// item, often millions.
+fn globals() -> &'static pickle::Globals {
+    static GLOBALS: std::sync::OnceLock<pickle::Globals> = std::sync::OnceLock::new();
+    GLOBALS.get_or_init(pickle::torch_save_globals)
+}
+
+/// Refuse an archive whose `byteorder` record says other than `little`.
+fn check_byte_order(archive: &Archive, bytes: &[u8]) -> Result<()> {
+    let order_name = format!("{}/byteorder", archive.prefix);
+    if archive.entry(&order_name).is_some() {
+        let order = archive.read_checked(bytes, &order_name)?;
+        if order != b"little" {
+            return Err(zip_err(format!(
+                "archive byte order is `{}`; only little-endian archives are supported",
+                short(&String::from_utf8_lossy(order))
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The arguments of the tensor rebuild call `value` (looking through `_rebuild_parameter`),

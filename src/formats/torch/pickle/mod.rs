@@ -57,7 +57,7 @@ mod value;
 pub mod write;
 
 pub use globals::{dcp_metadata_globals, torch_save_globals, Globals};
-pub use read::{parse, PickleError};
+pub use read::{parse, parse_graph, Obj, PickleError};
 pub use value::Value;
 pub use write::{pickle, PyValue};
 #[cfg(any(test, feature = "internals"))]

@@ -104,6 +104,165 @@ pub fn parse_with_len(bytes: &[u8], globals: &Globals) -> Result<(Value, usize),
     Ok((value, end))
 }
 
+/// Decode a whole pickle into its value graph ([`Graph`]) without building a [`Value`] tree:
+/// what large pickles (a DCP `.metadata` of a million chunks) are read through, so that no
+/// string or class name is copied per use. The same checks and budgets as [`parse`] apply,
+/// including the expansion bound on what the tree would be.
+pub fn parse_graph(bytes: &[u8], globals: &Globals) -> Result<Graph, PickleError> {
+    let budget = Budget::for_input(bytes.len());
+    let mut vm = Machine::new(globals, budget);
+    let (root, _) = vm.run(bytes)?;
+    vm.check_expansion(root)?;
+    Ok(Graph {
+        nodes: vm.nodes,
+        globals: vm.global_table,
+        root,
+    })
+}
+
+/// A decoded pickle as the VM's arena of values: shared values (memo references) are stored
+/// once, and [`Obj`] handles read them in place.
+pub struct Graph {
+    nodes: Vec<Node>,
+    globals: Vec<(String, String)>,
+    root: Id,
+}
+
+impl Graph {
+    /// The unpickled object.
+    pub fn root(&self) -> Obj<'_> {
+        Obj {
+            g: self,
+            id: self.root,
+        }
+    }
+}
+
+/// A value of a [`Graph`]; the accessors mirror [`Value`]'s.
+#[derive(Clone, Copy)]
+pub struct Obj<'g> {
+    g: &'g Graph,
+    id: Id,
+}
+
+impl<'g> Obj<'g> {
+    fn node(self) -> &'g Node {
+        self.g.nodes.get(self.id as usize).unwrap_or(&Node::None)
+    }
+
+    fn at(self, id: Id) -> Obj<'g> {
+        Obj { g: self.g, id }
+    }
+
+    /// Short name of the kind of value, for error messages.
+    pub fn kind(self) -> &'static str {
+        self.node().kind()
+    }
+
+    /// True for `None`.
+    pub fn is_none(self) -> bool {
+        matches!(self.node(), Node::None)
+    }
+
+    /// The value of an int (not of a bool, not of one beyond `i64`).
+    pub fn as_int(self) -> Option<i64> {
+        match self.node() {
+            Node::Int(i) => Some(*i),
+            _ => None,
+        }
+    }
+
+    /// The text of a str.
+    pub fn as_str(self) -> Option<&'g str> {
+        match self.node() {
+            Node::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// Elements of a list or a tuple.
+    pub fn as_list(self) -> Option<impl ExactSizeIterator<Item = Obj<'g>> + 'g> {
+        match self.node() {
+            Node::List(ids) | Node::Tuple(ids) => Some(ids.iter().map(move |&i| self.at(i))),
+            _ => None,
+        }
+    }
+
+    /// Pairs of a dict, in pickle order (a key set twice appears twice; see [`Obj::get`]).
+    pub fn as_dict(self) -> Option<impl ExactSizeIterator<Item = (Obj<'g>, Obj<'g>)> + 'g> {
+        match self.node() {
+            Node::Dict(pairs) => Some(
+                pairs
+                    .iter()
+                    .map(move |&(k, v)| (self.at(k), self.at(v))),
+            ),
+            _ => None,
+        }
+    }
+
+    /// `(module, name)` of a global or of an object's class/callable.
+    pub fn class(self) -> Option<(&'g str, &'g str)> {
+        match self.node() {
+            Node::Global(g) | Node::Object { global: g, .. } => self
+                .g
+                .globals
+                .get(*g as usize)
+                .map(|(m, n)| (m.as_str(), n.as_str())),
+            _ => None,
+        }
+    }
+
+    /// BUILD state of an object.
+    pub fn state(self) -> Option<Obj<'g>> {
+        match self.node() {
+            Node::Object { state, .. } => state.map(|s| self.at(s)),
+            _ => None,
+        }
+    }
+
+    /// Look up a str key in a dict, or in an object's state dict (also the dict half of a
+    /// `(dict, slotstate)` state tuple). The last matching pair wins, as in [`Value::get`].
+    pub fn get(self, key: &str) -> Option<Obj<'g>> {
+        match self.node() {
+            Node::Dict(pairs) => pairs
+                .iter()
+                .rev()
+                .find(|&&(k, _)| self.at(k).as_str() == Some(key))
+                .map(|&(_, v)| self.at(v)),
+            Node::Object { state: Some(s), .. } => {
+                let s = self.at(*s);
+                match s.node() {
+                    Node::Tuple(parts) if parts.len() == 2 => self.at(parts[0]).get(key),
+                    _ => s.get(key),
+                }
+            }
+            _ => None,
+        }
+    }
+
+    /// Append the ints of a list/tuple of ints, or of a `torch.Size(...)` object, to `out`;
+    /// false (with `out` unspecified) for anything else or a negative int.
+    pub fn dims_into(self, out: &mut Vec<u64>) -> bool {
+        let items = match self.node() {
+            Node::List(ids) | Node::Tuple(ids) => ids,
+            Node::Object { args, .. } if self.class() == Some(("torch", "Size")) => {
+                return match self.at(*args).node() {
+                    Node::Tuple(a) if a.len() == 1 => self.at(a[0]).dims_into(out),
+                    _ => false,
+                };
+            }
+            _ => return false,
+        };
+        for &i in items {
+            match self.at(i).as_int().and_then(|v| u64::try_from(v).ok()) {
+                Some(v) => out.push(v),
+                None => return false,
+            }
+        }
+        true
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Input reader
 
@@ -191,6 +350,57 @@ impl<'a> Reader<'a> {
         let line = rest.get(..nl).unwrap_or(&[]);
         self.pos = self.pos.saturating_add(nl).saturating_add(1);
         Ok(line)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memo
+
+/// The memo: keys below the dense length in a vector (what `MEMOIZE`, and Python's pickler
+/// with `BINPUT`, produce: 0, 1, 2, …), any other key in a map. A key far beyond the dense
+/// part (an input may name 2^32 - 1) goes to the map, so memory stays proportional to the
+/// number of entries.
+#[derive(Default)]
+struct Memo {
+    dense: Vec<Id>,
+    sparse: HashMap<u64, Id>,
+    /// Number of keys set (`len(memo)`, the key `MEMOIZE` uses).
+    len: u64,
+}
+
+/// A vacant slot of `Memo::dense`.
+const VACANT: Id = Id::MAX;
+/// How far past the dense part a key may be and still grow it (the gap is filled vacant).
+const DENSE_GAP: u64 = 64;
+
+impl Memo {
+    fn get(&self, key: u64) -> Option<Id> {
+        match usize::try_from(key).ok().and_then(|k| self.dense.get(k)) {
+            Some(&id) if id != VACANT => Some(id),
+            _ => self.sparse.get(&key).copied(),
+        }
+    }
+
+    fn insert(&mut self, key: u64, id: Id) {
+        let dense_len = self.dense.len() as u64;
+        if key < dense_len.saturating_add(DENSE_GAP) && id != VACANT {
+            let k = key as usize;
+            if k >= self.dense.len() {
+                self.dense.resize(k + 1, VACANT);
+            }
+            let was_set = self.dense[k] != VACANT
+                || (!self.sparse.is_empty() && self.sparse.remove(&key).is_some());
+            self.dense[k] = id;
+            if !was_set {
+                self.len += 1;
+            }
+        } else if self.sparse.insert(key, id).is_none() {
+            self.len += 1;
+        }
+    }
+
+    fn len(&self) -> u64 {
+        self.len
     }
 }
 
@@ -316,7 +526,10 @@ struct Machine<'g> {
     nodes: Vec<Node>,
     stack: Vec<Id>,
     marks: Vec<usize>,
-    memo: HashMap<u64, Id>,
+    memo: Memo,
+    /// Node of each `BININT1` value met so far (0 = none yet): ints are immutable, so the
+    /// tens of small ints per chunk of a DCP `.metadata` share nodes.
+    small_ints: [Id; 256],
     global_table: Vec<(String, String)>,
     global_index: HashMap<(String, String), u32>,
     proto: u8,
@@ -336,7 +549,8 @@ impl<'g> Machine<'g> {
             ],
             stack: Vec::new(),
             marks: Vec::new(),
-            memo: HashMap::new(),
+            memo: Memo::default(),
+            small_ints: [0; 256],
             global_table: Vec::new(),
             global_index: HashMap::new(),
             proto: 0,
@@ -462,9 +676,9 @@ impl<'g> Machine<'g> {
     }
 
     fn memo_get(&mut self, key: u64, at: usize) -> Result<(), PickleError> {
-        let id = *self
+        let id = self
             .memo
-            .get(&key)
+            .get(key)
             .ok_or(PickleError::MissingMemo { key, offset: at })?;
         self.push(id, at)
     }
@@ -473,6 +687,15 @@ impl<'g> Machine<'g> {
         let id = self.top(opcode, at)?;
         self.memo.insert(key, id);
         Ok(())
+    }
+
+    /// The shared node of the small int `v`.
+    fn small_int(&mut self, v: u8, at: usize) -> Result<Id, PickleError> {
+        let slot = usize::from(v);
+        if self.small_ints[slot] == 0 {
+            self.small_ints[slot] = self.alloc(Node::Int(i64::from(v)), at)?;
+        }
+        Ok(self.small_ints[slot])
     }
 
     /// Elements of a list/tuple/set node (copied, metered).
@@ -785,7 +1008,8 @@ impl<'g> Machine<'g> {
                 }
                 BININT1 => {
                     let v = r.u8(name, at)?;
-                    self.push_node(Node::Int(i64::from(v)), at)?;
+                    let id = self.small_int(v, at)?;
+                    self.push(id, at)?;
                 }
                 BININT2 => {
                     let v = r.u16(name, at)?;
@@ -1024,7 +1248,7 @@ impl<'g> Machine<'g> {
                     self.memo_put(u64::from(key), name, at)?;
                 }
                 MEMOIZE => {
-                    let key = self.memo.len() as u64;
+                    let key = self.memo.len();
                     self.memo_put(key, name, at)?;
                 }
                 GET => {
