@@ -15,11 +15,15 @@
 //! both groups also run on the torch-written fixture `tests/fixtures/fsdp2_w4_f32` (torch
 //! 2.15, FSDP2 over 4 ranks), and time per chunk compares better across writers than bytes/s.
 //!
+//! A third group, `pickle::parse_graph`, times the value-graph decoding the DCP reader uses
+//! (throughput in chunks). `RESHARD_BENCH_DCP=DIR` adds a checkpoint made by
+//! `scripts/gen_scale_dcp.py` (torch's own `Metadata` and items) to every group.
+//!
 //! `cargo bench --bench metadata` (about a minute plus setup).
 
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 use reshard::convert::{convert, ConvertOptions};
-use reshard::formats::torch::pickle::{dcp_metadata_globals, parse};
+use reshard::formats::torch::pickle::{dcp_metadata_globals, parse, parse_graph};
 use reshard::formats::{Checkpoint, Format};
 use safetensors::tensor::Dtype;
 use std::hint::black_box;
@@ -82,7 +86,30 @@ fn bench(c: &mut Criterion) {
         let name = format!("torch fixture fsdp2_w4_f32 ({chunks} chunks)");
         cases.push((name, fixture, meta));
     }
+    // A checkpoint made by `scripts/gen_scale_dcp.py` (torch's own Metadata pickle and
+    // items), when given: `RESHARD_BENCH_DCP=DIR cargo bench --bench metadata`.
+    if let Some(dir) = std::env::var_os("RESHARD_BENCH_DCP").map(std::path::PathBuf::from) {
+        let ck = Checkpoint::open(&dir).unwrap();
+        let chunks: usize = ck.tensors.iter().map(|t| t.pieces.len()).sum();
+        let meta = std::fs::read(dir.join(".metadata")).unwrap();
+        cases.push((format!("{} ({chunks} chunks)", dir.display()), dir, meta));
+    }
     let globals = dcp_metadata_globals();
+    // The value graph the DCP reader decodes `.metadata` from, per chunk.
+    let mut g = c.benchmark_group("pickle::parse_graph");
+    g.sample_size(10);
+    g.sampling_mode(SamplingMode::Flat);
+    g.warm_up_time(Duration::from_secs(1));
+    g.measurement_time(Duration::from_secs(3));
+    for (name, dir, meta) in &cases {
+        let ck = Checkpoint::open(dir).unwrap();
+        let chunks: usize = ck.tensors.iter().map(|t| t.pieces.len()).sum();
+        g.throughput(Throughput::Elements(chunks as u64));
+        g.bench_function(name, |b| {
+            b.iter(|| parse_graph(black_box(meta), &globals).unwrap())
+        });
+    }
+    g.finish();
     let mut g = c.benchmark_group("pickle::parse");
     g.sample_size(20);
     g.warm_up_time(Duration::from_secs(1));

@@ -1296,7 +1296,8 @@ impl<'g> Machine<'g> {
         let mut sizes = Sizes {
             nodes: &self.nodes,
             globals: &self.global_table,
-            done: vec![None; self.nodes.len()],
+            shared: shared_nodes(&self.nodes),
+            done: HashMap::new(),
             on_path: vec![false; self.nodes.len()],
         };
         let (values, bytes) = sizes.of(root, 0)?;
@@ -1464,15 +1465,51 @@ fn decode_raw_unicode_escape(line: &[u8]) -> Option<String> {
 struct Sizes<'a> {
     nodes: &'a [Node],
     globals: &'a [(String, String)],
-    done: Vec<Option<(u64, u64)>>,
+    /// Per node, true when more than one value refers to it (see [`shared_nodes`]).
+    shared: Vec<bool>,
+    /// Tree sizes of the shared nodes computed so far.
+    done: HashMap<Id, (u64, u64)>,
     on_path: Vec<bool>,
+}
+
+/// Per node, whether more than one container, object or persistent id refers to it. Only
+/// those can be reached twice, so only their tree sizes need remembering: a table for every
+/// node cost 24 bytes per value (half a gigabyte for a million-chunk DCP `.metadata`).
+fn shared_nodes(nodes: &[Node]) -> Vec<bool> {
+    let mut refs = vec![0u8; nodes.len()];
+    let mut count = |id: Id| {
+        if let Some(r) = refs.get_mut(id as usize) {
+            *r = r.saturating_add(1);
+        }
+    };
+    for n in nodes {
+        match n {
+            Node::List(ids) | Node::Tuple(ids) | Node::Set(ids) => ids.iter().for_each(|&i| count(i)),
+            Node::Dict(pairs) => pairs.iter().for_each(|&(k, v)| {
+                count(k);
+                count(v)
+            }),
+            Node::Object { args, state, .. } => {
+                count(*args);
+                if let Some(s) = state {
+                    count(*s);
+                }
+            }
+            Node::PersistentId(p) => count(*p),
+            _ => {}
+        }
+    }
+    refs.into_iter().map(|r| r > 1).collect()
 }
 
 impl Sizes<'_> {
     fn of(&mut self, id: Id, depth: usize) -> Result<(u64, u64), PickleError> {
         let slot = id as usize;
-        if let Some(Some(known)) = self.done.get(slot) {
-            return Ok(*known);
+        let shared = self.shared.get(slot).copied().unwrap_or(false);
+        if shared {
+            if let Some(known) = self.done.get(&id) {
+                return Ok(*known);
+            }
         }
         if depth >= MAX_DEPTH {
             return Err(PickleError::TooDeep { limit: MAX_DEPTH });
@@ -1531,8 +1568,8 @@ impl Sizes<'_> {
         if let Some(flag) = self.on_path.get_mut(slot) {
             *flag = false;
         }
-        if let Some(entry) = self.done.get_mut(slot) {
-            *entry = Some((values, bytes));
+        if shared {
+            self.done.insert(id, (values, bytes));
         }
         Ok((values, bytes))
     }
