@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""Time and peak RSS of opening and planning DCP checkpoints with many chunks.
+
+For each checkpoint directory (made by ``scripts/gen_scale_dcp.py``), runs
+``reshard plan DIR --to M`` for every ``--to`` value ``--rounds`` times and prints the median
+wall time and the median peak RSS (of the process, from ``wait4``), with the number of chunks;
+``--torch`` also times ``pickle.load`` of the ``.metadata`` with torch imported (what every
+torch loader does first), once per round.
+
+    .venv/bin/python scripts/bench_scale.py /work/scale/s10k /work/scale/s1m --to 1 768
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of a command."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, ru = os.wait4(p.pid, 0)
+    dt = time.perf_counter() - t0
+    err = p.stderr.read().decode() if p.stderr else ""
+    if status != 0:
+        sys.exit(f"{' '.join(cmd)} failed: {err.strip()}")
+    return dt, ru.ru_maxrss * 1024
+
+
+def chunks(d: str, reshard: str) -> int:
+    out = subprocess.run(
+        [reshard, "inspect", d, "--json"], check=True, capture_output=True, text=True
+    ).stdout
+    import json
+
+    return sum(len(t["pieces"]) for t in json.loads(out)["tensors"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dirs", nargs="+")
+    ap.add_argument("--to", type=int, nargs="+", default=[1])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reshard", default=os.path.join(HERE, "..", "target", "release", "reshard"))
+    ap.add_argument("--torch", action="store_true", help="also time torch's pickle.load")
+    a = ap.parse_args()
+    print("| chunks | .metadata | step | median time | median peak RSS | per chunk |")
+    print("|---:|---:|---|---:|---:|---:|")
+    for d in a.dirs:
+        n = chunks(d, a.reshard)
+        size = os.path.getsize(os.path.join(d, ".metadata"))
+        cases = [(f"`reshard plan --to {m}`", [a.reshard, "plan", d, "--to", str(m)]) for m in a.to]
+        if a.torch:
+            code = (
+                "import pickle, torch, torch.distributed.checkpoint;"
+                f"pickle.load(open({os.path.join(d, '.metadata')!r}, 'rb'))"
+            )
+            cases.append(("torch `pickle.load`", [sys.executable, "-c", code]))
+        for name, cmd in cases:
+            res = [run(cmd) for _ in range(a.rounds)]
+            t = statistics.median(r[0] for r in res)
+            rss = statistics.median(r[1] for r in res)
+            print(
+                f"| {n:,} | {size / 2**20:.0f} MiB | {name} | {t:.2f} s | {rss / 2**20:.0f} MiB "
+                f"| {t / n * 1e6:.1f} µs, {rss / n:.0f} B |",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
