@@ -502,6 +502,12 @@ WORKER = textwrap.dedent(
     else:
         raise AssertionError("the load of a truncated checkpoint succeeded")
     dist.destroy_process_group()
+    # No interpreter teardown: torch 2.15's gloo worker thread can free a finished all_gather's
+    # tensors during Py_Finalize, fail to take the GIL and abort ("terminate called without an
+    # active exception") after all the work is done (scripts/torch_interop.py does the same).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
     """
 )
 
