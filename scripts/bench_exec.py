@@ -10,6 +10,12 @@ Experiments (each a set of variants of `reshard convert CKPT OUT --to M -q --no-
   window    RESHARD_WINDOW (work-unit bytes) 1 MiB / 8 MiB (default) / 64 MiB
   verify    the source CRC check reading by mmap (default) or by pread
             (RESHARD_VERIFY_READ=pread), and off
+  baseline  this build against another reshard binary (--baseline BIN, e.g. one built from an
+            earlier commit), both with the default checks and with --no-verify
+
+    # the tmpfs case (where many trainers stage checkpoints): source and output in /dev/shm
+    .venv/bin/python scripts/bench_exec.py --ckpt /dev/shm/big/fsdp2_w4_f32/checkpoint \
+        --work /dev/shm/reshard-bench-exec --experiment baseline --baseline /tmp/reshard-old --rounds 11
 """
 from __future__ import annotations
 
@@ -32,6 +38,8 @@ EXPERIMENTS = {
                 ("--threads 2 --no-verify", ["--threads", "2", "--no-verify"], {})],
     "window": [("window 1 MiB", [], {"RESHARD_WINDOW": str(1 << 20)}), ("window 8 MiB", [], {}),
                ("window 64 MiB", [], {"RESHARD_WINDOW": str(64 << 20)})],
+    "baseline": [("this build", [], {}), ("this build --no-verify", ["--no-verify"], {}),
+                 ("baseline", [], {"BIN": "baseline"}), ("baseline --no-verify", ["--no-verify"], {"BIN": "baseline"})],
     "verify": [("check by mmap (default)", [], {}), ("check by pread", [], {"RESHARD_VERIFY_READ": "pread"}),
                ("--no-verify", ["--no-verify"], {})],
 }
@@ -47,7 +55,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--reshard", type=Path, default=ROOT / "target/release/reshard")
     ap.add_argument("--work", type=Path, default=Path("/tmp/reshard-bench-exec"))
+    ap.add_argument("--baseline", type=Path, help="the other binary of --experiment baseline")
     a = ap.parse_args()
+    if a.experiment == "baseline" and a.baseline is None:
+        ap.error("--experiment baseline needs --baseline BIN")
     shutil.rmtree(a.work, ignore_errors=True)
     a.work.mkdir(parents=True)
     src = a.ckpt.resolve()
@@ -64,7 +75,9 @@ def main() -> None:
             if args is None:
                 cmd = ["cp", "-r", str(src), str(out)]
             else:
-                cmd = [str(a.reshard), "convert", str(src), str(out), "--to", a.to, "-q", "--no-fsync",
+                env = dict(env)
+                binary = a.baseline if env.pop("BIN", None) == "baseline" else a.reshard
+                cmd = [str(binary), "convert", str(src), str(out), "--to", a.to, "-q", "--no-fsync",
                        *a.extra.split(), *args]
             old = {k: os.environ.get(k) for k in env}
             os.environ.update(env)

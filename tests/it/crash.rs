@@ -599,6 +599,53 @@ impl Drop for Tmpfs {
     }
 }
 
+/// Every file under `dir` (relative path, bytes), sorted.
+fn tree(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut out = vec![];
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        if d.is_file() {
+            let rel = d.strip_prefix(dir).unwrap().display().to_string();
+            out.push((rel, std::fs::read(&d).unwrap()));
+            continue;
+        }
+        for e in std::fs::read_dir(&d).unwrap() {
+            todo.push(e.unwrap().path());
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn outputs_on_tmpfs_equal_those_on_disk() {
+    // tmpfs (where trainers stage checkpoints) takes fallocate and kernel copies its own way:
+    // the files must come out the same, trailing bytes no op writes included.
+    let tmp = tempfile::tempdir().unwrap();
+    let (src, _model) = source(tmp.path(), 8);
+    let fs = match Tmpfs::mount(tmp.path().join("shm"), 64) {
+        Ok(fs) => fs,
+        Err(why) => {
+            eprintln!("skipped: cannot mount a tmpfs ({why})");
+            return;
+        }
+    };
+    for (dst, extra) in [
+        ("m.safetensors", vec!["--to", "1"]),
+        ("m.pt", vec!["--to", "1"]),
+        ("dcp", vec!["--to", "3", "--format", "dcp"]),
+        (
+            "hf",
+            vec!["--to", "1", "--format", "hf", "--max-shard-size", "2MB"],
+        ),
+    ] {
+        let (on_disk, on_tmpfs) = (tmp.path().join(dst), fs.0.join(dst));
+        convert(&src, &on_disk, &extra);
+        convert(&src, &on_tmpfs, &extra);
+        assert_eq!(tree(&on_tmpfs), tree(&on_disk), "{dst}");
+    }
+}
+
 #[test]
 fn a_full_disk_fails_cleanly_and_keeps_the_old_output() {
     let tmp = tempfile::tempdir().unwrap();
