@@ -295,7 +295,7 @@ mod tests {
         let out = OutputFile {
             path: "dst".into(),
             size: 16 + 10_000,
-            literals: vec![(0, vec![0xAA; 16])],
+            literals: vec![(0, vec![0xAA; 16].into())],
             checksums: vec![Checksum {
                 range: (8, 16 + 10_000),
                 at: vec![0, 4],
@@ -351,7 +351,7 @@ mod tests {
             let out = OutputFile {
                 path: "dst".into(),
                 size: 33_100,
-                literals: vec![(0, vec![0xAA; 100]), (33_000, vec![0x55; 100])],
+                literals: vec![(0, vec![0xAA; 100].into()), (33_000, vec![0x55; 100].into())],
                 checksums: vec![
                     ck(100, 20_100, &[0]),
                     ck(20_200, 33_000, &[4, 33_010]),

@@ -38,6 +38,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use window::{run_window, WindowIo};
 
+/// Bytes an output file holds verbatim (headers), shared where outputs repeat them: every
+/// DCP item of one dtype and shape has the same header bytes.
+pub type Literal = Arc<[u8]>;
+
 /// A destination file: where it goes, its final size, and bytes written verbatim (headers).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OutputFile {
@@ -46,7 +50,7 @@ pub struct OutputFile {
     /// Final size in bytes.
     pub size: u64,
     /// `(offset, bytes)` written verbatim.
-    pub literals: Vec<(u64, Vec<u8>)>,
+    pub literals: Vec<(u64, Literal)>,
     /// CRC-32s to compute over the finished file and write in place (zip records).
     pub checksums: Vec<Checksum>,
 }

@@ -211,7 +211,7 @@ pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
     files.push(OutputFile {
         path: PathBuf::from(INDEX),
         size: bytes.len() as u64,
-        literals: vec![(0, bytes)],
+        literals: vec![(0, bytes.into())],
         checksums: vec![],
     });
     Ok(Output { files, tensors })

@@ -235,7 +235,7 @@ pub fn output_file(
         OutputFile {
             path,
             size,
-            literals: vec![(0, header)],
+            literals: vec![(0, header.into())],
             checksums,
         },
         offsets,

@@ -1333,10 +1333,10 @@ pub fn output_parts(
     layout: &ArchiveLayout,
     records: &[Record],
     base: u64,
-) -> (Vec<(u64, Vec<u8>)>, Vec<crate::exec::Checksum>) {
+) -> (Vec<(u64, crate::exec::Literal)>, Vec<crate::exec::Checksum>) {
     let literals = archive_bytes(layout, records, &[])
         .into_iter()
-        .map(|(at, bytes)| (base + at, bytes))
+        .map(|(at, bytes)| (base + at, bytes.into()))
         .collect();
     let checksums = records
         .iter()

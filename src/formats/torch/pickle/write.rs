@@ -109,6 +109,7 @@ impl PyValue {
     }
 
     /// `torch.Size(dims)`.
+    #[cfg(any(test, feature = "internals"))]
     pub fn torch_size(dims: &[u64]) -> PyValue {
         PyValue::call(
             "torch",
@@ -120,6 +121,7 @@ impl PyValue {
     }
 
     /// A dict with str keys, in the given order.
+    #[cfg(any(test, feature = "internals"))]
     pub fn str_dict(items: Vec<(&str, PyValue)>) -> PyValue {
         PyValue::Dict(
             items
@@ -301,11 +303,9 @@ const BATCH: usize = 1000;
 /// [`validate`] are still written (an over-long [`PyValue::BigInt`] as `LONG4`), but torch
 /// will not load them; use [`pickle_checked`] to refuse them instead.
 pub fn pickle(v: &PyValue) -> Vec<u8> {
-    let mut w = Vec::with_capacity(256);
-    w.extend_from_slice(&[op::PROTO, 2]);
-    write_value(&mut w, v);
-    w.push(op::STOP);
-    w
+    let mut p = Pickler::new();
+    p.value(v);
+    p.finish()
 }
 
 /// [`validate`] then [`pickle`].
@@ -414,107 +414,272 @@ pub(crate) fn write_u64_tuple(w: &mut Vec<u8>, xs: &[u64]) {
     write_tuple_with(w, xs.len(), |w, i| write_u64(w, xs[i]));
 }
 
-fn write_appends(w: &mut Vec<u8>, items: &[PyValue]) {
-    for batch in items.chunks(BATCH) {
-        w.push(op::MARK);
-        for x in batch {
-            write_value(w, x);
-        }
-        w.push(op::APPENDS);
+/// A pickle written piece by piece: [`pickle`] of a whole [`PyValue`] tree, or, for pickles
+/// too large to hold as a tree (DCP's `.metadata` at a million chunks), a caller that writes
+/// the outer containers itself ([`Pickler::dict_with`]) and [`PyValue`]s inside them.
+///
+/// With [`Pickler::with_memo`], each distinct global and str is written once and stored in
+/// the memo (`BINPUT`), and fetched (`BINGET`) where it repeats, as Python's pickler does.
+/// Only for pickles read by the full unpickler: torch's weights-only unpickler of torch 2.1
+/// refuses memo opcodes (`docs/pytorch-formats.md` §8.1).
+pub struct Pickler {
+    w: Vec<u8>,
+    memo: Option<Memo>,
+}
+
+/// Memo slots of the globals (few: a list) and strs written so far.
+#[derive(Default)]
+struct Memo {
+    globals: Vec<(String, String, u32)>,
+    strs: std::collections::HashMap<String, u32>,
+    next: u32,
+}
+
+impl Memo {
+    fn slot(&mut self) -> u32 {
+        let i = self.next;
+        self.next += 1;
+        i
     }
 }
 
-fn write_setitems(w: &mut Vec<u8>, pairs: &[(PyValue, PyValue)]) {
-    for batch in pairs.chunks(BATCH) {
-        w.push(op::MARK);
-        for (k, x) in batch {
-            write_value(w, k);
-            write_value(w, x);
-        }
-        w.push(op::SETITEMS);
+impl Pickler {
+    /// A protocol-2 pickle without memo.
+    pub fn new() -> Pickler {
+        let mut w = Vec::with_capacity(256);
+        w.extend_from_slice(&[op::PROTO, 2]);
+        Pickler { w, memo: None }
     }
-}
 
-fn write_value(w: &mut Vec<u8>, v: &PyValue) {
-    match v {
-        PyValue::None => w.push(op::NONE),
-        PyValue::Bool(b) => w.push(if *b { op::NEWTRUE } else { op::NEWFALSE }),
-        PyValue::Int(i) => write_int(w, *i),
-        PyValue::BigInt(b) => write_long_bytes(w, b),
-        PyValue::Float(f) => write_float(w, *f),
-        PyValue::Str(s) => write_str(w, s),
-        PyValue::Bytes(b) => {
-            // bytes → _codecs.encode(<the bytes as latin-1 text>, 'latin1'), as Python's
-            // protocol-2 pickler writes them.
-            write_global(w, "_codecs", "encode");
-            let text: String = b.iter().map(|&c| c as char).collect();
-            write_str(w, &text);
-            write_str(w, "latin1");
-            w.push(op::TUPLE2);
-            w.push(op::REDUCE);
+    /// A protocol-2 pickle that writes each global and str once (see the type's docs).
+    pub fn with_memo() -> Pickler {
+        Pickler {
+            memo: Some(Memo::default()),
+            ..Pickler::new()
         }
-        PyValue::List(items) => {
-            w.push(op::EMPTY_LIST);
-            write_appends(w, items);
+    }
+
+    /// Push one opcode without argument.
+    pub fn op(&mut self, code: u8) {
+        self.w.push(code);
+    }
+
+    /// The finished pickle (`STOP` appended).
+    pub fn finish(mut self) -> Vec<u8> {
+        self.w.push(op::STOP);
+        self.w
+    }
+
+    fn put(&mut self, slot: u32) {
+        if let Ok(b) = u8::try_from(slot) {
+            self.w.extend_from_slice(&[op::BINPUT, b]);
+        } else {
+            self.w.push(op::LONG_BINPUT);
+            self.w.extend_from_slice(&slot.to_le_bytes());
         }
-        PyValue::Tuple(items) => write_tuple_with(w, items.len(), |w, i| write_value(w, &items[i])),
-        PyValue::Dict(pairs) => {
-            w.push(op::EMPTY_DICT);
-            write_setitems(w, pairs);
+    }
+
+    fn get(&mut self, slot: u32) {
+        if let Ok(b) = u8::try_from(slot) {
+            self.w.extend_from_slice(&[op::BINGET, b]);
+        } else {
+            self.w.push(op::LONG_BINGET);
+            self.w.extend_from_slice(&slot.to_le_bytes());
         }
-        PyValue::OrderedDict(pairs) => {
-            write_global(w, "collections", "OrderedDict");
-            w.push(op::EMPTY_TUPLE);
-            w.push(op::REDUCE);
-            write_setitems(w, pairs);
+    }
+
+    /// Push global `module.name`.
+    pub fn global(&mut self, module: &str, name: &str) {
+        let Some(memo) = self.memo.as_mut() else {
+            return write_global(&mut self.w, module, name);
+        };
+        if let Some(&(_, _, i)) = memo
+            .globals
+            .iter()
+            .find(|(m, n, _)| m == module && n == name)
+        {
+            return self.get(i);
         }
-        PyValue::Set(items) => {
-            // set.__reduce__ in protocol < 4: set([items])
-            write_global(w, "builtins", "set");
-            w.push(op::EMPTY_LIST);
-            write_appends(w, items);
-            w.push(op::TUPLE1);
-            w.push(op::REDUCE);
+        let i = memo.slot();
+        memo.globals.push((module.to_string(), name.to_string(), i));
+        write_global(&mut self.w, module, name);
+        self.put(i);
+    }
+
+    /// Push str `s`.
+    pub fn str(&mut self, s: &str) {
+        let Some(memo) = self.memo.as_mut() else {
+            return write_str(&mut self.w, s);
+        };
+        if let Some(&i) = memo.strs.get(s) {
+            return self.get(i);
         }
-        PyValue::Complex(re, im) => {
-            write_global(w, "builtins", "complex");
-            write_float(w, *re);
-            write_float(w, *im);
-            w.push(op::TUPLE2);
-            w.push(op::REDUCE);
+        let i = memo.slot();
+        memo.strs.insert(s.to_string(), i);
+        write_str(&mut self.w, s);
+        self.put(i);
+    }
+
+    /// Push int `x`.
+    pub fn int(&mut self, x: i64) {
+        write_int(&mut self.w, x);
+    }
+
+    /// Push `torch.Size(dims)`.
+    pub fn torch_size(&mut self, dims: &[u64]) {
+        self.global("torch", "Size");
+        write_u64_tuple(&mut self.w, dims);
+        self.w.push(op::TUPLE1);
+        self.w.push(op::REDUCE);
+    }
+
+    /// Push an empty `module.name` object (`NEWOBJ`); its state follows, then `BUILD`.
+    pub fn new_object(&mut self, module: &str, name: &str) {
+        self.global(module, name);
+        self.w.push(op::EMPTY_TUPLE);
+        self.w.push(op::NEWOBJ);
+    }
+
+    /// Push a dict of `n` items, item `i` (its key, then its value) pushed by `each`, in
+    /// `SETITEMS` batches as Python's pickler writes them.
+    pub fn dict_with(&mut self, n: usize, mut each: impl FnMut(&mut Pickler, usize)) {
+        self.w.push(op::EMPTY_DICT);
+        let mut i = 0;
+        while i < n {
+            self.w.push(op::MARK);
+            for j in i..(i + BATCH).min(n) {
+                each(self, j);
+            }
+            self.w.push(op::SETITEMS);
+            i += BATCH;
         }
-        PyValue::Device { kind, index } => {
-            write_global(w, "torch", "device");
-            write_str(w, kind);
-            match index {
-                Some(i) => {
-                    write_int(w, *i);
-                    w.push(op::TUPLE2);
+    }
+
+    /// Push a list of `n` items, item `i` pushed by `each`, in `APPENDS` batches.
+    pub fn list_with(&mut self, n: usize, mut each: impl FnMut(&mut Pickler, usize)) {
+        self.w.push(op::EMPTY_LIST);
+        let mut i = 0;
+        while i < n {
+            self.w.push(op::MARK);
+            for j in i..(i + BATCH).min(n) {
+                each(self, j);
+            }
+            self.w.push(op::APPENDS);
+            i += BATCH;
+        }
+    }
+
+    /// Tuple of already-known length: items written by `each`.
+    fn tuple_with(&mut self, n: usize, mut each: impl FnMut(&mut Pickler, usize)) {
+        match n {
+            0 => self.w.push(op::EMPTY_TUPLE),
+            1..=3 => {
+                for i in 0..n {
+                    each(self, i);
                 }
-                None => w.push(op::TUPLE1),
+                self.w.push([op::TUPLE1, op::TUPLE2, op::TUPLE3][n - 1]);
             }
-            w.push(op::REDUCE);
-        }
-        PyValue::Global { module, name } => write_global(w, module, name),
-        PyValue::Object {
-            module,
-            name,
-            state,
-        } => {
-            write_global(w, module, name);
-            w.push(op::EMPTY_TUPLE);
-            w.push(op::NEWOBJ);
-            if let Some(s) = state {
-                write_value(w, s);
-                w.push(op::BUILD);
+            _ => {
+                self.w.push(op::MARK);
+                for i in 0..n {
+                    each(self, i);
+                }
+                self.w.push(op::TUPLE);
             }
         }
-        PyValue::Call { module, name, args } => {
-            write_global(w, module, name);
-            write_tuple_with(w, args.len(), |w, i| write_value(w, &args[i]));
-            w.push(op::REDUCE);
+    }
+
+    /// Push `v`.
+    pub fn value(&mut self, v: &PyValue) {
+        match v {
+            PyValue::None => self.w.push(op::NONE),
+            PyValue::Bool(b) => self.w.push(if *b { op::NEWTRUE } else { op::NEWFALSE }),
+            PyValue::Int(i) => self.int(*i),
+            PyValue::BigInt(b) => write_long_bytes(&mut self.w, b),
+            PyValue::Float(f) => write_float(&mut self.w, *f),
+            PyValue::Str(s) => self.str(s),
+            PyValue::Bytes(b) => {
+                // bytes → _codecs.encode(<the bytes as latin-1 text>, 'latin1'), as Python's
+                // protocol-2 pickler writes them.
+                self.global("_codecs", "encode");
+                let text: String = b.iter().map(|&c| c as char).collect();
+                self.str(&text);
+                self.str("latin1");
+                self.w.push(op::TUPLE2);
+                self.w.push(op::REDUCE);
+            }
+            PyValue::List(items) => self.list_with(items.len(), |p, i| p.value(&items[i])),
+            PyValue::Tuple(items) => self.tuple_with(items.len(), |p, i| p.value(&items[i])),
+            PyValue::Dict(pairs) => self.dict_with(pairs.len(), |p, i| {
+                p.value(&pairs[i].0);
+                p.value(&pairs[i].1);
+            }),
+            PyValue::OrderedDict(pairs) => {
+                self.global("collections", "OrderedDict");
+                self.w.push(op::EMPTY_TUPLE);
+                self.w.push(op::REDUCE);
+                let mut i = 0;
+                while i < pairs.len() {
+                    self.w.push(op::MARK);
+                    for (k, x) in &pairs[i..(i + BATCH).min(pairs.len())] {
+                        self.value(k);
+                        self.value(x);
+                    }
+                    self.w.push(op::SETITEMS);
+                    i += BATCH;
+                }
+            }
+            PyValue::Set(items) => {
+                // set.__reduce__ in protocol < 4: set([items])
+                self.global("builtins", "set");
+                self.list_with(items.len(), |p, i| p.value(&items[i]));
+                self.w.push(op::TUPLE1);
+                self.w.push(op::REDUCE);
+            }
+            PyValue::Complex(re, im) => {
+                self.global("builtins", "complex");
+                write_float(&mut self.w, *re);
+                write_float(&mut self.w, *im);
+                self.w.push(op::TUPLE2);
+                self.w.push(op::REDUCE);
+            }
+            PyValue::Device { kind, index } => {
+                self.global("torch", "device");
+                self.str(kind);
+                match index {
+                    Some(i) => {
+                        self.int(*i);
+                        self.w.push(op::TUPLE2);
+                    }
+                    None => self.w.push(op::TUPLE1),
+                }
+                self.w.push(op::REDUCE);
+            }
+            PyValue::Global { module, name } => self.global(module, name),
+            PyValue::Object {
+                module,
+                name,
+                state,
+            } => {
+                self.new_object(module, name);
+                if let Some(s) = state {
+                    self.value(s);
+                    self.w.push(op::BUILD);
+                }
+            }
+            PyValue::Call { module, name, args } => {
+                self.global(module, name);
+                self.tuple_with(args.len(), |p, i| p.value(&args[i]));
+                self.w.push(op::REDUCE);
+            }
+            PyValue::Tensor(t) => write_tensor(&mut self.w, t),
         }
-        PyValue::Tensor(t) => write_tensor(w, t),
+    }
+}
+
+impl Default for Pickler {
+    fn default() -> Pickler {
+        Pickler::new()
     }
 }
 
