@@ -346,7 +346,6 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
     // error in metadata order is reported, whichever thread met it first, so messages are
     // stable.
     let labels: Vec<Label> = (0..meta.entries.len()).map(|_| Label::new()).collect();
-    let mut got: Vec<Option<Result<Got>>> = (0..works.len()).map(|_| None).collect();
     let parsed: Vec<Vec<(usize, Result<Got>)>> = batches
         .par_iter()
         .map(|b| {
@@ -362,11 +361,11 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             out
         })
         .collect();
-    for (i, g) in parsed.into_iter().flatten() {
-        got[i] = Some(g);
-    }
-    let got: Vec<Result<Got>> = got.into_iter().flatten().collect();
-    let got: Vec<Got> = got.into_iter().collect::<Result<_>>()?;
+    // One list in item order, built in place (batches are freed as they are moved; the
+    // last step reuses the list's allocation): at a million items every copy counts.
+    let mut parsed: Vec<(usize, Result<Got>)> = parsed.into_iter().flatten().collect();
+    parsed.sort_unstable_by_key(|&(i, _)| i);
+    let got: Vec<Got> = parsed.into_iter().map(|(_, g)| g).collect::<Result<_>>()?;
     let (tensors, mut extras, checksums) = assemble(&meta, &meta_paths, got)?;
     let meta_pt = dir.join(META_PT);
     if meta_pt.is_file() {

@@ -182,10 +182,8 @@ impl<'g> Obj<'g> {
 
     /// Elements of a list or a tuple.
     pub fn as_list(self) -> Option<impl ExactSizeIterator<Item = Obj<'g>> + 'g> {
-        match self.node() {
-            Node::List(ids) | Node::Tuple(ids) => Some(ids.iter().map(move |&i| self.at(i))),
-            _ => None,
-        }
+        let ids = self.node().list_ids()?;
+        Some(ids.iter().map(move |&i| self.at(i)))
     }
 
     /// Pairs of a dict, in pickle order (a key set twice appears twice; see [`Obj::get`]).
@@ -231,8 +229,8 @@ impl<'g> Obj<'g> {
                 .map(|&(_, v)| self.at(v)),
             Node::Object { state: Some(s), .. } => {
                 let s = self.at(*s);
-                match s.node() {
-                    Node::Tuple(parts) if parts.len() == 2 => self.at(parts[0]).get(key),
+                match s.node().tuple_ids() {
+                    Some(&[dict, _]) => self.at(dict).get(key),
                     _ => s.get(key),
                 }
             }
@@ -244,14 +242,16 @@ impl<'g> Obj<'g> {
     /// false (with `out` unspecified) for anything else or a negative int.
     pub fn dims_into(self, out: &mut Vec<u64>) -> bool {
         let items = match self.node() {
-            Node::List(ids) | Node::Tuple(ids) => ids,
             Node::Object { args, .. } if self.class() == Some(("torch", "Size")) => {
-                return match self.at(*args).node() {
-                    Node::Tuple(a) if a.len() == 1 => self.at(a[0]).dims_into(out),
+                return match self.at(*args).node().tuple_ids() {
+                    Some(&[dims]) => self.at(dims).dims_into(out),
                     _ => false,
                 };
             }
-            _ => return false,
+            n => match n.list_ids() {
+                Some(ids) => ids,
+                None => return false,
+            },
         };
         for &i in items {
             match self.at(i).as_int().and_then(|v| u64::try_from(v).ok()) {
@@ -409,19 +409,27 @@ impl Memo {
 
 type Id = u32;
 
+/// A value of the arena. Kept at 24 bytes (a million-chunk `.metadata` decodes to some 20
+/// million of them): boxed slices instead of vectors, tuples of up to three items inline.
 #[derive(Debug)]
 enum Node {
     None,
     Bool(bool),
     Int(i64),
-    BigInt(Vec<u8>),
+    BigInt(Box<[u8]>),
     Float(f64),
-    Str(String),
-    Bytes(Vec<u8>),
-    List(Vec<Id>),
-    Tuple(Vec<Id>),
-    Dict(Vec<(Id, Id)>),
-    Set(Vec<Id>),
+    Str(Box<str>),
+    Bytes(Box<[u8]>),
+    List(Seq<Id>),
+    /// A tuple of up to three items.
+    SmallTuple {
+        len: u8,
+        ids: [Id; 3],
+    },
+    /// A longer tuple.
+    Tuple(Box<[Id]>),
+    Dict(Seq<(Id, Id)>),
+    Set(Seq<Id>),
     /// Index into `Machine::global_table`.
     Global(u32),
     /// `args` is a `Tuple` node.
@@ -433,7 +441,107 @@ enum Node {
     PersistentId(Id),
 }
 
+/// A growable sequence in the 16 bytes of a boxed slice: its spare capacity holds
+/// [`Vacant::VACANT`], which no element equals (ids stay below `Id::MAX`), so its length is
+/// where the vacant tail starts. Grows by doubling, like a `Vec`.
+#[derive(Debug)]
+struct Seq<T: Vacant>(Box<[T]>);
+
+/// An element of a [`Seq`] and the value that marks its spare capacity.
+trait Vacant: Copy + PartialEq + std::fmt::Debug {
+    const VACANT: Self;
+}
+
+impl Vacant for Id {
+    const VACANT: Id = Id::MAX;
+}
+
+impl Vacant for (Id, Id) {
+    const VACANT: (Id, Id) = (Id::MAX, Id::MAX);
+}
+
+impl<T: Vacant> Seq<T> {
+    fn new() -> Seq<T> {
+        Seq(Box::new([]))
+    }
+
+    fn push(&mut self, x: T) {
+        self.extend(std::slice::from_ref(&x));
+    }
+
+    fn extend(&mut self, xs: &[T]) {
+        let len = self.len();
+        let need = len + xs.len();
+        if need <= self.0.len() {
+            self.0[len..need].copy_from_slice(xs);
+            return;
+        }
+        let cap = if len == 0 {
+            need
+        } else {
+            need.max(self.0.len() * 2)
+        };
+        let mut v = std::mem::take(&mut self.0).into_vec();
+        v.truncate(len);
+        v.reserve_exact(cap - len);
+        v.extend_from_slice(xs);
+        v.resize(cap, T::VACANT);
+        self.0 = v.into_boxed_slice();
+    }
+}
+
+impl<T: Vacant> From<Vec<T>> for Seq<T> {
+    fn from(v: Vec<T>) -> Seq<T> {
+        Seq(v.into_boxed_slice())
+    }
+}
+
+impl<T: Vacant> std::ops::Deref for Seq<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        let len = self.0.partition_point(|x| *x != T::VACANT);
+        &self.0[..len]
+    }
+}
+
 impl Node {
+    /// A tuple of `items`.
+    fn tuple(items: &[Id]) -> Node {
+        match items.len() {
+            n @ 0..=3 => {
+                let mut ids = [0; 3];
+                ids[..n].copy_from_slice(items);
+                Node::SmallTuple { len: n as u8, ids }
+            }
+            _ => Node::Tuple(items.into()),
+        }
+    }
+
+    /// Items of a tuple.
+    fn tuple_ids(&self) -> Option<&[Id]> {
+        match self {
+            Node::SmallTuple { len, ids } => ids.get(..usize::from(*len)),
+            Node::Tuple(ids) => Some(ids),
+            _ => None,
+        }
+    }
+
+    /// Items of a list or a tuple.
+    fn list_ids(&self) -> Option<&[Id]> {
+        match self {
+            Node::List(ids) => Some(ids),
+            _ => self.tuple_ids(),
+        }
+    }
+
+    /// Items of a list, a tuple or a set.
+    fn seq_ids(&self) -> Option<&[Id]> {
+        match self {
+            Node::Set(ids) => Some(ids),
+            _ => self.list_ids(),
+        }
+    }
+
     fn kind(&self) -> &'static str {
         match self {
             Node::None => "none",
@@ -443,7 +551,7 @@ impl Node {
             Node::Str(_) => "str",
             Node::Bytes(_) => "bytes",
             Node::List(_) => "list",
-            Node::Tuple(_) => "tuple",
+            Node::SmallTuple { .. } | Node::Tuple(_) => "tuple",
             Node::Dict(_) => "dict",
             Node::Set(_) => "set",
             Node::Global(_) => "global",
@@ -457,6 +565,8 @@ const NONE_ID: Id = 0;
 const TRUE_ID: Id = 1;
 const FALSE_ID: Id = 2;
 const EMPTY_TUPLE_ID: Id = 3;
+
+const _: () = assert!(std::mem::size_of::<Node>() == 24);
 
 struct Budget {
     values: u64,
@@ -545,7 +655,7 @@ impl<'g> Machine<'g> {
                 Node::None,
                 Node::Bool(true),
                 Node::Bool(false),
-                Node::Tuple(Vec::new()),
+                Node::tuple(&[]),
             ],
             stack: Vec::new(),
             marks: Vec::new(),
@@ -570,11 +680,15 @@ impl<'g> Machine<'g> {
     }
 
     fn alloc(&mut self, node: Node, at: usize) -> Result<Id, PickleError> {
-        let id = Id::try_from(self.nodes.len()).map_err(|_| PickleError::Limit {
-            what: "number of values",
-            limit: Id::MAX as usize,
-            offset: at,
-        })?;
+        // `Id::MAX` is never an id: it marks vacant memo slots and spare `Seq` capacity.
+        let id = Id::try_from(self.nodes.len())
+            .ok()
+            .filter(|&id| id < Id::MAX)
+            .ok_or(PickleError::Limit {
+                what: "number of values",
+                limit: Id::MAX as usize,
+                offset: at,
+            })?;
         self.nodes.push(node);
         Ok(id)
     }
@@ -701,7 +815,9 @@ impl<'g> Machine<'g> {
     /// Elements of a list/tuple/set node (copied, metered).
     fn items_of(&mut self, id: Id, what: &str, at: usize) -> Result<Vec<Id>, PickleError> {
         match self.nodes.get(id as usize) {
-            Some(Node::List(v) | Node::Tuple(v) | Node::Set(v)) => charged(&mut self.budget, v),
+            Some(n) if n.seq_ids().is_some() => {
+                charged(&mut self.budget, n.seq_ids().unwrap_or_default())
+            }
             other => Err(invalid(
                 at,
                 format!(
@@ -741,7 +857,9 @@ impl<'g> Machine<'g> {
             }
         };
         let arg_ids = match self.nodes.get(args as usize) {
-            Some(Node::Tuple(v)) => charged(&mut self.budget, v)?,
+            Some(n) if n.tuple_ids().is_some() => {
+                charged(&mut self.budget, n.tuple_ids().unwrap_or_default())?
+            }
             other => {
                 return Err(invalid(
                     at,
@@ -761,17 +879,17 @@ impl<'g> Machine<'g> {
                 args,
                 state: None,
             },
-            (Builtin::Dict, []) => Node::Dict(Vec::new()),
+            (Builtin::Dict, []) => Node::Dict(Seq::new()),
             (Builtin::Dict, [src]) => {
                 let src = *src;
                 self.dict_from(src, &qual, at)?
             }
-            (Builtin::Set, []) => Node::Set(Vec::new()),
+            (Builtin::Set, []) => Node::Set(Seq::new()),
             (Builtin::Set, [src]) => {
                 let src = *src;
-                Node::Set(self.items_of(src, &qual, at)?)
+                Node::Set(self.items_of(src, &qual, at)?.into())
             }
-            (Builtin::ByteArray, []) => Node::Bytes(Vec::new()),
+            (Builtin::ByteArray, []) => Node::Bytes(Box::new([])),
             (Builtin::ByteArray, [src]) => match self.nodes.get(*src as usize) {
                 Some(Node::Bytes(b)) => {
                     self.budget.bytes(b.len())?;
@@ -810,18 +928,16 @@ impl<'g> Machine<'g> {
     /// `dict(src)` / `OrderedDict(src)`: a copy of a dict, or a dict of key/value pairs.
     fn dict_from(&mut self, src: Id, qual: &str, at: usize) -> Result<Node, PickleError> {
         if let Node::Dict(_) = self.node(src) {
-            return Ok(Node::Dict(self.dict_pairs(src)?));
+            return Ok(Node::Dict(self.dict_pairs(src)?.into()));
         }
         let items = self.items_of(src, qual, at)?;
         let mut pairs = Vec::with_capacity(items.len());
         for item in items {
-            match self.node(item) {
-                Node::Tuple(kv) | Node::List(kv) if kv.len() == 2 => {
-                    if let [k, v] = kv.as_slice() {
-                        pairs.push((*k, *v));
-                    }
-                }
-                other => {
+            let node = self.node(item);
+            match node.list_ids() {
+                Some(&[k, v]) => pairs.push((k, v)),
+                _ => {
+                    let other = node;
                     return Err(invalid(
                         at,
                         format!("{qual} expects key/value pairs, got a {}", other.kind()),
@@ -829,7 +945,7 @@ impl<'g> Machine<'g> {
                 }
             }
         }
-        Ok(Node::Dict(pairs))
+        Ok(Node::Dict(pairs.into()))
     }
 
     /// `_codecs.encode(text, encoding)` / `bytearray(text, encoding)`.
@@ -878,7 +994,7 @@ impl<'g> Machine<'g> {
                 ))
             }
         };
-        Ok(Node::Bytes(bytes))
+        Ok(Node::Bytes(bytes.into()))
     }
 
     fn build(&mut self, at: usize) -> Result<(), PickleError> {
@@ -897,7 +1013,7 @@ impl<'g> Machine<'g> {
                         // Merge into a new dict: the old state may be shared through the memo.
                         let mut merged = self.dict_pairs(old_id)?;
                         merged.extend(self.dict_pairs(state)?);
-                        self.alloc(Node::Dict(merged), at)?
+                        self.alloc(Node::Dict(merged.into()), at)?
                     }
                     _ => state,
                 };
@@ -913,7 +1029,7 @@ impl<'g> Machine<'g> {
                 }
                 let new_pairs = self.dict_pairs(state)?;
                 if let Node::Dict(pairs) = self.node_mut(inst, at)? {
-                    pairs.extend(new_pairs);
+                    pairs.extend(&new_pairs);
                 }
                 Ok(())
             }
@@ -1048,13 +1164,13 @@ impl<'g> Machine<'g> {
                     let bytes = r.take(n, name, at)?;
                     let s = std::str::from_utf8(bytes)
                         .map_err(|_| invalid(at, format!("invalid utf-8 in {name}")))?;
-                    self.push_node(Node::Str(s.to_owned()), at)?;
+                    self.push_node(Node::Str(s.into()), at)?;
                 }
                 UNICODE => {
                     let line = r.line(name, at)?;
                     let s = decode_raw_unicode_escape(line)
                         .ok_or_else(|| invalid(at, "invalid raw-unicode-escape in UNICODE"))?;
-                    self.push_node(Node::Str(s), at)?;
+                    self.push_node(Node::Str(s.into()), at)?;
                 }
                 BINSTRING | SHORT_BINSTRING | BINBYTES | SHORT_BINBYTES | BINBYTES8
                 | BYTEARRAY8 => {
@@ -1070,25 +1186,25 @@ impl<'g> Machine<'g> {
                         _ => r.u64(name, at)?,
                     };
                     let bytes = r.take(n, name, at)?;
-                    self.push_node(Node::Bytes(bytes.to_vec()), at)?;
+                    self.push_node(Node::Bytes(bytes.into()), at)?;
                 }
                 EMPTY_TUPLE => self.push(EMPTY_TUPLE_ID, at)?,
                 TUPLE => {
                     let items = self.pop_mark(name, at)?;
-                    self.push_node(Node::Tuple(items), at)?;
+                    self.push_node(Node::tuple(&items), at)?;
                 }
                 TUPLE1 | TUPLE2 | TUPLE3 => {
                     let n = usize::from(code - TUPLE1) + 1;
-                    let mut items = vec![0; n];
-                    for slot in items.iter_mut().rev() {
+                    let mut items = [0; 3];
+                    for slot in items[..n].iter_mut().rev() {
                         *slot = self.pop(name, at)?;
                     }
-                    self.push_node(Node::Tuple(items), at)?;
+                    self.push_node(Node::tuple(&items[..n]), at)?;
                 }
-                EMPTY_LIST => self.push_node(Node::List(Vec::new()), at)?,
+                EMPTY_LIST => self.push_node(Node::List(Seq::new()), at)?,
                 LIST => {
                     let items = self.pop_mark(name, at)?;
-                    self.push_node(Node::List(items), at)?;
+                    self.push_node(Node::List(items.into()), at)?;
                 }
                 APPEND => {
                     let v = self.pop(name, at)?;
@@ -1105,18 +1221,18 @@ impl<'g> Machine<'g> {
                     let new = self.pop_mark(name, at)?;
                     let list = self.top(name, at)?;
                     match self.node_mut(list, at)? {
-                        Node::List(items) => items.extend(new),
+                        Node::List(items) => items.extend(&new),
                         other => {
                             let kind = other.kind();
                             return Err(invalid(at, format!("APPENDS to a {kind}")));
                         }
                     }
                 }
-                EMPTY_DICT => self.push_node(Node::Dict(Vec::new()), at)?,
+                EMPTY_DICT => self.push_node(Node::Dict(Seq::new()), at)?,
                 DICT => {
                     let items = self.pop_mark(name, at)?;
                     let pairs = pairs_of(&items, name, at)?;
-                    self.push_node(Node::Dict(pairs), at)?;
+                    self.push_node(Node::Dict(pairs.into()), at)?;
                 }
                 SETITEM => {
                     let v = self.pop(name, at)?;
@@ -1135,19 +1251,19 @@ impl<'g> Machine<'g> {
                     let new = pairs_of(&items, name, at)?;
                     let dict = self.top(name, at)?;
                     match self.node_mut(dict, at)? {
-                        Node::Dict(pairs) => pairs.extend(new),
+                        Node::Dict(pairs) => pairs.extend(&new),
                         other => {
                             let kind = other.kind();
                             return Err(invalid(at, format!("SETITEMS on a {kind}")));
                         }
                     }
                 }
-                EMPTY_SET => self.push_node(Node::Set(Vec::new()), at)?,
+                EMPTY_SET => self.push_node(Node::Set(Seq::new()), at)?,
                 ADDITEMS => {
                     let new = self.pop_mark(name, at)?;
                     let set = self.top(name, at)?;
                     match self.node_mut(set, at)? {
-                        Node::Set(items) => items.extend(new),
+                        Node::Set(items) => items.extend(&new),
                         other => {
                             let kind = other.kind();
                             return Err(invalid(at, format!("ADDITEMS on a {kind}")));
@@ -1156,7 +1272,7 @@ impl<'g> Machine<'g> {
                 }
                 FROZENSET => {
                     let items = self.pop_mark(name, at)?;
-                    self.push_node(Node::Set(items), at)?;
+                    self.push_node(Node::Set(items.into()), at)?;
                 }
                 GLOBAL | INST => {
                     let module = r.line(name, at)?;
@@ -1171,7 +1287,7 @@ impl<'g> Machine<'g> {
                         self.push(global, at)?;
                     } else {
                         let args = self.pop_mark(name, at)?;
-                        let args = self.alloc(Node::Tuple(args), at)?;
+                        let args = self.alloc(Node::tuple(&args), at)?;
                         let obj = self.call(global, args, name, at)?;
                         self.push(obj, at)?;
                     }
@@ -1198,7 +1314,7 @@ impl<'g> Machine<'g> {
                         });
                     }
                     let cls = items.remove(0);
-                    let args = self.alloc(Node::Tuple(items), at)?;
+                    let args = self.alloc(Node::tuple(&items), at)?;
                     let obj = self.call(cls, args, name, at)?;
                     self.push(obj, at)?;
                 }
@@ -1270,7 +1386,7 @@ impl<'g> Machine<'g> {
                         .ok()
                         .filter(|s| s.is_ascii())
                         .ok_or_else(|| invalid(at, "PERSID id must be ascii"))?;
-                    let pid = self.alloc(Node::Str(s.to_owned()), at)?;
+                    let pid = self.alloc(Node::Str(s.into()), at)?;
                     self.push_node(Node::PersistentId(pid), at)?;
                 }
                 BINPERSID => {
@@ -1378,7 +1494,7 @@ fn int_from_le(bytes: &[u8]) -> Node {
         }
         return Node::Int(i64::from_le_bytes(buf));
     }
-    Node::BigInt(bytes.to_vec())
+    Node::BigInt(bytes.into())
 }
 
 /// Decimal text (`INT`/`LONG`) → `Int` or `BigInt`.
@@ -1484,7 +1600,9 @@ fn shared_nodes(nodes: &[Node]) -> Vec<bool> {
     };
     for n in nodes {
         match n {
-            Node::List(ids) | Node::Tuple(ids) | Node::Set(ids) => ids.iter().for_each(|&i| count(i)),
+            Node::List(_) | Node::SmallTuple { .. } | Node::Tuple(_) | Node::Set(_) => {
+                n.seq_ids().unwrap_or_default().iter().for_each(|&i| count(i))
+            }
             Node::Dict(pairs) => pairs.iter().for_each(|&(k, v)| {
                 count(k);
                 count(v)
@@ -1535,10 +1653,12 @@ impl Sizes<'_> {
             Node::None | Node::Bool(_) | Node::Int(_) | Node::Float(_) => {}
             Node::BigInt(b) | Node::Bytes(b) => bytes = b.len() as u64,
             Node::Str(s) => bytes = s.len() as u64,
-            Node::List(ids) | Node::Tuple(ids) | Node::Set(ids) => children = ids,
+            Node::List(_) | Node::SmallTuple { .. } | Node::Tuple(_) | Node::Set(_) => {
+                children = node.seq_ids().unwrap_or_default()
+            }
             Node::Dict(pairs) => {
                 values = values.saturating_add(pairs.len() as u64);
-                for &(k, v) in pairs {
+                for &(k, v) in pairs.iter() {
                     for child in [k, v] {
                         let (cv, cb) = self.of(child, depth + 1)?;
                         values = values.saturating_add(cv);
@@ -1553,7 +1673,7 @@ impl Sizes<'_> {
                 state,
             } => {
                 bytes = global_len(global);
-                if let Some(Node::Tuple(ids)) = nodes.get(*args as usize) {
+                if let Some(ids) = nodes.get(*args as usize).and_then(Node::tuple_ids) {
                     children = ids;
                 }
                 extra[0] = *state;
@@ -1650,26 +1770,28 @@ impl<'a> Materializer<'a> {
             Node::Int(i) => Value::Int(*i),
             Node::BigInt(b) => {
                 self.budget.bytes(b.len())?;
-                Value::BigInt(b.clone())
+                Value::BigInt(b.to_vec())
             }
             Node::Float(f) => Value::Float(*f),
             Node::Str(s) => {
                 self.budget.bytes(s.len())?;
-                Value::Str(s.clone())
+                Value::Str(s.to_string())
             }
             Node::Bytes(b) => {
                 self.budget.bytes(b.len())?;
-                Value::Bytes(b.clone())
+                Value::Bytes(b.to_vec())
             }
             Node::List(ids) => Value::List(self.list(ids, depth)?),
-            Node::Tuple(ids) => Value::Tuple(self.list(ids, depth)?),
+            Node::SmallTuple { .. } | Node::Tuple(_) => {
+                Value::Tuple(self.list(node.tuple_ids().unwrap_or_default(), depth)?)
+            }
             Node::Set(ids) => Value::Set(self.list(ids, depth)?),
             Node::Dict(pairs) => {
                 self.budget.values(pairs.len())?;
                 // Keep the first position and the last value of a repeated simple key.
                 let mut kept: Vec<(Id, Id)> = Vec::with_capacity(pairs.len());
                 let mut index: HashMap<KeyRef<'a>, usize> = HashMap::new();
-                for &(k, v) in pairs {
+                for &(k, v) in pairs.iter() {
                     match self.key_ref(k) {
                         Some(key) => match index.get(&key) {
                             Some(&pos) => {
@@ -1703,9 +1825,9 @@ impl<'a> Materializer<'a> {
                 state,
             } => {
                 let (module, name) = self.global(*global)?;
-                let args = match self.node(*args) {
-                    Node::Tuple(ids) => self.list(ids, depth)?,
-                    _ => Vec::new(),
+                let args = match self.node(*args).tuple_ids() {
+                    Some(ids) => self.list(ids, depth)?,
+                    None => Vec::new(),
                 };
                 let state = match state {
                     Some(s) => Some(Box::new(self.value(*s, depth)?)),
