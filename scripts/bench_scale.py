@@ -35,12 +35,22 @@ def run(cmd: list[str]) -> tuple[float, int]:
 
 
 def chunks(d: str, reshard: str) -> int:
+    """Chunks of a checkpoint, counted in a child process: the JSON of a million chunks
+    would grow this process, and a child forked from a large parent starts with the
+    parent's peak RSS in its own ``ru_maxrss``, which would then count in every
+    measurement after it."""
+    code = (
+        "import json, subprocess, sys;"
+        "out = subprocess.run(sys.argv[1:], check=True, capture_output=True).stdout;"
+        "print(sum(len(t['pieces']) for t in json.loads(out)['tensors']))"
+    )
     out = subprocess.run(
-        [reshard, "inspect", d, "--json"], check=True, capture_output=True, text=True
+        [sys.executable, "-c", code, reshard, "inspect", d, "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
-    import json
-
-    return sum(len(t["pieces"]) for t in json.loads(out)["tensors"])
+    return int(out)
 
 
 def main() -> int:
