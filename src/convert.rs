@@ -7,7 +7,7 @@ use crate::exec::{execute_with_known, ExecOptions, ExecStats, KnownCrc};
 use crate::formats::{self, Aliasing, Checkpoint, Choice, Format, Output, WriteOptions};
 use crate::layout::{DType, TensorLayout};
 use crate::per_rank::{classify, Policy};
-use crate::plan::{plan, Plan};
+use crate::plan::{plan_named, Plan};
 pub use crate::select::Selection;
 use crate::target::LayoutSpec;
 use std::path::{Path, PathBuf};
@@ -171,15 +171,10 @@ pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions)
         extra_names,
     )?;
     let output = formats::write(format, &target, world as u32, &wopts)?;
-    let src_tensors: Vec<_> = selected
-        .into_iter()
-        .zip(tensor_names)
-        .map(|(t, name)| TensorLayout {
-            name: name.clone(),
-            ..t.clone()
-        })
-        .collect();
-    let plan = plan(&src_tensors, &output.tensors)?;
+    let plan = plan_named(
+        tensor_names.iter().map(String::as_str).zip(selected),
+        &output.tensors,
+    )?;
     Ok(Job {
         source,
         format,

@@ -175,7 +175,7 @@ impl LocalTensor {
         LocalTensor {
             name: name.into(),
             dtype,
-            shape: region.sizes.clone(),
+            shape: region.sizes.to_vec(),
             parts: vec![LocalPart {
                 at: vec![0; region.ndim()],
                 region,

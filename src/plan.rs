@@ -127,7 +127,16 @@ impl Plan {
 /// Plan the copy of every tensor of `dst` from the tensor of the same name in `src`.
 /// Both sides are validated first (exact cover, no conflicting overlap).
 pub fn plan(src: &[TensorLayout], dst: &[TensorLayout]) -> Result<Plan> {
-    let by_name: HashMap<&str, &TensorLayout> = src.iter().map(|t| (t.name.as_str(), t)).collect();
+    plan_named(src.iter().map(|t| (t.name.as_str(), t)), dst)
+}
+
+/// [`plan()`] with each source tensor under a name of the caller's (its output name when
+/// tensors are renamed), so the source layouts need not be copied to rename them.
+pub fn plan_named<'a>(
+    src: impl IntoIterator<Item = (&'a str, &'a TensorLayout)>,
+    dst: &[TensorLayout],
+) -> Result<Plan> {
+    let by_name: HashMap<&str, &TensorLayout> = src.into_iter().collect();
     let mut out = Plan::default();
     for d in dst {
         let s = by_name
@@ -377,8 +386,8 @@ mod tests {
         };
         let t = sharded("w", DType::F32, &[4, 6], &s);
         let region = Region {
-            offsets: vec![1, 2],
-            sizes: vec![2, 3],
+            offsets: [1, 2].into(),
+            sizes: [2, 3].into(),
         };
         let ops = region_ops(&t, &region, DType::F32);
         assert!(ops.iter().all(|o| o.dst == 0 && o.cast.is_none()));

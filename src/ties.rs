@@ -177,8 +177,8 @@ fn bytes_key(t: &TensorLayout) -> Vec<BytesKey> {
         .iter()
         .map(|p| {
             (
-                p.region.offsets.clone(),
-                p.region.sizes.clone(),
+                p.region.offsets.to_vec(),
+                p.region.sizes.to_vec(),
                 p.loc.file,
                 p.loc.offset,
                 p.loc.strides.clone(),

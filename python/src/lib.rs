@@ -278,8 +278,8 @@ impl PyCheckpoint {
                     r.name,
                     r.dtype.name(),
                     r.global_shape,
-                    r.region.offsets,
-                    r.region.sizes,
+                    r.region.offsets.to_vec(),
+                    r.region.sizes.to_vec(),
                 )
             })
             .collect())
@@ -424,7 +424,7 @@ fn local_tensor(
         lt.shape,
         lt.parts
             .into_iter()
-            .map(|p| (p.region.offsets, p.region.sizes, p.at))
+            .map(|p| (p.region.offsets.to_vec(), p.region.sizes.to_vec(), p.at))
             .collect(),
     ))
 }

@@ -273,9 +273,9 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
                     Entry {
                         name: t.name.clone(),
                         dtype: t.dtype,
-                        shape: reg.sizes.clone(),
+                        shape: reg.sizes.to_vec(),
                     },
-                    reg.offsets.clone(),
+                    reg.offsets.to_vec(),
                 ));
                 k += 1;
             }

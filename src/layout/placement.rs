@@ -368,7 +368,7 @@ mod tests {
             .map(|r| {
                 s.rank_regions(shape, r)
                     .into_iter()
-                    .map(|g| (g.offsets, g.sizes))
+                    .map(|g| (g.offsets.to_vec(), g.sizes.to_vec()))
                     .collect()
             })
             .collect()

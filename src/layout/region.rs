@@ -7,18 +7,24 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
+/// Per-dimension values of a region (offsets or sizes): up to two dimensions inline, so the
+/// millions of regions of a large checkpoint's layouts (mostly of 1-d and 2-d tensors) do
+/// not each cost two heap allocations. Serialized as a list, like a `Vec`.
+pub type Dims = smallvec::SmallVec<[u64; 2]>;
+
 /// An N-d box in the index space of a global tensor.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Region {
     /// First index in each dimension.
-    pub offsets: Vec<u64>,
+    pub offsets: Dims,
     /// Extent in each dimension.
-    pub sizes: Vec<u64>,
+    pub sizes: Dims,
 }
 
 impl Region {
     /// A region from offsets and sizes (same length).
-    pub fn new(offsets: Vec<u64>, sizes: Vec<u64>) -> Self {
+    pub fn new(offsets: impl Into<Dims>, sizes: impl Into<Dims>) -> Self {
+        let (offsets, sizes) = (offsets.into(), sizes.into());
         debug_assert_eq!(offsets.len(), sizes.len());
         Region { offsets, sizes }
     }
@@ -26,8 +32,8 @@ impl Region {
     /// The whole of a tensor of `shape`.
     pub fn full(shape: &[u64]) -> Self {
         Region {
-            offsets: vec![0; shape.len()],
-            sizes: shape.to_vec(),
+            offsets: smallvec::smallvec![0; shape.len()],
+            sizes: shape.into(),
         }
     }
 
@@ -83,8 +89,8 @@ impl Region {
         if self.ndim() != other.ndim() {
             return None;
         }
-        let mut offsets = Vec::with_capacity(self.ndim());
-        let mut sizes = Vec::with_capacity(self.ndim());
+        let mut offsets = Dims::with_capacity(self.ndim());
+        let mut sizes = Dims::with_capacity(self.ndim());
         for d in 0..self.ndim() {
             let lo = self.offsets[d].max(other.offsets[d]);
             let hi = self.end(d).min(other.end(d));
@@ -261,7 +267,7 @@ mod tests {
         assert!(b
             .iter()
             .enumerate()
-            .all(|(k, r)| r.offsets == vec![2 * k as u64, 0] && r.sizes == vec![2, 3]));
+            .all(|(k, r)| r.offsets[..] == [2 * k as u64, 0] && r.sizes[..] == [2, 3]));
         // a row larger than the block: one row each; 0-d and empty: one box
         assert_eq!(Region::row_blocks(&[3, 100], 8, 16).len(), 3);
         assert_eq!(Region::row_blocks(&[], 4, 1), vec![Region::full(&[])]);

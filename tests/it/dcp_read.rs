@@ -143,8 +143,8 @@ fn piece_offsets_match_the_manifests() {
                 let file = ck.files[p.loc.file as usize].file_name().unwrap();
                 let found = chunks.iter().find(|c| {
                     let r = Region::new(
-                        serde_json::from_value(c["offsets"].clone()).unwrap(),
-                        serde_json::from_value(c["sizes"].clone()).unwrap(),
+                        serde_json::from_value::<Vec<u64>>(c["offsets"].clone()).unwrap(),
+                        serde_json::from_value::<Vec<u64>>(c["sizes"].clone()).unwrap(),
                     );
                     r == p.region && c["file"].as_str() == file.to_str()
                 });

@@ -219,7 +219,7 @@ impl Writer {
     /// Append a chunk of `t` (region `reg`) to rank `r`'s file as a torch.save item whose
     /// data record the executor fills.
     fn chunk(&mut self, t: &TargetTensor, r: u32, reg: &Region) -> Result<(Piece, ItemSpan)> {
-        let tpl = match self.templates.entry((t.dtype, reg.sizes.clone())) {
+        let tpl = match self.templates.entry((t.dtype, reg.sizes.to_vec())) {
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(e) => e.insert(ItemTemplate::new(t.dtype, &reg.sizes)?),
         };

@@ -17,16 +17,37 @@ pub mod pickle;
 pub mod save;
 pub mod zip;
 
-/// Input-derived text for a message: escaped, at most 60 characters.
+/// Input-derived text for a message: escaped, at most 60 characters after escaping (control
+/// characters escape to up to 10 each, so the cut is made on the escaped text).
 pub(crate) fn short(text: &str) -> String {
     const MAX: usize = 60;
-    let mut out: String = text
-        .chars()
-        .take(MAX)
-        .flat_map(char::escape_debug)
-        .collect();
-    if text.chars().nth(MAX).is_some() {
-        out.push('…');
+    let mut out = String::new();
+    let mut width = 0;
+    for c in text.chars() {
+        let escaped = c.escape_debug();
+        let n = escaped.len();
+        if width + n > MAX {
+            out.push('…');
+            break;
+        }
+        width += n;
+        out.extend(escaped);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::short;
+
+    #[test]
+    fn short_bounds_the_escaped_text() {
+        assert_eq!(short("torch.FloatStorage"), "torch.FloatStorage");
+        let s = short(&"\u{2}".repeat(100));
+        assert!(s.chars().count() <= 61, "{s}");
+        assert!(s.ends_with('…'));
+        let exact = "a".repeat(60);
+        assert_eq!(short(&exact), exact);
+        assert_eq!(short(&"a".repeat(61)), format!("{}…", "a".repeat(60)));
+    }
 }
