@@ -23,6 +23,7 @@ fn stored(rank: u64, region: Region, offset: u64) -> Piece {
             file: rank as u32,
             offset,
             strides: None,
+            pending: None,
         },
     }
 }

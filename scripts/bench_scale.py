@@ -4,10 +4,12 @@
 For each checkpoint directory (made by ``scripts/gen_scale_dcp.py``), runs
 ``reshard plan DIR --to M`` for every ``--to`` value ``--rounds`` times and prints the median
 wall time and the median peak RSS (of the process, from ``wait4``), with the number of chunks;
-``--torch`` also times ``pickle.load`` of the ``.metadata`` with torch imported (what every
-torch loader does first), once per round.
+``--convert`` also times ``reshard convert DIR OUT.safetensors --to 1 --no-fsync`` (OUT in
+``--out``, a tmpfs by default, removed after each round). ``--torch`` also times ``pickle.load``
+of the ``.metadata`` with torch imported (what every torch loader does first), once per round,
+and torch's ``dcp_to_torch_save`` once per checkpoint, stopped after ``--torch-timeout`` seconds.
 
-    .venv/bin/python scripts/bench_scale.py /work/scale/s10k /work/scale/s1m --to 1 768
+    .venv/bin/python scripts/bench_scale.py /work/scale/s10k /work/scale/s1m --to 1 768 --convert --torch
 """
 
 from __future__ import annotations
@@ -17,17 +19,28 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run(cmd: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of a command."""
+def run(cmd: list[str], timeout: float | None = None) -> tuple[float, int] | None:
+    """Wall seconds and peak RSS (bytes, from ``wait4``) of a command; None when it ran past
+    ``timeout`` seconds (it is killed then)."""
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    timer = threading.Timer(timeout, p.kill) if timeout else None
+    if timer:
+        timer.start()
     _, status, ru = os.wait4(p.pid, 0)
     dt = time.perf_counter() - t0
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if timer:
+        timer.cancel()
+        if dt >= timeout:
+            return None
     err = p.stderr.read().decode() if p.stderr else ""
     if status != 0:
         sys.exit(f"{' '.join(cmd)} failed: {err.strip()}")
@@ -53,13 +66,27 @@ def chunks(d: str, reshard: str) -> int:
     return int(out)
 
 
+def report(n: int, size: int, name: str, res: list[tuple[float, int]]) -> None:
+    """One table row: medians of ``res``."""
+    t = statistics.median(r[0] for r in res)
+    rss = statistics.median(r[1] for r in res)
+    print(
+        f"| {n:,} | {size / 2**20:.0f} MiB | {name} | {t:.2f} s | {rss / 2**20:.0f} MiB "
+        f"| {t / n * 1e6:.1f} µs, {rss / n:.0f} B |",
+        flush=True,
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="+")
     ap.add_argument("--to", type=int, nargs="+", default=[1])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reshard", default=os.path.join(HERE, "..", "target", "release", "reshard"))
-    ap.add_argument("--torch", action="store_true", help="also time torch's pickle.load")
+    ap.add_argument("--convert", action="store_true", help="also time reshard convert --to 1")
+    ap.add_argument("--out", default="/dev/shm", help="where --convert writes (default /dev/shm)")
+    ap.add_argument("--torch", action="store_true", help="also time torch's pickle.load and dcp_to_torch_save")
+    ap.add_argument("--torch-timeout", type=float, default=300, help="seconds dcp_to_torch_save may take")
     a = ap.parse_args()
     print("| chunks | .metadata | step | median time | median peak RSS | per chunk |")
     print("|---:|---:|---|---:|---:|---:|")
@@ -67,6 +94,11 @@ def main() -> int:
         n = chunks(d, a.reshard)
         size = os.path.getsize(os.path.join(d, ".metadata"))
         cases = [(f"`reshard plan --to {m}`", [a.reshard, "plan", d, "--to", str(m)]) for m in a.to]
+        out_dir = tempfile.mkdtemp(prefix="bench-scale-", dir=a.out)
+        out = os.path.join(out_dir, "out.safetensors")
+        if a.convert:
+            cmd = [a.reshard, "convert", d, out, "--to", "1", "--no-fsync", "--force", "-q"]
+            cases.append(("`reshard convert --to 1` (.safetensors)", cmd))
         if a.torch:
             code = (
                 "import pickle, torch, torch.distributed.checkpoint;"
@@ -74,14 +106,30 @@ def main() -> int:
             )
             cases.append(("torch `pickle.load`", [sys.executable, "-c", code]))
         for name, cmd in cases:
-            res = [run(cmd) for _ in range(a.rounds)]
-            t = statistics.median(r[0] for r in res)
-            rss = statistics.median(r[1] for r in res)
-            print(
-                f"| {n:,} | {size / 2**20:.0f} MiB | {name} | {t:.2f} s | {rss / 2**20:.0f} MiB "
-                f"| {t / n * 1e6:.1f} µs, {rss / n:.0f} B |",
-                flush=True,
+            res = []
+            for _ in range(a.rounds):
+                res.append(run(cmd))
+                if os.path.exists(out):
+                    os.remove(out)
+            report(n, size, name, res)
+        if a.torch:
+            code = (
+                "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save;"
+                "dcp_to_torch_save(sys.argv[1], sys.argv[2])"
             )
+            pt = os.path.join(out_dir, "out.pt")
+            r = run([sys.executable, "-c", code, d, pt], timeout=a.torch_timeout)
+            if r is None:
+                print(
+                    f"| {n:,} | {size / 2**20:.0f} MiB | torch `dcp_to_torch_save` "
+                    f"| did not finish in {a.torch_timeout:.0f} s | | |",
+                    flush=True,
+                )
+            else:
+                report(n, size, "torch `dcp_to_torch_save` (once)", [r])
+            if os.path.exists(pt):
+                os.remove(pt)
+        os.rmdir(out_dir)
     return 0
 
 

@@ -7,10 +7,12 @@
 use crate::error::{Error, IoContext, Result};
 use crate::formats::torch::pickle;
 use crate::formats::{self, Format};
-use crate::layout::{DType, Region, TensorLayout};
+use crate::layout::{DType, Loc, Piece, Region, TensorLayout};
 use serde::Serialize;
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// One element of a key's path in the nested state dict: a dict key or a list index
 /// (DCP's `planner_data`), or an int dict key (`optimizer.state_dict()["state"]` is keyed by
@@ -89,6 +91,19 @@ pub struct Checkpoint {
     /// `.pt`), and the `reshard.crc32` of safetensors files reshard wrote.
     #[serde(skip)]
     pub checksums: Vec<RecordCrc>,
+    /// What finds the pieces a lazy reader left pending ([`Loc::pending`]); `None` when every
+    /// piece is located.
+    #[serde(skip)]
+    pub(crate) locator: Option<Arc<dyn Locate>>,
+}
+
+/// Finds where the pieces a lazy reader left pending ([`Loc::pending`]) really are: the
+/// format's own parsing of the items that hold them, with the checks an eager open makes.
+pub(crate) trait Locate: Send + Sync + std::fmt::Debug {
+    /// The locations of `pieces` (each of its tensor), in order, read from the items that
+    /// hold them and checked against the tensor's dtype and the piece's region; the first
+    /// error in that order.
+    fn locate(&self, pieces: &[(&TensorLayout, &Piece)]) -> Result<Vec<Loc>>;
 }
 
 /// A byte range of a checkpoint file and the CRC-32 the file records for it.
@@ -118,8 +133,31 @@ impl Checkpoint {
 
     /// Open `path` as a checkpoint of `format` (no detection), and validate it.
     pub fn open_as(path: impl AsRef<Path>, format: Format) -> Result<Checkpoint> {
+        Self::opened(path.as_ref(), format, false)
+    }
+
+    /// Open a checkpoint for reading parts of it ([`Checkpoint::read_region`], the
+    /// [`crate::load`] functions): like [`Checkpoint::open`], but the per-item headers of a DCP
+    /// checkpoint are read only when a read needs that item (a rank loading its shards of a
+    /// million-chunk checkpoint touches the `.metadata` and its own items, nothing else).
+    /// The layouts are validated as by `open`; an error in an item's own header is reported
+    /// by the read that needs it. Pieces left to locate have [`Loc::pending`] set: a
+    /// conversion or a plan needs a checkpoint from [`Checkpoint::open`].
+    pub fn open_lazy(path: impl AsRef<Path>, format: Option<Format>) -> Result<Checkpoint> {
         let path = path.as_ref();
-        let ck = format.codec().read(path)?;
+        let format = match format {
+            Some(f) => f,
+            None => formats::detect(path)?,
+        };
+        Self::opened(path, format, true)
+    }
+
+    fn opened(path: &Path, format: Format, lazy: bool) -> Result<Checkpoint> {
+        let ck = if lazy {
+            format.codec().read_lazy(path)?
+        } else {
+            format.codec().read(path)?
+        };
         ck.validate().map_err(|e| match e {
             Error::Layout { .. } => Error::format(path, e.to_string()),
             e => e,
@@ -149,7 +187,78 @@ impl Checkpoint {
             producer: None,
             scratch: vec![],
             checksums: vec![],
+            locator: None,
         }
+    }
+
+    /// `t` (a tensor of this checkpoint) ready to read `regions` of: [`Checkpoint::located_many`]
+    /// of one.
+    pub(crate) fn located<'a>(
+        &self,
+        t: &'a TensorLayout,
+        regions: Option<&[&Region]>,
+    ) -> Result<Cow<'a, TensorLayout>> {
+        let mut v = self.located_many(&[(t, regions)])?;
+        Ok(v.pop().expect("one tensor in, one out"))
+    }
+
+    /// Each `(t, regions)` of `want` (tensors of this checkpoint) ready to read those regions
+    /// of: `t` itself when every piece is located; otherwise, located, its pieces that
+    /// overlap one of `regions` (all of them for `None`) — the only items read, all in one
+    /// pass of the format's locator.
+    pub(crate) fn located_many<'a>(
+        &self,
+        want: &[(&'a TensorLayout, Option<&[&Region]>)],
+    ) -> Result<Vec<Cow<'a, TensorLayout>>> {
+        let needs = |p: &Piece, regions: Option<&[&Region]>| {
+            regions.is_none_or(|rs| rs.iter().any(|r| p.region.intersect(r).is_some()))
+        };
+        let mut pending: Vec<(&TensorLayout, &Piece)> = vec![];
+        for &(t, regions) in want {
+            pending.extend(
+                t.pieces
+                    .iter()
+                    .filter(|p| p.loc.pending.is_some() && needs(p, regions))
+                    .map(|p| (t, p)),
+            );
+        }
+        let mut locs = match (&self.locator, pending.first()) {
+            (_, None) => vec![],
+            (Some(l), Some(_)) => l.locate(&pending)?,
+            (None, Some((t, _))) => {
+                return Err(Error::layout(
+                    &t.name,
+                    "has pieces left to locate and no reader to locate them",
+                ))
+            }
+        }
+        .into_iter();
+        let mut out = Vec::with_capacity(want.len());
+        for &(t, regions) in want {
+            if t.pieces.iter().all(|p| p.loc.pending.is_none()) {
+                out.push(Cow::Borrowed(t));
+                continue;
+            }
+            let mut pieces = vec![];
+            for p in t.pieces.iter().filter(|p| needs(p, regions)) {
+                let loc = match p.loc.pending {
+                    None => p.loc.clone(),
+                    Some(_) => locs.next().expect("one location per pending piece"),
+                };
+                pieces.push(Piece {
+                    rank: p.rank,
+                    region: p.region.clone(),
+                    loc,
+                });
+            }
+            out.push(Cow::Owned(TensorLayout {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                pieces,
+            }));
+        }
+        Ok(out)
     }
 
     /// Check every tensor's pieces tile it exactly and lie within their files.
@@ -159,11 +268,16 @@ impl Checkpoint {
             .iter()
             .map(|f| std::fs::metadata(f).map(|m| m.len()).at(f))
             .collect::<Result<_>>()?;
+        // Tilings in parallel (the first error in tensor order), then every piece's bytes.
+        use rayon::prelude::*;
+        let tilings: Vec<Result<()>> = self.tensors.par_iter().map(|t| t.validate()).collect();
+        tilings.into_iter().collect::<Result<()>>()?;
         for t in &self.tensors {
-            t.validate()?;
             let elem = t.dtype.size() as u64;
             for p in &t.pieces {
-                let end = p.loc.offset.saturating_add(p.span_bytes(elem));
+                // A pending piece lies in its item: the item must lie in the file.
+                let len = p.loc.pending.unwrap_or_else(|| p.span_bytes(elem));
+                let end = p.loc.offset.saturating_add(len);
                 let size = sizes.get(p.loc.file as usize).copied().unwrap_or(0);
                 if end > size {
                     let f = self
@@ -204,9 +318,10 @@ impl Checkpoint {
     ) -> Result<Vec<u8>> {
         let t = self.checked(name, region, dtype)?;
         let dtype = dtype.unwrap_or(t.dtype);
+        let t = self.located(t, Some(&[region]))?;
         let mut out = vec![0u8; (region.volume() as usize) * dtype.size()];
         crate::exec::read_into(
-            &crate::plan::region_ops(t, region, dtype),
+            &crate::plan::region_ops(&t, region, dtype),
             &self.files,
             &mut out,
         )?;
@@ -225,7 +340,8 @@ impl Checkpoint {
         let t = self.checked(name, region, dtype)?;
         let dtype = dtype.unwrap_or(t.dtype);
         check_buffer(name, region, dtype, out.len())?;
-        let ops = crate::plan::region_ops(t, region, dtype);
+        let t = self.located(t, Some(&[region]))?;
+        let ops = crate::plan::region_ops(&t, region, dtype);
         crate::exec::read_into(&ops, &self.files, out)
     }
 

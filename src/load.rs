@@ -6,9 +6,11 @@ use crate::checkpoint::check_buffer;
 use crate::error::{Error, Result};
 use crate::exec::{read_many_into, read_regions_into};
 use crate::formats::Checkpoint;
-use crate::layout::{row_major_strides, DType, Loc, Piece, Region, Sharding};
+use crate::layout::{row_major_strides, DType, Loc, Piece, Region, Sharding, TensorLayout};
+use crate::plan::CopyOp;
 use crate::select::Selection;
 use crate::target::LayoutSpec;
+use rayon::prelude::*;
 
 /// One region of one tensor held by the loading rank, without its bytes: what
 /// [`local_regions`] finds and [`local_shards_into`] reads.
@@ -102,12 +104,28 @@ pub fn local_shards_into(
             outs.len()
         )));
     }
-    let mut want = vec![];
     for (r, out) in regions.iter().zip(outs.iter()) {
-        let t = ck.checked(&r.name, &r.region, Some(r.dtype))?;
+        ck.checked(&r.name, &r.region, Some(r.dtype))?;
         check_buffer(&r.name, &r.region, r.dtype, out.len())?;
-        want.push((t, &r.region, r.dtype));
     }
+    // Of a lazily opened checkpoint, the item headers of the pieces overlapping the regions
+    // are read now, all in one pass.
+    let tensors: Vec<_> = regions
+        .iter()
+        .map(|r| ck.checked(&r.name, &r.region, Some(r.dtype)))
+        .collect::<Result<_>>()?;
+    let each: Vec<[&Region; 1]> = regions.iter().map(|r| [&r.region]).collect();
+    let want: Vec<_> = tensors
+        .iter()
+        .zip(&each)
+        .map(|(t, r)| (*t, Some(&r[..])))
+        .collect();
+    let located = ck.located_many(&want)?;
+    let want: Vec<_> = located
+        .iter()
+        .zip(regions)
+        .map(|(t, r)| (&**t, &r.region, r.dtype))
+        .collect();
     read_regions_into(&ck.files, &want, outs)
 }
 
@@ -258,7 +276,6 @@ pub fn read_local_tensors_into(
             outs.len()
         )));
     }
-    let mut jobs = Vec::with_capacity(tensors.len());
     for (lt, out) in tensors.iter().zip(outs.iter()) {
         if out.len() as u64 != lt.nbytes() {
             return Err(Error::layout(
@@ -272,39 +289,70 @@ pub fn read_local_tensors_into(
                 ),
             ));
         }
-        let mut pieces = Vec::with_capacity(lt.parts.len());
-        let mut src = None;
-        for p in &lt.parts {
-            src = Some(ck.checked(&lt.name, &p.region, Some(lt.dtype))?);
-            let fits = p.at.len() == lt.shape.len()
-                && (0..lt.shape.len())
-                    .all(|d| p.at[d].saturating_add(p.region.sizes[d]) <= lt.shape[d]);
-            if !fits {
-                return Err(Error::layout(
-                    &lt.name,
-                    format!(
-                        "part {} at {:?} does not fit a local tensor {:?}",
-                        p.region, p.at, lt.shape
-                    ),
-                ));
-            }
-            let strides = row_major_strides(&lt.shape);
-            let first: u64 = p.at.iter().zip(&strides).map(|(a, s)| a * s).sum();
-            pieces.push(Piece {
-                rank: 0,
-                region: p.region.clone(),
-                loc: Loc {
-                    file: 0,
-                    offset: first * lt.dtype.size() as u64,
-                    strides: Some(strides),
-                },
-            });
-        }
-        let mut ops = vec![];
-        if let Some(t) = src {
-            crate::plan::fill(t, &pieces, lt.dtype, &mut ops);
-        }
-        jobs.push(ops);
     }
+    // Of a lazily opened checkpoint, the item headers of the pieces overlapping the parts
+    // are read now, all in one pass.
+    let parts: Vec<Vec<&Region>> = tensors
+        .iter()
+        .map(|lt| lt.parts.iter().map(|p| &p.region).collect())
+        .collect();
+    let mut want = Vec::with_capacity(tensors.len());
+    for (lt, regions) in tensors.iter().zip(&parts) {
+        let t = ck.tensor(&lt.name).ok_or_else(|| {
+            Error::usage(format!("{}: no tensor `{}`", ck.path.display(), lt.name))
+        })?;
+        want.push((t, Some(&regions[..])));
+    }
+    let located = ck.located_many(&want)?;
+    // One job per destination, made in parallel.
+    let jobs: Vec<Vec<CopyOp>> = tensors
+        .par_iter()
+        .zip(&located)
+        .map(|(lt, t)| local_tensor_ops(ck, lt, t))
+        .collect::<Result<_>>()?;
     read_many_into(&jobs, &ck.files, outs)
+}
+
+/// The copy ops that fill the destination `lt` (its buffer at offset 0) from `located` (its
+/// tensor in `ck`, located for its parts), every part checked against the tensor and the
+/// destination's shape.
+fn local_tensor_ops(
+    ck: &Checkpoint,
+    lt: &LocalTensor,
+    located: &TensorLayout,
+) -> Result<Vec<CopyOp>> {
+    let mut pieces = Vec::with_capacity(lt.parts.len());
+    let mut src = None;
+    for p in &lt.parts {
+        src = Some(ck.checked(&lt.name, &p.region, Some(lt.dtype))?);
+        let fits = p.at.len() == lt.shape.len()
+            && (0..lt.shape.len())
+                .all(|d| p.at[d].saturating_add(p.region.sizes[d]) <= lt.shape[d]);
+        if !fits {
+            return Err(Error::layout(
+                &lt.name,
+                format!(
+                    "part {} at {:?} does not fit a local tensor {:?}",
+                    p.region, p.at, lt.shape
+                ),
+            ));
+        }
+        let strides = row_major_strides(&lt.shape);
+        let first: u64 = p.at.iter().zip(&strides).map(|(a, s)| a * s).sum();
+        pieces.push(Piece {
+            rank: 0,
+            region: p.region.clone(),
+            loc: Loc {
+                file: 0,
+                offset: first * lt.dtype.size() as u64,
+                strides: Some(strides),
+                pending: None,
+            },
+        });
+    }
+    let mut ops = vec![];
+    if src.is_some() {
+        crate::plan::fill(located, &pieces, lt.dtype, &mut ops);
+    }
+    Ok(ops)
 }

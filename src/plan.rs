@@ -136,26 +136,40 @@ pub fn plan_named<'a>(
     src: impl IntoIterator<Item = (&'a str, &'a TensorLayout)>,
     dst: &[TensorLayout],
 ) -> Result<Plan> {
+    use rayon::prelude::*;
     let by_name: HashMap<&str, &TensorLayout> = src.into_iter().collect();
+    // Tensors are planned in parallel, a group at a time so that only one group's ops are
+    // held twice; the first error in target order is reported.
+    const GROUP: usize = 64;
     let mut out = Plan::default();
-    for d in dst {
-        let s = by_name
-            .get(d.name.as_str())
-            .ok_or_else(|| Error::layout(&d.name, "is in the target but not in the source"))?;
-        let before = out.ops.len();
-        plan_tensor(s, d, &mut out.ops)?;
-        let ops = &out.ops[before..];
-        out.tensors.push(TensorPlan {
-            name: d.name.clone(),
-            dtype: (s.dtype, d.dtype),
-            shape: d.shape.clone(),
-            pieces: (s.pieces.len(), d.pieces.len()),
-            ops: ops.len(),
-            bytes: (
-                ops.iter().map(CopyOp::bytes_read).sum(),
-                ops.iter().map(CopyOp::bytes_written).sum(),
-            ),
-        });
+    for group in dst.chunks(GROUP) {
+        let planned: Vec<Result<(Vec<CopyOp>, TensorPlan)>> = group
+            .par_iter()
+            .map(|d| {
+                let s = by_name.get(d.name.as_str()).ok_or_else(|| {
+                    Error::layout(&d.name, "is in the target but not in the source")
+                })?;
+                let mut ops = vec![];
+                plan_tensor(s, d, &mut ops)?;
+                let t = TensorPlan {
+                    name: d.name.clone(),
+                    dtype: (s.dtype, d.dtype),
+                    shape: d.shape.clone(),
+                    pieces: (s.pieces.len(), d.pieces.len()),
+                    ops: ops.len(),
+                    bytes: (
+                        ops.iter().map(CopyOp::bytes_read).sum(),
+                        ops.iter().map(CopyOp::bytes_written).sum(),
+                    ),
+                };
+                Ok((ops, t))
+            })
+            .collect();
+        for p in planned {
+            let (ops, t) = p?;
+            out.ops.extend(ops);
+            out.tensors.push(t);
+        }
     }
     out.ops = coalesce(std::mem::take(&mut out.ops));
     Ok(out)
@@ -181,6 +195,12 @@ pub fn plan_tensor(src: &TensorLayout, dst: &TensorLayout, ops: &mut Vec<CopyOp>
             ),
         ));
     }
+    if src.pieces.iter().any(|p| p.loc.pending.is_some()) {
+        return Err(Error::layout(
+            &src.name,
+            "has pieces not yet located (a lazily opened checkpoint): open it with Checkpoint::open to plan a conversion",
+        ));
+    }
     src.validate()?;
     dst.validate()?;
     fill(src, &dst.pieces, dst.dtype, ops);
@@ -201,6 +221,10 @@ pub fn fill(
         to: dtype,
     });
     let (es, ed) = (src.dtype.size() as u64, dtype.size() as u64);
+    debug_assert!(
+        src.pieces.iter().all(|p| p.loc.pending.is_none()),
+        "fill from pieces not yet located"
+    );
 
     // Group source replicas by region.
     let groups_regions = distinct_regions(src.pieces.iter().map(|p| &p.region));
@@ -270,6 +294,7 @@ pub fn region_ops(t: &TensorLayout, region: &Region, dtype: DType) -> Vec<CopyOp
             file: 0,
             offset: 0,
             strides: None,
+            pending: None,
         },
     };
     let mut ops = vec![];
@@ -319,6 +344,7 @@ mod tests {
                         file: r as u32,
                         offset: off,
                         strides: None,
+                        pending: None,
                     },
                 });
                 off += n;

@@ -204,6 +204,7 @@ mod tests {
                     file: 0,
                     offset,
                     strides: None,
+                    pending: None,
                 },
             }],
         }
@@ -241,7 +242,23 @@ mod tests {
 /// Groups of tied tensors of `ck` by name: each group two or more names in checkpoint order,
 /// the groups in the order [`find`] gives them.
 pub fn tied_names(ck: &crate::formats::Checkpoint) -> Result<Vec<Vec<String>>> {
-    let all: Vec<&TensorLayout> = ck.tensors.iter().collect();
+    // Only tensors sharing a dtype and shape with another can be tied, and only they are
+    // read: of a lazily opened checkpoint, only their pieces are located.
+    let mut kinds: HashMap<(crate::layout::DType, &[u64]), usize> = HashMap::new();
+    for t in &ck.tensors {
+        *kinds.entry((t.dtype, t.shape.as_slice())).or_default() += 1;
+    }
+    let none: Option<&[&Region]> = Some(&[]);
+    let want: Vec<_> = ck
+        .tensors
+        .iter()
+        .map(|t| match kinds[&(t.dtype, t.shape.as_slice())] {
+            1 => (t, none),
+            _ => (t, None),
+        })
+        .collect();
+    let located = ck.located_many(&want)?;
+    let all: Vec<&TensorLayout> = located.iter().map(|t| &**t).collect();
     Ok(find(&ck.files, &all)?
         .into_iter()
         .map(|g| g.into_iter().map(|i| all[i].name.clone()).collect())

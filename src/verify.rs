@@ -58,6 +58,9 @@ pub struct Report {
     pub mismatches: Vec<Mismatch>,
 }
 
+/// Records of at most this many bytes are read with `pread` whatever [`use_mmap`] says.
+const SMALL_RECORD: u64 = 64 << 10;
+
 /// How records are read: from a read-only mapping (populated and released per block), or
 /// with `pread` into a buffer. Set by the `RESHARD_VERIFY_READ` environment variable
 /// (`mmap` or `pread`) for measurements; see BENCHMARKS.md.
@@ -139,9 +142,11 @@ fn check(ck: &Checkpoint, records: &[&RecordCrc]) -> Result<Report> {
         .par_iter()
         .map(|r| {
             let path = &ck.files[r.file as usize];
+            // Small records are read: through the mapping, each would cost two madvise
+            // calls (populate, release) and a TLB shootdown, a million of them seconds.
             let actual = match &maps[r.file as usize] {
-                Some(m) => crc_of_map(m, path, r.offset, r.len)?,
-                None => crc_of(&files[r.file as usize], path, r.offset, r.len)?,
+                Some(m) if r.len > SMALL_RECORD => crc_of_map(m, path, r.offset, r.len)?,
+                _ => crc_of(&files[r.file as usize], path, r.offset, r.len)?,
             };
             let shown = &ck.files[r.shown.unwrap_or(r.file) as usize];
             Ok((actual != r.crc).then(|| Mismatch {

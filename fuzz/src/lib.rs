@@ -467,7 +467,8 @@ pub fn dcp_file(fixture: usize, file: usize) -> &'static [u8] {
 
 /// `open_dcp`: the whole open path on a small real DCP checkpoint. The first byte picks a
 /// fixture (high nibble) and one of its files (low nibble); the rest replaces that file. The
-/// checkpoint is opened and, when it opens, every tensor read.
+/// checkpoint is opened and, when it opens, every tensor read; then opened lazily, every
+/// tensor read again, the bytes the same as the eager reads'.
 pub fn open_dcp(data: &[u8]) {
     let Some((&sel, content)) = data.split_first() else {
         return;
@@ -484,6 +485,47 @@ pub fn open_dcp(data: &[u8]) {
     let (name, original) = &fixture[file];
     let path = dir.join(name);
     std::fs::write(&path, content).expect("write the fuzz input");
-    open_and_read(&dir);
+    let eager = open_and_read(&dir);
+    lazy_agrees(&dir, eager);
     std::fs::write(&path, original).expect("restore a DCP fixture file");
+}
+
+/// The lazy open of `dir` ([`Checkpoint::open_lazy`]): errors are one line, and when the eager
+/// open succeeded (`eager`), the lazy one does too and reads every tensor to the same bytes.
+fn lazy_agrees(dir: &Path, eager: bool) {
+    let lazy = match Checkpoint::open_lazy(dir, None) {
+        Ok(ck) => ck,
+        Err(e) => {
+            assert!(
+                !eager,
+                "{}: the eager open succeeded, the lazy one failed: {e}",
+                dir.display()
+            );
+            assert_one_line("Checkpoint::open_lazy", &e);
+            return;
+        }
+    };
+    let ck = eager.then(|| Checkpoint::open(dir).expect("opened a moment ago"));
+    for t in &lazy.tensors {
+        if t.nbytes() > MAX_READ {
+            continue;
+        }
+        let full = Region::full(&t.shape);
+        let got = lazy.read_region(&t.name, &full, None);
+        if let Err(e) = &got {
+            assert_one_line("read_region (lazy)", e);
+        }
+        if let Some(ck) = &ck {
+            let want = ck.read_region(&t.name, &full, None);
+            assert_eq!(
+                got.as_ref().ok(),
+                want.as_ref().ok(),
+                "{}: tensor `{}` read lazily and eagerly differ ({:?} / {:?})",
+                dir.display(),
+                t.name,
+                got.as_ref().err(),
+                want.as_ref().err()
+            );
+        }
+    }
 }

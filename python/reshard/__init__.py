@@ -333,8 +333,9 @@ class Slice:
 
 def open(path: PathLike, *, format: Optional[str] = None, framework: str = "pt") -> Checkpoint:
     """Open a checkpoint of any format reshard reads (detected from ``path``, or ``format``
-    by name) and validate it: every tensor covered exactly, every piece inside its file.
-    Tensors come back as ``torch.Tensor`` (``framework="numpy"``: numpy arrays)."""
+    by name) and validate it: every tensor covered exactly, every item inside its file. The
+    header of each DCP item is read (and checked) only when a read needs that item, so a rank
+    loading its shards touches the ``.metadata`` and its own items. Tensors come back as ``torch.Tensor`` (``framework="numpy"``: numpy arrays)."""
     if framework not in ("pt", "torch", "np", "numpy"):
         raise RequestError(f'framework must be "pt" or "numpy", not "{framework}"')
     return Checkpoint(_reshard.open(_os.fspath(path), format), framework)

@@ -386,16 +386,14 @@ fn read_raw(ck: &Checkpoint, file: u32, offset: u64, len: u64) -> PyResult<Vec<u
     Ok(buf)
 }
 
-/// Open a checkpoint of any supported format (detected, or `format` by name) and validate it.
+/// Open a checkpoint of any supported format (detected, or `format` by name) for reading: the
+/// layouts are validated now, a DCP item's own header when a read needs that item.
 #[pyfunction]
 #[pyo3(signature = (path, format=None))]
 fn open(py: Python<'_>, path: PathBuf, format: Option<&str>) -> PyResult<PyCheckpoint> {
     let format = format.map(format_named).transpose()?;
     let ck = py
-        .detach(move || match format {
-            Some(f) => Checkpoint::open_as(&path, f),
-            None => Checkpoint::open(&path),
-        })
+        .detach(move || Checkpoint::open_lazy(&path, format))
         .map_err(py_err)?;
     Ok(PyCheckpoint { ck: Arc::new(ck) })
 }

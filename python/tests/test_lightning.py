@@ -301,6 +301,12 @@ def _main(argv: List[str]) -> None:
         job_single(argv[1])
     else:
         raise SystemExit(f"unknown mode {mode}")
+    # No interpreter teardown once the work is done: torch 2.15's gloo worker thread can free
+    # a finished collective's tensors during Py_Finalize, fail to take the GIL and abort
+    # ("terminate called without an active exception"), as test_storage_reader's workers do.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ------------------------------------------------------------------------------------------

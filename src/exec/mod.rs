@@ -164,6 +164,7 @@ pub fn execute_with_known(
     let shared = Shared {
         srcs: &maps,
         src_files: &src_files,
+        src_paths: sources,
         dsts: &files,
         dest_paths,
         ranges: &ranges,
@@ -199,6 +200,7 @@ pub fn execute_with_known(
 struct Shared<'a> {
     srcs: &'a [Mmap],
     src_files: &'a [File],
+    src_paths: &'a [PathBuf],
     dsts: &'a [File],
     dest_paths: &'a [PathBuf],
     ranges: &'a [Vec<CkRange>],
@@ -218,6 +220,7 @@ fn run_windows(
             let wio = WindowIo {
                 srcs: io.srcs,
                 src_files: io.src_files,
+                src_paths: io.src_paths,
                 dst: &io.dsts[f],
                 dst_path: &io.dest_paths[f],
             };

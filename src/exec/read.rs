@@ -2,12 +2,14 @@
 //! (with their casts) into memory — what the loader, the tie finder and
 //! `Checkpoint::read_region` use, and what the executor's windows assemble with.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, IoContext, Result};
 use crate::layout::cast;
 use crate::layout::{DType, Region, TensorLayout};
 use crate::plan::{region_ops, CopyOp};
 use crate::sys::{map_readonly, release};
 use memmap2::Mmap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 
 /// Map `sources` read-only.
@@ -22,10 +24,16 @@ fn map_sources_with(sources: &[PathBuf], advice: memmap2::Advice) -> Result<Vec<
 
 /// Perform `o` into `buf`, which holds destination bytes from offset `lo` on.
 pub(super) fn apply(o: &CopyOp, srcs: &[Mmap], buf: &mut [u8], lo: u64) {
+    apply_from(o, &srcs[o.src as usize], 0, buf, lo)
+}
+
+/// Perform `o` reading `src`, which holds its source's bytes from offset `base` on, into
+/// `buf`, which holds destination bytes from offset `lo` on.
+fn apply_from(o: &CopyOp, src: &[u8], base: u64, buf: &mut [u8], lo: u64) {
     let dl = o.dst_len() as usize;
     for r in 0..o.count {
-        let s = (o.src_offset + r * o.src_stride) as usize;
-        let src = &srcs[o.src as usize][s..s + o.len as usize];
+        let s = (o.src_offset + r * o.src_stride - base) as usize;
+        let src = &src[s..s + o.len as usize];
         let a = (o.dst_offset + r * o.dst_stride - lo) as usize;
         let out = &mut buf[a..a + dl];
         match o.cast {
@@ -59,23 +67,57 @@ pub fn read_many_into(
     for (ops, out) in jobs.iter().zip(outs.iter()) {
         check_ops(ops, sources, &maps, out.len() as u64)?;
     }
+    let files: Vec<File> = sources
+        .iter()
+        .map(|p| File::open(p).at(p))
+        .collect::<Result<_>>()?;
     let mut tasks: Vec<Task> = vec![];
     for (ops, out) in jobs.iter().zip(outs.iter_mut()) {
         carve(ops, out, &mut tasks);
     }
-    tasks.into_par_iter().for_each(|t| {
+    tasks.into_par_iter().try_for_each(|t| {
         for o in &t.ops {
+            if apply_small(o, &files, sources, t.buf, t.lo)? {
+                continue;
+            }
+            let (a, b) = o.src_span();
             apply(o, &maps, t.buf, t.lo);
             // The caller's buffers hold the data now: drop the source pages from this
             // process's resident set (they stay in the page cache), so reading N bytes
             // costs N bytes of memory, not 2N. Small copies are left to the unmapping.
-            let (a, b) = o.src_span();
             if b - a >= RELEASE_BYTES {
                 release(&maps[o.src as usize], a, b);
             }
         }
-    });
-    Ok(())
+        Ok(())
+    })
+}
+
+/// Copies whose source bytes span at most this many are read with `pread`, not through
+/// the mapping.
+pub(super) const PREAD_BYTES: u64 = 4096;
+
+/// Perform `o` into `buf` (destination bytes from `lo` on) by reading its source bytes with
+/// `pread`, when they span at most [`PREAD_BYTES`]; false (nothing done) otherwise. A fault
+/// on the mapping would map the pages around a small copy too (the kernel's fault-around),
+/// resident until unmapping: a million small items would hold their whole files.
+pub(super) fn apply_small(
+    o: &CopyOp,
+    files: &[File],
+    paths: &[PathBuf],
+    buf: &mut [u8],
+    lo: u64,
+) -> Result<bool> {
+    let (a, b) = o.src_span();
+    if b - a > PREAD_BYTES {
+        return Ok(false);
+    }
+    let mut small = [0u8; PREAD_BYTES as usize];
+    let bytes = &mut small[..(b - a) as usize];
+    let i = o.src as usize;
+    files[i].read_exact_at(bytes, a).at(&paths[i])?;
+    apply_from(o, bytes, a, buf, lo);
+    Ok(true)
 }
 
 /// Copies at least this long release their source pages as soon as they are done.

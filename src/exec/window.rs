@@ -5,7 +5,7 @@
 //! read through the mapping.
 
 use super::crc::{unknown, CkRange, CrcPart};
-use super::read::apply;
+use super::read::{apply, apply_small, PREAD_BYTES};
 use super::schedule::{Frag, Window};
 use crate::error::Result;
 use crate::plan::CopyOp;
@@ -25,8 +25,10 @@ thread_local! {
 pub(super) struct WindowIo<'a> {
     /// Source mappings, by source index.
     pub srcs: &'a [Mmap],
-    /// The same sources opened for kernel copies.
+    /// The same sources opened for kernel copies and small reads.
     pub src_files: &'a [File],
+    /// Their paths, for error messages.
+    pub src_paths: &'a [std::path::PathBuf],
     /// The window's destination file.
     pub dst: &'a File,
     /// Its path, for error messages.
@@ -106,19 +108,23 @@ pub(super) fn run_window(
     (ranges, skip): (&[CkRange], &[(u64, u64)]),
 ) -> Result<Vec<CrcPart>> {
     let mut shares = Shares::new(w, ranges, skip);
-    let mapped = if w.frags.iter().all(Frag::is_direct) {
+    let direct = w.frags.iter().all(Frag::is_direct);
+    let mapped = if direct {
         copy_runs(w, io, &mut shares)?
     } else {
         assemble(w, io, &mut shares)?;
         true
     };
     // copy_file_range reads through the page cache, not the mapping: only pages read
-    // through the mapping need releasing.
+    // through the mapping need releasing (an assembled window reads small copies with
+    // pread).
     if mapped {
         for f in &w.frags {
             if let Frag::Op(o) = f {
                 let (a, b) = o.src_span();
-                release(&io.srcs[o.src as usize], a, b);
+                if direct || b - a > PREAD_BYTES {
+                    release(&io.srcs[o.src as usize], a, b);
+                }
             }
         }
     }
@@ -165,7 +171,11 @@ fn assemble(w: &Window, io: &WindowIo, shares: &mut Shares) -> Result<()> {
                     let a = (dst - lo) as usize;
                     buf[a..a + bytes.len()].copy_from_slice(bytes);
                 }
-                Frag::Op(o) => apply(o, io.srcs, &mut buf, lo),
+                Frag::Op(o) => {
+                    if !apply_small(o, io.src_files, io.src_paths, &mut buf, lo)? {
+                        apply(o, io.srcs, &mut buf, lo);
+                    }
+                }
             }
         }
         for (ck, x, y) in shares.to_hash(lo, hi) {

@@ -135,6 +135,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                     file: ix,
                     offset: t.offset,
                     strides: None,
+                    pending: None,
                 },
             }],
         });

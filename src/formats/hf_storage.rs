@@ -151,6 +151,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                     file: fi as u32,
                     offset: t.offset,
                     strides: None,
+                    pending: None,
                 },
             };
             match by_name.get_mut(&t.name) {
@@ -321,6 +322,7 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
                         file: fi,
                         offset,
                         strides: None,
+                        pending: None,
                     },
                 });
             }

@@ -62,6 +62,12 @@ pub trait Codec: Sync + std::panic::RefUnwindSafe + 'static {
     fn recognize(&self, probe: &Probe) -> Recognition;
     /// Read the checkpoint at `path` (validation of the layouts is done by the caller).
     fn read(&self, path: &Path) -> Result<Checkpoint>;
+    /// Read the checkpoint at `path` for [`Checkpoint::open_lazy`]: formats whose pieces sit
+    /// in items with headers of their own may leave them pending ([`crate::layout::Loc::pending`])
+    /// with a locator that reads them on demand. The default reads everything.
+    fn read_lazy(&self, path: &Path) -> Result<Checkpoint> {
+        self.read(path)
+    }
     /// Lay out `target`, held by `world` ranks, as this format's files. `world` is within
     /// [`Capabilities::max_world`].
     fn write(&self, target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output>;

@@ -519,6 +519,7 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
                     file: 0,
                     offset: t.offset,
                     strides: None,
+                    pending: None,
                 },
             }],
             name: t.name,
@@ -573,6 +574,7 @@ pub fn full_layouts(entries: &[Entry], offsets: &[u64], file: u32) -> Vec<Tensor
                     file,
                     offset,
                     strides: None,
+                    pending: None,
                 },
             }],
         })

@@ -61,6 +61,7 @@ mod tests {
                         file: *rank,
                         offset: 0,
                         strides: None,
+                        pending: None,
                     },
                 })
                 .collect(),

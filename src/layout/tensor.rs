@@ -17,6 +17,12 @@ pub struct Loc {
     /// Element strides; `None` means row-major over the piece's region.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub strides: Option<Vec<u64>>,
+    /// Set by a lazily opened checkpoint ([`crate::Checkpoint::open_lazy`]) on a piece whose
+    /// container has not been read yet: the length of the item at `offset` (a DCP
+    /// `torch.save` item) that holds the piece. Its real offset and strides are found when it
+    /// is read; a plan is never made from such a piece. `None` once located.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending: Option<u64>,
 }
 
 /// One region of a tensor held by one rank, and where its bytes are.
@@ -264,6 +270,7 @@ mod tests {
                 file: rank,
                 offset: 0,
                 strides: None,
+                pending: None,
             },
         }
     }

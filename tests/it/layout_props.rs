@@ -141,6 +141,7 @@ fn layout(
                     file: r as u32,
                     offset,
                     strides: None,
+                    pending: None,
                 },
             });
         }
@@ -303,7 +304,7 @@ proptest! {
         let n = vals.len() as u64;
         let src_bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
         let src = TensorLayout { name: "t".into(), dtype: DType::BF16, shape: vec![n],
-            pieces: vec![Piece { rank: 0, region: Region::full(&[n]), loc: Loc { file: 0, offset: 0, strides: None } }] };
+            pieces: vec![Piece { rank: 0, region: Region::full(&[n]), loc: Loc { file: 0, offset: 0, strides: None, pending: None } }] };
         let (mut wide, wide_zero) = layout("t", DType::F32, &[n], &Scheme::Mesh(Sharding::fsdp(m)), None);
         wide.dtype = DType::F32;
         let sizes: Vec<usize> = wide_zero.iter().map(Vec::len).collect();

@@ -350,3 +350,146 @@ fn large_local_tensors_are_cut_into_parallel_copies_and_cast_exactly() {
     read_local_tensors_into(&ck, std::slice::from_ref(&lt), &mut [buf.as_mut_slice()]).unwrap();
     assert_eq!(buf, slice(&oracle["w"], &lt.parts[0].region));
 }
+
+/// The DCP fixtures (torch's own checkpoints of every kind the reader knows).
+fn dcp_fixtures() -> Vec<std::path::PathBuf> {
+    fixture_checkpoints()
+        .into_iter()
+        .filter(|p| Checkpoint::open(p).unwrap().format == reshard::formats::Format::DCP)
+        .collect()
+}
+
+#[test]
+fn a_lazily_opened_checkpoint_reads_the_same_bytes_as_an_eagerly_opened_one() {
+    let dirs = dcp_fixtures();
+    assert!(dirs.len() >= 8, "{dirs:?}");
+    let sel = Selection::default();
+    let mut pending = 0;
+    for dir in &dirs {
+        let eager = Checkpoint::open(dir).unwrap();
+        let lazy = Checkpoint::open_lazy(dir, None).unwrap();
+        // The same data files (a zstd checkpoint's decoded scratch file is one of each's own).
+        let n = eager.files.len() - eager.scratch.len();
+        assert_eq!(lazy.files.len(), eager.files.len(), "{}", dir.display());
+        assert_eq!(lazy.files[..n], eager.files[..n], "{}", dir.display());
+        assert_eq!(lazy.extras.len(), eager.extras.len());
+        assert_eq!(lazy.tensors.len(), eager.tensors.len());
+        for (a, b) in lazy.tensors.iter().zip(&eager.tensors) {
+            assert_eq!((&a.name, a.dtype, &a.shape), (&b.name, b.dtype, &b.shape));
+            let regions = |t: &reshard::layout::TensorLayout| {
+                t.pieces
+                    .iter()
+                    .map(|p| (p.rank, p.region.clone()))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(regions(a), regions(b), "{} {}", dir.display(), a.name);
+            pending += a.pieces.iter().filter(|p| p.loc.pending.is_some()).count();
+            assert!(b.pieces.iter().all(|p| p.loc.pending.is_none()));
+            let full = Region::full(&a.shape);
+            assert_eq!(
+                lazy.read_region(&a.name, &full, None).unwrap(),
+                eager.read_region(&b.name, &full, None).unwrap(),
+                "{} {}",
+                dir.display(),
+                a.name
+            );
+        }
+        for m in [1u64, 3] {
+            for r in 0..m {
+                let layout = LayoutSpec::fsdp(m);
+                assert_eq!(
+                    local_shards(&lazy, &layout, r, &sel, None).unwrap(),
+                    local_shards(&eager, &layout, r, &sel, None).unwrap(),
+                    "{} M={m} r={r}",
+                    dir.display()
+                );
+            }
+        }
+        assert_eq!(lazy.tied_names().unwrap(), eager.tied_names().unwrap());
+        // A plan needs located pieces: one from a lazy checkpoint is refused, not made wrong.
+        let e = reshard::plan::plan(&lazy.tensors, &eager.tensors);
+        if lazy
+            .tensors
+            .iter()
+            .any(|t| t.pieces.iter().any(|p| p.loc.pending.is_some()))
+        {
+            let e = e.unwrap_err().to_string();
+            assert!(e.contains("not yet located"), "{e}");
+        }
+    }
+    assert!(pending > 100, "only {pending} pieces were left pending");
+}
+
+#[test]
+fn a_rank_reads_only_the_item_headers_of_its_own_chunks() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("ck");
+    copy_dir(&fixture("fsdp2_w4_f32").join("checkpoint"), &dir);
+    // Break the zip header of one item of rank 3: where the lazy pieces point.
+    let lazy = Checkpoint::open_lazy(&dir, None).unwrap();
+    let (t, p) = lazy
+        .tensors
+        .iter()
+        .find_map(|t| {
+            Some((
+                t,
+                t.pieces
+                    .iter()
+                    .find(|p| p.rank == 3 && p.region.volume() > 0)?,
+            ))
+        })
+        .unwrap();
+    assert!(p.loc.pending.is_some());
+    let file = lazy.files[p.loc.file as usize].clone();
+    let mut bytes = std::fs::read(&file).unwrap();
+    assert_eq!(&bytes[p.loc.offset as usize..][..4], b"PK\x03\x04");
+    bytes[p.loc.offset as usize] = b'X';
+    std::fs::write(&file, bytes).unwrap();
+    // An eager open parses every item and refuses the checkpoint, naming the file.
+    let eager = Checkpoint::open(&dir).unwrap_err().to_string();
+    assert!(eager.starts_with(&file.display().to_string()), "{eager}");
+    assert!(
+        eager.contains(&format!("item `{}` at offset {}", t.name, p.loc.offset)),
+        "{eager}"
+    );
+    // Lazily, the ranks of the source's own layout that do not need that item load; the
+    // one that does gets the eager open's message.
+    let lazy = Checkpoint::open_lazy(&dir, None).unwrap();
+    let layout = LayoutSpec::fsdp(4);
+    let sel = Selection::default();
+    let clean = Checkpoint::open(fixture("fsdp2_w4_f32").join("checkpoint")).unwrap();
+    for r in 0..3 {
+        assert_eq!(
+            local_shards(&lazy, &layout, r, &sel, None).unwrap(),
+            local_shards(&clean, &layout, r, &sel, None).unwrap(),
+            "rank {r}"
+        );
+    }
+    let e = local_shards(&lazy, &layout, 3, &sel, None)
+        .unwrap_err()
+        .to_string();
+    assert_eq!(e, eager);
+}
+
+#[test]
+fn a_data_file_shortened_after_a_lazy_open_is_an_error_not_a_fault() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("ck");
+    copy_dir(&fixture("fsdp2_w4_f32").join("checkpoint"), &dir);
+    let lazy = Checkpoint::open_lazy(&dir, None).unwrap();
+    let file = dir.join("__1_0.distcp");
+    let len = std::fs::metadata(&file).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    let e = local_shards(&lazy, &LayoutSpec::fsdp(4), 1, &Selection::default(), None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with(&file.display().to_string()) && e.contains("is truncated"),
+        "{e}"
+    );
+}

@@ -34,6 +34,9 @@ impl Codec for Dcp {
     fn read(&self, path: &Path) -> Result<Checkpoint> {
         dcp::read(path)
     }
+    fn read_lazy(&self, path: &Path) -> Result<Checkpoint> {
+        dcp::read_lazy(path)
+    }
     fn write(&self, target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
         dcp::write::write(target, world, opts)
     }

@@ -33,6 +33,7 @@ pub use codec::Dcp;
 use super::torch::pickle::Value;
 use super::torch::{save, short};
 use super::{Checkpoint, Extra, Format, RecordCrc};
+use crate::checkpoint::Locate;
 use crate::error::{Error, IoContext, Result};
 use crate::layout::{DType, Loc, Piece, TensorLayout};
 use memmap2::Mmap;
@@ -41,7 +42,7 @@ use rayon::prelude::*;
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
 use std::path::{Component, Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// The global metadata file.
 pub const METADATA: &str = ".metadata";
@@ -328,8 +329,20 @@ enum Got {
     },
 }
 
-/// Read a DCP checkpoint directory.
+/// Read a DCP checkpoint directory, every item's header parsed and checked.
 pub fn read(dir: &Path) -> Result<Checkpoint> {
+    read_with(dir, false)
+}
+
+/// Read a DCP checkpoint directory for [`Checkpoint::open_lazy`]: the `.metadata`, the data
+/// files' sizes and the non-tensor (and zstd-compressed) items are read now; each
+/// `torch.save` or safetensors chunk item is left pending, its header parsed (with the same
+/// checks) when a read needs it.
+pub fn read_lazy(dir: &Path) -> Result<Checkpoint> {
+    read_with(dir, true)
+}
+
+fn read_with(dir: &Path, lazy: bool) -> Result<Checkpoint> {
     let (meta_paths, meta) = load_metadata(dir)?;
     let dir_canon = std::fs::canonicalize(dir).at(dir)?;
     let located = locate_items(dir, &dir_canon, &meta, &meta_paths)?;
@@ -340,7 +353,9 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         sources.push(src);
         scratch.push(Arc::new(path));
     }
-    let batches = batches(&works);
+    // Lazily, a plain chunk item is not looked at: its piece points at the item, pending.
+    let pending = |w: &Work| lazy && matches!(w.want, Want::Chunk { .. }) && w.transforms == 0;
+    let batches = batches(&works, |w| !pending(w));
     let (blobs, blob_of) = parse_blobs(&works, &sources, &batches)?;
     // Parse every item (batches in parallel) and check it against the metadata. The first
     // error in metadata order is reported, whichever thread met it first, so messages are
@@ -364,6 +379,11 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
     // One list in item order, built in place (batches are freed as they are moved; the
     // last step reuses the list's allocation): at a million items every copy counts.
     let mut parsed: Vec<(usize, Result<Got>)> = parsed.into_iter().flatten().collect();
+    if lazy {
+        parsed.extend(works.iter().enumerate().filter(|(_, w)| pending(w)).map(|(i, w)| {
+            (i, Ok(pending_piece(w, &meta, &sources)))
+        }));
+    }
     parsed.sort_unstable_by_key(|&(i, _)| i);
     let got: Vec<Got> = parsed.into_iter().map(|(_, g)| g).collect::<Result<_>>()?;
     let (tensors, mut extras, checksums) = assemble(&meta, &meta_paths, got)?;
@@ -375,6 +395,12 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
     let producer = Some(match &meta.version {
         None => "torch 2.1–2.3 (no DCP version)".to_string(),
         Some(v) => format!("torch >= 2.4 (DCP {v})"),
+    });
+    let locator: Option<Arc<dyn Locate>> = lazy.then(|| {
+        Arc::new(Items {
+            files: sources.iter().map(|s| (s.path.clone(), s.rank)).collect(),
+            blobs: Mutex::new(HashMap::new()),
+        }) as _
     });
     Ok(Checkpoint {
         format: Format::DCP,
@@ -388,7 +414,169 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         producer,
         scratch,
         checksums,
+        locator,
     })
+}
+
+/// The piece of a chunk item left pending: its region per the metadata, its location the
+/// item itself.
+fn pending_piece(w: &Work, meta: &Meta, sources: &[Source]) -> Got {
+    let Want::Chunk { entry, chunk } = w.want else {
+        unreachable!("only chunk items are left pending")
+    };
+    let Kind::Tensor { chunks, .. } = &meta.entries[entry].kind else {
+        unreachable!("a chunk item belongs to a tensor entry")
+    };
+    Got::Piece {
+        entry,
+        piece: Piece {
+            rank: sources[w.file].rank.unwrap_or(0),
+            region: crate::layout::Region::new(chunks.offsets(chunk), chunks.sizes(chunk)),
+            loc: Loc {
+                file: w.file as u32,
+                offset: w.offset,
+                strides: None,
+                pending: Some(w.length),
+            },
+        },
+        crc: None,
+    }
+}
+
+/// The data files of a lazily read checkpoint and the safetensors blob headers parsed so
+/// far: what locates its pending pieces. The files are mapped afresh for each pass (a file
+/// shortened since the open is then an error, not a fault on a stale mapping).
+struct Items {
+    files: Vec<(PathBuf, Option<u32>)>,
+    blobs: Mutex<HashMap<(usize, u64), Arc<Blob>>>,
+}
+
+impl std::fmt::Debug for Items {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Items")
+            .field("files", &self.files.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Items {
+    /// The blob at `offset` of source `file`, its header parsed once.
+    fn blob(&self, sources: &[Source], file: usize, offset: u64) -> Result<Arc<Blob>> {
+        let mut blobs = self.blobs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = blobs.get(&(file, offset)) {
+            return Ok(b.clone());
+        }
+        let b = Arc::new(parse_blob(&sources[file], offset)?);
+        blobs.insert((file, offset), b.clone());
+        Ok(b)
+    }
+
+    /// The location of pending piece `p` of `t` in its item (`w`), read from `sources`.
+    fn locate_one(&self, sources: &[Source], t: &TensorLayout, p: &Piece, w: &Work) -> Result<Loc> {
+        let src = &sources[w.file];
+        let err = |msg: String| {
+            Error::format(
+                &src.path,
+                format!("item `{}` at offset {}: {msg}", short(&t.name), w.offset),
+            )
+        };
+        let want = Expected {
+            name: &t.name,
+            label: &Label::new(),
+            dtype: t.dtype,
+            offsets: &p.region.offsets,
+            sizes: &p.region.sizes,
+        };
+        if is_blob(src.bytes(), w.offset) {
+            return blob_chunk(&*self.blob(sources, w.file, w.offset)?, w.file, &want).map_err(err);
+        }
+        let (loc, _) = zip_chunk(w, sources, &want, "").map_err(err)?;
+        Ok(loc)
+    }
+}
+
+impl Locate for Items {
+    /// Items are parsed as an eager open parses them: in batches of neighbouring items, in
+    /// parallel, each batch's pages released when it is done.
+    fn locate(&self, pieces: &[(&TensorLayout, &Piece)]) -> Result<Vec<Loc>> {
+        let works: Vec<Work> = pieces
+            .iter()
+            .enumerate()
+            .map(|(i, (t, p))| {
+                let file = p.loc.file as usize;
+                let length = p.loc.pending.unwrap_or(0);
+                if file >= self.files.len() || p.loc.pending.is_none() {
+                    return Err(Error::layout(
+                        &t.name,
+                        format!("piece {} is not a pending piece of this checkpoint", p.region),
+                    ));
+                }
+                Ok(Work {
+                    want: Want::Chunk { entry: i, chunk: 0 },
+                    file,
+                    offset: p.loc.offset,
+                    length,
+                    transforms: 0,
+                    at: (file, p.loc.offset, length),
+                })
+            })
+            .collect::<Result<_>>()?;
+        // Map the files these items are in, as they are now; the others stay closed.
+        let mut used = vec![false; self.files.len()];
+        for w in &works {
+            used[w.file] = true;
+        }
+        let sources: Vec<Source> = self
+            .files
+            .iter()
+            .zip(&used)
+            .map(|((path, rank), &u)| match u {
+                true => Source::open(path.clone(), *rank),
+                false => Ok(Source {
+                    path: path.clone(),
+                    rank: *rank,
+                    len: 0,
+                    map: None,
+                }),
+            })
+            .collect::<Result<_>>()?;
+        for w in &works {
+            let src = &sources[w.file];
+            let end = w.offset.checked_add(w.length);
+            if end.is_none_or(|e| e > src.len) {
+                let (t, _) = pieces[w.want.entry()];
+                return Err(Error::format(
+                    &src.path,
+                    format!(
+                        "is truncated: item `{}` needs bytes {}..{}, the file has {}",
+                        short(&t.name),
+                        w.offset,
+                        end.map_or_else(|| "overflow".to_string(), |e| e.to_string()),
+                        src.len
+                    ),
+                ));
+            }
+        }
+        let batches = batches(&works, |_| true);
+        let found: Vec<Vec<(usize, Result<Loc>)>> = batches
+            .par_iter()
+            .map(|b| {
+                let out = b
+                    .items
+                    .iter()
+                    .map(|&i| {
+                        let (t, p) = pieces[i];
+                        (i, self.locate_one(&sources, t, p, &works[i]))
+                    })
+                    .collect();
+                b.release(&works, &sources);
+                out
+            })
+            .collect();
+        let mut found: Vec<(usize, Result<Loc>)> = found.into_iter().flatten().collect();
+        found.sort_unstable_by_key(|&(i, _)| i);
+        found.into_iter().map(|(_, l)| l).collect()
+    }
 }
 
 /// Every item the metadata lists, and the data files they name.
@@ -539,10 +727,11 @@ impl Batch {
     }
 }
 
-/// Split the work into batches: items sorted by where their (decoded) bytes are, cut where
-/// the source changes, the span would exceed [`BATCH_SPAN`] or the count [`BATCH_ITEMS`].
-fn batches(works: &[Work]) -> Vec<Batch> {
-    let mut order: Vec<usize> = (0..works.len()).collect();
+/// Split the work `keep` selects into batches: items sorted by where their (decoded) bytes
+/// are, cut where the source changes, the span would exceed [`BATCH_SPAN`] or the count
+/// [`BATCH_ITEMS`].
+fn batches(works: &[Work], keep: impl Fn(&Work) -> bool) -> Vec<Batch> {
+    let mut order: Vec<usize> = (0..works.len()).filter(|&i| keep(&works[i])).collect();
     order.sort_unstable_by_key(|&i| (works[i].at.0, works[i].at.1));
     let mut out: Vec<Batch> = vec![];
     for i in order {
@@ -613,23 +802,32 @@ fn assemble(
         }
     }
     let mut tensors = vec![];
+    let mut origins = vec![];
     let mut extras = vec![];
     for ((e, ps), x) in meta.entries.iter().zip(pieces).zip(extras_by_entry) {
         match &e.kind {
             Kind::Tensor { dtype, size, .. } => {
-                let t = TensorLayout {
+                tensors.push(TensorLayout {
                     name: e.name.clone(),
                     dtype: *dtype,
                     shape: size.clone(),
                     pieces: ps,
-                };
-                t.validate()
-                    .map_err(|err| Error::format(&meta_paths[e.origin], err.to_string()))?;
-                tensors.push(t);
+                });
+                origins.push(e.origin);
             }
             Kind::Bytes { .. } => extras.extend(x),
         }
     }
+    // Validated in parallel; the first error in metadata order is reported.
+    let checked: Vec<Result<()>> = tensors
+        .par_iter()
+        .zip(&origins)
+        .map(|(t, &o)| {
+            t.validate()
+                .map_err(|err| Error::format(&meta_paths[o], err.to_string()))
+        })
+        .collect();
+    checked.into_iter().collect::<Result<()>>()?;
     Ok((tensors, extras, checksums))
 }
 
@@ -913,6 +1111,7 @@ fn blob_chunk(b: &Blob, file: usize, want: &Expected) -> std::result::Result<Loc
         file: file as u32,
         offset: *abs,
         strides: None,
+        pending: None,
     })
 }
 
@@ -943,6 +1142,7 @@ fn zip_chunk(
         file: si as u32,
         offset: off + t.data_offset(),
         strides: (!t.is_row_major()).then(|| t.strides.clone()),
+        pending: None,
     };
     Ok((loc, crc))
 }

@@ -243,6 +243,7 @@ impl Writer {
                 file: r,
                 offset: offset + tpl.data_offset,
                 strides: None,
+                pending: None,
             },
         };
         let span = ItemSpan {

@@ -32,6 +32,7 @@ fn whole_tensor(
                 file: 0,
                 offset,
                 strides,
+                pending: None,
             },
         }],
         shape,

@@ -104,6 +104,7 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
         producer: Some(producer),
         scratch: vec![],
         checksums: w.checksums,
+        locator: None,
     })
 }
 
