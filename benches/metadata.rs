@@ -10,10 +10,10 @@
 //!   reading and interpreting `.metadata`, then locating and checking every chunk's
 //!   torch.save item in the mapped `.distcp` files (page cache warm).
 //!
-//! reshard writes its pickles without a memo (what torch's weights-only loader accepts), about
-//! 415 bytes per chunk; torch's own `.metadata` memoises class names and takes about 160. So
-//! both groups also run on the torch-written fixture `tests/fixtures/fsdp2_w4_f32` (torch
-//! 2.15, FSDP2 over 4 ranks), and time per chunk compares better across writers than bytes/s.
+//! reshard's `.metadata` memoises class names and strings as torch's does, but the two
+//! writers' pickles still differ in size per chunk, so both groups also run on the
+//! torch-written fixture `tests/fixtures/fsdp2_w4_f32` (torch 2.15, FSDP2 over 4 ranks), and
+//! time per chunk compares better across writers than bytes/s.
 //!
 //! A third group, `pickle::parse_graph`, times the value-graph decoding the DCP reader uses
 //! (throughput in chunks). `RESHARD_BENCH_DCP=DIR` adds a checkpoint made by

@@ -4,7 +4,8 @@
 For each checkpoint directory (made by ``scripts/gen_scale_dcp.py``), runs
 ``reshard plan DIR --to M`` for every ``--to`` value ``--rounds`` times and prints the median
 wall time and the median peak RSS (of the process, from ``wait4``), with the number of chunks;
-``--convert`` also times ``reshard convert DIR OUT.safetensors --to 1 --no-fsync`` (OUT in
+``--load R/M ...`` also times a trainer rank's load from Python: ``reshard.open`` and
+``local_shards(R, M)`` (numpy arrays, so torch is not imported). ``--convert`` also times ``reshard convert DIR OUT.safetensors --to 1 --no-fsync`` (OUT in
 ``--out``, a tmpfs by default, removed after each round). ``--torch`` also times ``pickle.load``
 of the ``.metadata`` with torch imported (what every torch loader does first), once per round,
 and torch's ``dcp_to_torch_save`` once per checkpoint, stopped after ``--torch-timeout`` seconds.
@@ -84,12 +85,22 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reshard", default=os.path.join(HERE, "..", "target", "release", "reshard"))
     ap.add_argument("--convert", action="store_true", help="also time reshard convert --to 1")
+    ap.add_argument("--load", nargs="+", default=[], metavar="R/M",
+                    help="also time reshard.open + local_shards(R, M) in Python")
+    ap.add_argument("--import-baseline", action="store_true",
+                    help="also time `import torch, torch.distributed.checkpoint` alone (once per round)")
     ap.add_argument("--out", default="/dev/shm", help="where --convert writes (default /dev/shm)")
     ap.add_argument("--torch", action="store_true", help="also time torch's pickle.load and dcp_to_torch_save")
     ap.add_argument("--torch-timeout", type=float, default=300, help="seconds dcp_to_torch_save may take")
     a = ap.parse_args()
     print("| chunks | .metadata | step | median time | median peak RSS | per chunk |")
     print("|---:|---:|---|---:|---:|---:|")
+    if a.import_baseline:
+        cmd = [sys.executable, "-c", "import torch, torch.distributed.checkpoint"]
+        res = [run(cmd) for _ in range(a.rounds)]
+        t = statistics.median(r[0] for r in res)
+        rss = statistics.median(r[1] for r in res)
+        print(f"| – | – | `import torch` alone | {t:.2f} s | {rss / 2**20:.0f} MiB | |", flush=True)
     for d in a.dirs:
         n = chunks(d, a.reshard)
         size = os.path.getsize(os.path.join(d, ".metadata"))
@@ -99,6 +110,14 @@ def main() -> int:
         if a.convert:
             cmd = [a.reshard, "convert", d, out, "--to", "1", "--no-fsync", "--force", "-q"]
             cases.append(("`reshard convert --to 1` (.safetensors)", cmd))
+        for rm in a.load:
+            r, m = rm.split("/")
+            code = (
+                "import sys, reshard;"
+                "ck = reshard.open(sys.argv[1], framework='numpy');"
+                "ck.local_shards(int(sys.argv[2]), int(sys.argv[3]))"
+            )
+            cases.append((f"Python `reshard.open` + `local_shards({r}, {m})`", [sys.executable, "-c", code, d, r, m]))
         if a.torch:
             code = (
                 "import pickle, torch, torch.distributed.checkpoint;"

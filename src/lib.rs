@@ -14,6 +14,7 @@
 //! # The library API
 //! - [`Checkpoint::open`]: any supported format; [`Checkpoint::tensors`] lists its tensors
 //!   (each a [`layout::TensorLayout`]), [`Checkpoint::extras`] its non-tensor entries;
+//!   [`Checkpoint::open_lazy`] for reading only (item headers read when a read needs them);
 //! - [`Checkpoint::read_region`] / [`Checkpoint::read_region_into`]: one region of one
 //!   tensor, into a new buffer or the caller's;
 //! - [`load::local_shards`] / [`load::local_shards_into`]: every region rank r of M holds
