@@ -86,10 +86,14 @@ impl<'a> Shares<'a> {
         });
     }
 
-    /// The destination ranges within `d0..d1` still to hash, with their checksum index.
+    /// The destination ranges within `d0..d1` still to hash, with their checksum index. Only
+    /// the checksum ranges overlapping `d0..d1` are looked at (the hits are sorted and
+    /// disjoint): a window of many small copies asks once per copy.
     fn to_hash(&self, d0: u64, d1: u64) -> Vec<(u32, u64, u64)> {
-        self.hits
+        let first = self.hits.partition_point(|h| h.2 <= d0);
+        self.hits[first..]
             .iter()
+            .take_while(|h| h.1 < d1)
             .flat_map(|&(ck, a, b)| {
                 unknown(a.max(d0), b.min(d1), self.skip)
                     .into_iter()
@@ -108,48 +112,68 @@ pub(super) fn run_window(
     (ranges, skip): (&[CkRange], &[(u64, u64)]),
 ) -> Result<Vec<CrcPart>> {
     let mut shares = Shares::new(w, ranges, skip);
-    let direct = w.frags.iter().all(Frag::is_direct);
-    let mapped = if direct {
+    let mapped = if w.frags.iter().all(Frag::is_direct) {
         copy_runs(w, io, &mut shares)?
     } else {
         assemble(w, io, &mut shares)?;
-        true
+        // An assembled window reads small copies with pread, the others from the mapping.
+        w.frags
+            .iter()
+            .filter_map(|f| match f {
+                Frag::Op(o) => Some(o),
+                Frag::Lit { .. } => None,
+            })
+            .filter(|o| o.src_span().1 - o.src_span().0 > PREAD_BYTES)
+            .map(|o| (o.src, o.src_span().0, o.src_span().1))
+            .collect()
     };
-    // copy_file_range reads through the page cache, not the mapping: only pages read
-    // through the mapping need releasing (an assembled window reads small copies with
-    // pread).
-    if mapped {
-        for f in &w.frags {
-            if let Frag::Op(o) = f {
-                let (a, b) = o.src_span();
-                if direct || b - a > PREAD_BYTES {
-                    release(&io.srcs[o.src as usize], a, b);
+    release_spans(io, mapped);
+    Ok(shares.parts)
+}
+
+/// Release the source pages of `spans` (source, first byte, past the last) read through the
+/// mapping, neighbours of one source within [`RELEASE_GAP`] merged: one `madvise` (and TLB
+/// shootdown) per merged span, not one per copy.
+fn release_spans(io: &WindowIo, mut spans: Vec<(u32, u64, u64)>) {
+    spans.sort_unstable();
+    let mut cur: Option<(u32, u64, u64)> = None;
+    for (src, a, b) in spans {
+        match &mut cur {
+            Some(c) if c.0 == src && a <= c.2.saturating_add(RELEASE_GAP) => c.2 = c.2.max(b),
+            _ => {
+                if let Some((s, x, y)) = cur.replace((src, a, b)) {
+                    release(&io.srcs[s as usize], x, y);
                 }
             }
         }
     }
-    Ok(shares.parts)
+    if let Some((s, x, y)) = cur {
+        release(&io.srcs[s as usize], x, y);
+    }
 }
 
+/// Source spans of one window closer than this are released by one call.
+const RELEASE_GAP: u64 = 1 << 20;
+
 /// Copy a window of plain contiguous runs, in the kernel where it can. Checksummed bytes
-/// are hashed from the source mapping, unless known source CRCs give them. Returns whether
-/// any bytes were read through the mapping.
-fn copy_runs(w: &Window, io: &WindowIo, shares: &mut Shares) -> Result<bool> {
-    let mut mapped = false;
+/// are hashed from the source mapping, unless known source CRCs give them. Returns the
+/// source spans read through the mapping (copy_file_range reads through the page cache).
+fn copy_runs(w: &Window, io: &WindowIo, shares: &mut Shares) -> Result<Vec<(u32, u64, u64)>> {
+    let mut mapped = vec![];
     for f in &w.frags {
         let Frag::Op(o) = f else { continue };
         let d0 = o.dst_offset;
         for (ck, x, y) in shares.to_hash(d0, d0 + o.len) {
-            let s = (o.src_offset + (x - d0)) as usize;
-            shares.hash(ck, x, &io.srcs[o.src as usize][s..s + (y - x) as usize]);
-            mapped = true;
+            let s = o.src_offset + (x - d0);
+            shares.hash(ck, x, &io.srcs[o.src as usize][s as usize..(s + (y - x)) as usize]);
+            mapped.push((o.src, s, s + (y - x)));
         }
         let src = &io.src_files[o.src as usize];
         let kernel = kernel_copy_available()
             && copy_range(src, o.src_offset, io.dst, o.dst_offset, o.len).at_write(io.dst_path)?;
         if !kernel {
             io.write(io.row(o, 0), o.dst_offset)?;
-            mapped = true;
+            mapped.push((o.src, o.src_offset, o.src_offset + o.len));
         }
     }
     Ok(mapped)
