@@ -104,16 +104,13 @@ pub fn local_shards_into(
             outs.len()
         )));
     }
+    let mut tensors = Vec::with_capacity(regions.len());
     for (r, out) in regions.iter().zip(outs.iter()) {
-        ck.checked(&r.name, &r.region, Some(r.dtype))?;
+        tensors.push(ck.checked(&r.name, &r.region, Some(r.dtype))?);
         check_buffer(&r.name, &r.region, r.dtype, out.len())?;
     }
     // Of a lazily opened checkpoint, the item headers of the pieces overlapping the regions
     // are read now, all in one pass.
-    let tensors: Vec<_> = regions
-        .iter()
-        .map(|r| ck.checked(&r.name, &r.region, Some(r.dtype)))
-        .collect::<Result<_>>()?;
     let each: Vec<[&Region; 1]> = regions.iter().map(|r| [&r.region]).collect();
     let want: Vec<_> = tensors
         .iter()
@@ -290,37 +287,49 @@ pub fn read_local_tensors_into(
             ));
         }
     }
+    let prepared: Vec<(Option<&TensorLayout>, Vec<Piece>)> = tensors
+        .iter()
+        .map(|lt| local_pieces(ck, lt))
+        .collect::<Result<_>>()?;
     // Of a lazily opened checkpoint, the item headers of the pieces overlapping the parts
     // are read now, all in one pass.
     let parts: Vec<Vec<&Region>> = tensors
         .iter()
         .map(|lt| lt.parts.iter().map(|p| &p.region).collect())
         .collect();
-    let mut want = Vec::with_capacity(tensors.len());
-    for (lt, regions) in tensors.iter().zip(&parts) {
-        let t = ck.tensor(&lt.name).ok_or_else(|| {
-            Error::usage(format!("{}: no tensor `{}`", ck.path.display(), lt.name))
-        })?;
-        want.push((t, Some(&regions[..])));
-    }
-    let located = ck.located_many(&want)?;
+    let want: Vec<_> = prepared
+        .iter()
+        .zip(&parts)
+        .filter_map(|((t, _), regions)| Some(((*t)?, Some(&regions[..]))))
+        .collect();
+    let mut located = ck.located_many(&want)?.into_iter();
+    let located: Vec<_> = prepared
+        .iter()
+        .map(|(t, _)| t.map(|_| located.next().expect("one layout per tensor with parts")))
+        .collect();
     // One job per destination, made in parallel.
-    let jobs: Vec<Vec<CopyOp>> = tensors
+    let jobs: Vec<Vec<CopyOp>> = prepared
         .par_iter()
         .zip(&located)
-        .map(|(lt, t)| local_tensor_ops(ck, lt, t))
-        .collect::<Result<_>>()?;
+        .zip(tensors)
+        .map(|(((_, pieces), t), lt)| {
+            let mut ops = vec![];
+            if let Some(t) = t {
+                crate::plan::fill(t, pieces, lt.dtype, &mut ops);
+            }
+            ops
+        })
+        .collect();
     read_many_into(&jobs, &ck.files, outs)
 }
 
-/// The copy ops that fill the destination `lt` (its buffer at offset 0) from `located` (its
-/// tensor in `ck`, located for its parts), every part checked against the tensor and the
-/// destination's shape.
-fn local_tensor_ops(
-    ck: &Checkpoint,
+/// The tensor of `ck` the destination `lt` is filled from (`None` when it has no parts) and
+/// its parts as pieces of its buffer (at offset 0), every part checked against the tensor and
+/// the destination's shape.
+fn local_pieces<'a>(
+    ck: &'a Checkpoint,
     lt: &LocalTensor,
-    located: &TensorLayout,
-) -> Result<Vec<CopyOp>> {
+) -> Result<(Option<&'a TensorLayout>, Vec<Piece>)> {
     let mut pieces = Vec::with_capacity(lt.parts.len());
     let mut src = None;
     for p in &lt.parts {
@@ -350,9 +359,5 @@ fn local_tensor_ops(
             },
         });
     }
-    let mut ops = vec![];
-    if src.is_some() {
-        crate::plan::fill(located, &pieces, lt.dtype, &mut ops);
-    }
-    Ok(ops)
+    Ok((src, pieces))
 }

@@ -44,11 +44,12 @@ fn equal(files: &[PathBuf], a: &TensorLayout, b: &TensorLayout) -> Result<bool> 
     Ok(true)
 }
 
-/// Groups (two or more, as indices into `tensors`, ascending) of tied tensors among
-/// `tensors`, whose pieces lie in `files`.
-pub fn find(files: &[PathBuf], tensors: &[&TensorLayout]) -> Result<Vec<Vec<usize>>> {
+/// The tensors that can be tied: groups (sorted) of two or more non-empty tensors of one
+/// dtype and shape, as indices into `tensors`, ascending. Only they are ever read.
+fn candidates<T: std::borrow::Borrow<TensorLayout>>(tensors: &[T]) -> Vec<Vec<usize>> {
     let mut by_kind: HashMap<(crate::layout::DType, &[u64]), Vec<usize>> = HashMap::new();
     for (i, t) in tensors.iter().enumerate() {
+        let t = t.borrow();
         if t.nbytes() > 0 {
             by_kind
                 .entry((t.dtype, t.shape.as_slice()))
@@ -58,8 +59,14 @@ pub fn find(files: &[PathBuf], tensors: &[&TensorLayout]) -> Result<Vec<Vec<usiz
     }
     let mut kinds: Vec<Vec<usize>> = by_kind.into_values().filter(|v| v.len() > 1).collect();
     kinds.sort();
+    kinds
+}
+
+/// Groups (two or more, as indices into `tensors`, ascending) of tied tensors among
+/// `tensors`, whose pieces lie in `files`.
+pub fn find(files: &[PathBuf], tensors: &[&TensorLayout]) -> Result<Vec<Vec<usize>>> {
     let mut groups: Vec<Vec<usize>> = vec![];
-    for members in kinds {
+    for members in candidates(tensors) {
         let aliased = aliased(tensors, &members);
         let mut merged: Vec<Option<Vec<usize>>> = aliased.iter().cloned().map(Some).collect();
         for cands in probe_buckets(files, tensors, &aliased)? {
@@ -242,20 +249,18 @@ mod tests {
 /// Groups of tied tensors of `ck` by name: each group two or more names in checkpoint order,
 /// the groups in the order [`find`] gives them.
 pub fn tied_names(ck: &crate::formats::Checkpoint) -> Result<Vec<Vec<String>>> {
-    // Only tensors sharing a dtype and shape with another can be tied, and only they are
-    // read: of a lazily opened checkpoint, only their pieces are located.
-    let mut kinds: HashMap<(crate::layout::DType, &[u64]), usize> = HashMap::new();
-    for t in &ck.tensors {
-        *kinds.entry((t.dtype, t.shape.as_slice())).or_default() += 1;
+    // Only the candidates are read: of a lazily opened checkpoint, only their pieces are
+    // located.
+    let mut read = vec![false; ck.tensors.len()];
+    for i in candidates(&ck.tensors).into_iter().flatten() {
+        read[i] = true;
     }
     let none: Option<&[&Region]> = Some(&[]);
     let want: Vec<_> = ck
         .tensors
         .iter()
-        .map(|t| match kinds[&(t.dtype, t.shape.as_slice())] {
-            1 => (t, none),
-            _ => (t, None),
-        })
+        .zip(&read)
+        .map(|(t, &r)| (t, if r { None } else { none }))
         .collect();
     let located = ck.located_many(&want)?;
     let all: Vec<&TensorLayout> = located.iter().map(|t| &**t).collect();

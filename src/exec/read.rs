@@ -95,7 +95,13 @@ pub fn read_many_into(
 
 /// Copies whose source bytes span at most this many are read with `pread`, not through
 /// the mapping.
-pub(super) const PREAD_BYTES: u64 = 4096;
+const PREAD_BYTES: u64 = 4096;
+
+/// Whether `o` is read with `pread` ([`apply_small`]) rather than through the mapping.
+pub(super) fn is_small(o: &CopyOp) -> bool {
+    let (a, b) = o.src_span();
+    b - a <= PREAD_BYTES
+}
 
 /// Perform `o` into `buf` (destination bytes from `lo` on) by reading its source bytes with
 /// `pread`, when they span at most [`PREAD_BYTES`]; false (nothing done) otherwise. A fault
@@ -108,10 +114,10 @@ pub(super) fn apply_small(
     buf: &mut [u8],
     lo: u64,
 ) -> Result<bool> {
-    let (a, b) = o.src_span();
-    if b - a > PREAD_BYTES {
+    if !is_small(o) {
         return Ok(false);
     }
+    let (a, b) = o.src_span();
     let mut small = [0u8; PREAD_BYTES as usize];
     let bytes = &mut small[..(b - a) as usize];
     let i = o.src as usize;

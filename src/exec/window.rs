@@ -5,7 +5,7 @@
 //! read through the mapping.
 
 use super::crc::{unknown, CkRange, CrcPart};
-use super::read::{apply, apply_small, PREAD_BYTES};
+use super::read::{apply, apply_small, is_small};
 use super::schedule::{Frag, Window};
 use crate::error::Result;
 use crate::plan::CopyOp;
@@ -120,11 +120,9 @@ pub(super) fn run_window(
         w.frags
             .iter()
             .filter_map(|f| match f {
-                Frag::Op(o) => Some(o),
-                Frag::Lit { .. } => None,
+                Frag::Op(o) if !is_small(o) => Some((o.src, o.src_span().0, o.src_span().1)),
+                _ => None,
             })
-            .filter(|o| o.src_span().1 - o.src_span().0 > PREAD_BYTES)
-            .map(|o| (o.src, o.src_span().0, o.src_span().1))
             .collect()
     };
     release_spans(io, mapped);

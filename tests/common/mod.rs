@@ -368,6 +368,23 @@ pub fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
+/// A copy of fixture `case`'s checkpoint in `into/case`, to break.
+pub fn copy_fixture(case: &str, into: &Path) -> PathBuf {
+    let dst = into.join(case);
+    copy_dir(&fixture(case).join("checkpoint"), &dst);
+    dst
+}
+
+/// Cut `file` to `len` bytes.
+pub fn set_len(file: &Path, len: u64) {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(file)
+        .unwrap()
+        .set_len(len)
+        .unwrap();
+}
+
 /// Names in `dir` (no temporary leftovers expected).
 pub fn names(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(dir)

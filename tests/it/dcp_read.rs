@@ -4,8 +4,8 @@
 //! N → 1 and N → M → 1, and refusing damaged checkpoints with one line naming the file.
 
 use crate::common::{
-    assert_same, convert, copy_dir, fails_all, fixture, json_object, ok, read_all, read_st, s,
-    Tensors,
+    assert_same, convert, copy_fixture, fails_all, fixture, json_object, ok, read_all, read_st, s,
+    set_len, Tensors,
 };
 use reshard::formats::{Checkpoint, Format};
 use reshard::layout::Region;
@@ -216,12 +216,6 @@ fn cli_reshards_n_to_m_to_one() {
 // Damaged checkpoints
 
 /// A writable copy of a fixture's checkpoint.
-fn copy(case: &str, into: &Path) -> PathBuf {
-    let dst = into.join(case);
-    copy_dir(&checkpoint(case), &dst);
-    dst
-}
-
 /// Replace the first occurrence of `from` after `anchor` in `file` by `to`.
 fn patch_after(file: &Path, anchor: &[u8], from: &[u8], to: &[u8]) {
     let mut b = std::fs::read(file).unwrap();
@@ -282,7 +276,7 @@ fn convert_fails(ck: &Path, needles: &[&str]) -> String {
 #[test]
 fn truncated_metadata_is_refused_naming_it() {
     let tmp = tempfile::tempdir().unwrap();
-    let ck = copy("fsdp2_w4_f32", tmp.path());
+    let ck = copy_fixture("fsdp2_w4_f32", tmp.path());
     let meta = ck.join(".metadata");
     let b = std::fs::read(&meta).unwrap();
     std::fs::write(&meta, &b[..b.len() / 2]).unwrap();
@@ -294,38 +288,28 @@ fn truncated_metadata_is_refused_naming_it() {
 #[test]
 fn missing_and_truncated_data_files_are_named() {
     let tmp = tempfile::tempdir().unwrap();
-    let ck = copy("fsdp2_w4_f32", tmp.path());
+    let ck = copy_fixture("fsdp2_w4_f32", tmp.path());
     std::fs::remove_file(ck.join("__2_0.distcp")).unwrap();
     convert_fails(&ck, &["__2_0.distcp", "is missing"]);
 
-    let ck = copy("fabric_fsdp1_w4_f32_torch21", tmp.path());
+    let ck = copy_fixture("fabric_fsdp1_w4_f32_torch21", tmp.path());
     let f = ck.join("__3_0.distcp");
     let len = std::fs::metadata(&f).unwrap().len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&f)
-        .unwrap()
-        .set_len(len / 2)
-        .unwrap();
+    set_len(&f, len / 2);
     convert_fails(&ck, &["__3_0.distcp", "is truncated"]);
 
     // The safetensors-format fixture: a truncated blob.
-    let ck = copy("fmt_fs_safetensors_w2", tmp.path());
+    let ck = copy_fixture("fmt_fs_safetensors_w2", tmp.path());
     let f = ck.join("__0_0.distcp");
     let len = std::fs::metadata(&f).unwrap().len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&f)
-        .unwrap()
-        .set_len(len - 10)
-        .unwrap();
+    set_len(&f, len - 10);
     convert_fails(&ck, &["__0_0.distcp", "truncated"]);
 }
 
 #[test]
 fn a_chunk_outside_its_tensor_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
-    let ck = copy("fsdp2_w4_f32", tmp.path());
+    let ck = copy_fixture("fsdp2_w4_f32", tmp.path());
     // model.cls is the first tensor: its global size (3, 12) is `K 3 K 12 TUPLE2` right
     // after its name; make it (2, 12) so the chunk at row 2 lies outside.
     patch_after(
@@ -344,7 +328,7 @@ fn a_chunk_outside_its_tensor_is_refused() {
     );
 
     // A chunk moved (offsets patched, not its storage key): no storage entry for it.
-    let ck = copy("torch21_shardedtensor_w3", tmp.path());
+    let ck = copy_fixture("torch21_shardedtensor_w3", tmp.path());
     // sharded.w_dim0_13x4's second chunk has offsets (5, 0): `K 5 K 0 TUPLE2`.
     patch_after(
         &ck.join(".metadata"),
@@ -358,7 +342,7 @@ fn a_chunk_outside_its_tensor_is_refused() {
 #[test]
 fn unknown_globals_are_refused_naming_the_file() {
     let tmp = tempfile::tempdir().unwrap();
-    let ck = copy("fsdp2_w4_f32", tmp.path());
+    let ck = copy_fixture("fsdp2_w4_f32", tmp.path());
     patch_all(
         &ck.join(".metadata"),
         b"torch.distributed.checkpoint.filesystem",
@@ -372,7 +356,7 @@ fn unknown_globals_are_refused_naming_the_file() {
         ],
     );
     // in an item's data.pkl (CRCs zeroed, as writers without CRCs leave them)
-    let ck = copy("fabric_fsdp1_w4_f32_torch21", tmp.path());
+    let ck = copy_fixture("fabric_fsdp1_w4_f32_torch21", tmp.path());
     patch_all(&ck.join("__1_0.distcp"), b"torch._utils", b"torch._utilz");
     zero_pickle_crcs(&ck.join("__1_0.distcp"));
     convert_fails(&ck, &["__1_0.distcp", "unknown global `torch._utilz"]);
@@ -381,7 +365,7 @@ fn unknown_globals_are_refused_naming_the_file() {
 #[test]
 fn corrupt_zip_records_are_refused_naming_the_file() {
     let tmp = tempfile::tempdir().unwrap();
-    let ck = copy("fsdp2_w4_f32", tmp.path());
+    let ck = copy_fixture("fsdp2_w4_f32", tmp.path());
     let f = ck.join("__0_0.distcp");
     let mut b = std::fs::read(&f).unwrap();
     assert_eq!(&b[..4], b"PK\x03\x04");
@@ -390,7 +374,7 @@ fn corrupt_zip_records_are_refused_naming_the_file() {
     convert_fails(&ck, &["__0_0.distcp", "local header signature"]);
 
     // Every item's data.pkl local header signature flipped: all refused the same way.
-    let ck = copy("torch21_shardedtensor_w3", tmp.path());
+    let ck = copy_fixture("torch21_shardedtensor_w3", tmp.path());
     patch_all(
         &ck.join("__1_0.distcp"),
         b"PK\x03\x04\x00\x00\x08\x08",
@@ -402,7 +386,7 @@ fn corrupt_zip_records_are_refused_naming_the_file() {
 #[test]
 fn paths_leaving_the_directory_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
-    let ck = copy("torch21_shardedtensor_w3", tmp.path());
+    let ck = copy_fixture("torch21_shardedtensor_w3", tmp.path());
     // `__1_0.distcp` and `../x_0.distcp` have the same length.
     patch_all(
         &ck.join(".metadata"),
@@ -413,7 +397,7 @@ fn paths_leaving_the_directory_are_refused() {
 
     #[cfg(unix)]
     {
-        let ck = copy("torch21_shardedtensor_w3", tmp.path().join("b").as_path());
+        let ck = copy_fixture("torch21_shardedtensor_w3", tmp.path().join("b").as_path());
         let outside = tmp.path().join("elsewhere.distcp");
         std::fs::rename(ck.join("__2_0.distcp"), &outside).unwrap();
         std::os::unix::fs::symlink(&outside, ck.join("__2_0.distcp")).unwrap();
@@ -424,12 +408,12 @@ fn paths_leaving_the_directory_are_refused() {
 #[test]
 fn unknown_stream_transforms_are_refused_naming_them() {
     let tmp = tempfile::tempdir().unwrap();
-    let ck = copy("fsdp2_w2_f32_zstd", tmp.path());
+    let ck = copy_fixture("fsdp2_w2_f32_zstd", tmp.path());
     patch_all(&ck.join(".metadata"), b"stream.zstd/1", b"stream.lz4x/1");
     convert_fails(&ck, &[".metadata", "stream transform `stream.lz4x/1`"]);
 
     // A corrupt zstd stream.
-    let ck = copy("fsdp2_w2_f32_zstd", tmp.path().join("b").as_path());
+    let ck = copy_fixture("fsdp2_w2_f32_zstd", tmp.path().join("b").as_path());
     let f = ck.join("__1_0.distcp");
     let mut b = std::fs::read(&f).unwrap();
     assert_eq!(&b[..4], b"\x28\xb5\x2f\xfd");
@@ -471,7 +455,7 @@ mod fuzz {
             cut in proptest::option::of(any::<prop::sample::Index>()),
         ) {
             let tmp = tempfile::tempdir().unwrap();
-            let ck = copy(case, tmp.path());
+            let ck = copy_fixture(case, tmp.path());
             let file = match target {
                 0 => ck.join(".metadata"),
                 1 => ck.join("__0_0.distcp"),
@@ -491,7 +475,7 @@ mod fuzz {
 fn items_disagreeing_with_the_metadata_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
     // dtype: the first `float32` global (memoised for every f32 tensor) becomes float64.
-    let ck = copy("torch21_shardedtensor_w3", tmp.path());
+    let ck = copy_fixture("torch21_shardedtensor_w3", tmp.path());
     patch_after(
         &ck.join(".metadata"),
         b"w_dim0_13x4",
@@ -507,7 +491,7 @@ fn items_disagreeing_with_the_metadata_are_refused() {
         ],
     );
     // shape: chunk 0 of sharded.w_dim0_13x4 claims sizes (4, 4), its item holds (5, 4).
-    let ck = copy("torch21_shardedtensor_w3", tmp.path().join("b").as_path());
+    let ck = copy_fixture("torch21_shardedtensor_w3", tmp.path().join("b").as_path());
     patch_after(
         &ck.join(".metadata"),
         b"sharded.w_dim0_13x4",

@@ -423,8 +423,7 @@ fn a_lazily_opened_checkpoint_reads_the_same_bytes_as_an_eagerly_opened_one() {
 #[test]
 fn a_rank_reads_only_the_item_headers_of_its_own_chunks() {
     let d = tempfile::tempdir().unwrap();
-    let dir = d.path().join("ck");
-    copy_dir(&fixture("fsdp2_w4_f32").join("checkpoint"), &dir);
+    let dir = copy_fixture("fsdp2_w4_f32", d.path());
     // Break the zip header of one item of rank 3: where the lazy pieces point.
     let lazy = Checkpoint::open_lazy(&dir, None).unwrap();
     let (t, p) = lazy
@@ -474,17 +473,11 @@ fn a_rank_reads_only_the_item_headers_of_its_own_chunks() {
 #[test]
 fn a_data_file_shortened_after_a_lazy_open_is_an_error_not_a_fault() {
     let d = tempfile::tempdir().unwrap();
-    let dir = d.path().join("ck");
-    copy_dir(&fixture("fsdp2_w4_f32").join("checkpoint"), &dir);
+    let dir = copy_fixture("fsdp2_w4_f32", d.path());
     let lazy = Checkpoint::open_lazy(&dir, None).unwrap();
     let file = dir.join("__1_0.distcp");
     let len = std::fs::metadata(&file).unwrap().len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&file)
-        .unwrap()
-        .set_len(len / 2)
-        .unwrap();
+    set_len(&file, len / 2);
     let e = local_shards(&lazy, &LayoutSpec::fsdp(4), 1, &Selection::default(), None)
         .unwrap_err()
         .to_string();

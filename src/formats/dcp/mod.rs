@@ -347,7 +347,7 @@ fn read_with(dir: &Path, lazy: bool) -> Result<Checkpoint> {
     let dir_canon = std::fs::canonicalize(dir).at(dir)?;
     let located = locate_items(dir, &dir_canon, &meta, &meta_paths)?;
     let (mut sources, mut works) = open_data_files(dir, located)?;
-    check_item_ranges(&works, &meta, &sources)?;
+    check_item_ranges(&works, &sources, |w| &meta.entries[w.want.entry()].name)?;
     let mut scratch = vec![];
     if let Some((src, path)) = decode_transforms(&mut works, &meta, &meta_paths, &sources)? {
         sources.push(src);
@@ -361,24 +361,9 @@ fn read_with(dir: &Path, lazy: bool) -> Result<Checkpoint> {
     // error in metadata order is reported, whichever thread met it first, so messages are
     // stable.
     let labels: Vec<Label> = (0..meta.entries.len()).map(|_| Label::new()).collect();
-    let parsed: Vec<Vec<(usize, Result<Got>)>> = batches
-        .par_iter()
-        .map(|b| {
-            let out = b
-                .items
-                .iter()
-                .map(|&i| {
-                    let g = read_item(&works[i], blob_of[i], &meta, &sources, &blobs, &labels);
-                    (i, g)
-                })
-                .collect();
-            b.release(&works, &sources);
-            out
-        })
-        .collect();
-    // One list in item order, built in place (batches are freed as they are moved; the
-    // last step reuses the list's allocation): at a million items every copy counts.
-    let mut parsed: Vec<(usize, Result<Got>)> = parsed.into_iter().flatten().collect();
+    let mut parsed = in_batches(&batches, &works, &sources, |i| {
+        read_item(&works[i], blob_of[i], &meta, &sources, &blobs, &labels)
+    });
     if lazy {
         parsed.extend(works.iter().enumerate().filter(|(_, w)| pending(w)).map(|(i, w)| {
             (i, Ok(pending_piece(w, &meta, &sources)))
@@ -540,40 +525,11 @@ impl Locate for Items {
                 }),
             })
             .collect::<Result<_>>()?;
-        for w in &works {
-            let src = &sources[w.file];
-            let end = w.offset.checked_add(w.length);
-            if end.is_none_or(|e| e > src.len) {
-                let (t, _) = pieces[w.want.entry()];
-                return Err(Error::format(
-                    &src.path,
-                    format!(
-                        "is truncated: item `{}` needs bytes {}..{}, the file has {}",
-                        short(&t.name),
-                        w.offset,
-                        end.map_or_else(|| "overflow".to_string(), |e| e.to_string()),
-                        src.len
-                    ),
-                ));
-            }
-        }
-        let batches = batches(&works, |_| true);
-        let found: Vec<Vec<(usize, Result<Loc>)>> = batches
-            .par_iter()
-            .map(|b| {
-                let out = b
-                    .items
-                    .iter()
-                    .map(|&i| {
-                        let (t, p) = pieces[i];
-                        (i, self.locate_one(&sources, t, p, &works[i]))
-                    })
-                    .collect();
-                b.release(&works, &sources);
-                out
-            })
-            .collect();
-        let mut found: Vec<(usize, Result<Loc>)> = found.into_iter().flatten().collect();
+        check_item_ranges(&works, &sources, |w| &pieces[w.want.entry()].0.name)?;
+        let mut found = in_batches(&batches(&works, |_| true), &works, &sources, |i| {
+            let (t, p) = pieces[i];
+            self.locate_one(&sources, t, p, &works[i])
+        });
         found.sort_unstable_by_key(|&(i, _)| i);
         found.into_iter().map(|(_, l)| l).collect()
     }
@@ -674,8 +630,13 @@ fn open_data_files(dir: &Path, located: Located) -> Result<(Vec<Source>, Vec<Wor
     Ok((sources, works))
 }
 
-/// Check that every item's byte range lies inside its data file.
-fn check_item_ranges(works: &[Work], meta: &Meta, sources: &[Source]) -> Result<()> {
+/// Check that every item's byte range lies inside its data file; `name` says whose item a
+/// work item is, for the message.
+fn check_item_ranges<'a>(
+    works: &[Work],
+    sources: &[Source],
+    name: impl Fn(&Work) -> &'a str,
+) -> Result<()> {
     for w in works {
         let src = &sources[w.file];
         let end = w.offset.checked_add(w.length);
@@ -684,7 +645,7 @@ fn check_item_ranges(works: &[Work], meta: &Meta, sources: &[Source]) -> Result<
                 &src.path,
                 format!(
                     "is truncated: item `{}` needs bytes {}..{}, the file has {}",
-                    short(&meta.entries[w.want.entry()].name),
+                    short(name(w)),
                     w.offset,
                     end.map_or_else(|| "overflow".to_string(), |e| e.to_string()),
                     src.len
@@ -754,6 +715,28 @@ fn batches(works: &[Work], keep: impl Fn(&Work) -> bool) -> Vec<Batch> {
         }
     }
     out
+}
+
+/// `parse` of every work item of `batches` (batches in parallel, each batch's pages released
+/// when it is done), as `(work index, result)` in no particular order — callers sort, so
+/// that the first error in their order is reported whichever thread met it first. One flat
+/// list built in place (batches are freed as they are moved): at a million items every copy
+/// counts.
+fn in_batches<T: Send>(
+    batches: &[Batch],
+    works: &[Work],
+    sources: &[Source],
+    parse: impl Fn(usize) -> Result<T> + Sync,
+) -> Vec<(usize, Result<T>)> {
+    let parsed: Vec<Vec<(usize, Result<T>)>> = batches
+        .par_iter()
+        .map(|b| {
+            let out = b.items.iter().map(|&i| (i, parse(i))).collect();
+            b.release(works, sources);
+            out
+        })
+        .collect();
+    parsed.into_iter().flatten().collect()
 }
 
 /// Safetensors blobs (`serialization_format=SAFETENSORS`): each blob header parsed once, by
