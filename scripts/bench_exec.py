@@ -8,10 +8,13 @@ rounds against `cp -r` of the same source, medians. Prints a Markdown table.
 Experiments (each a set of variants of `reshard convert CKPT OUT --to M -q --no-fsync`):
   threads   --threads 1 / 2 / 4, with and without the source CRC check (--no-verify)
   window    RESHARD_WINDOW (work-unit bytes) 1 MiB / 8 MiB (default) / 64 MiB
-  verify    the source CRC check reading by mmap (default) or by pread
-            (RESHARD_VERIFY_READ=pread), and off
+  verify    the source CRC check reading by pread (default) or by mmap
+            (RESHARD_VERIFY_READ=mmap), and off
   baseline  this build against another reshard binary (--baseline BIN, e.g. one built from an
             earlier commit), both with the default checks and with --no-verify
+  bound     the kernel's share: the plan's long runs (what reshard hands to copy_file_range)
+            replayed by this script into one fallocated file, in process (no start-up, no
+            metadata, no header), against reshard with and without the source CRC check
 
     # the tmpfs case (where many trainers stage checkpoints): source and output in /dev/shm
     .venv/bin/python scripts/bench_exec.py --ckpt /dev/shm/big/fsdp2_w4_f32/checkpoint \
@@ -40,9 +43,51 @@ EXPERIMENTS = {
                ("window 64 MiB", [], {"RESHARD_WINDOW": str(64 << 20)})],
     "baseline": [("this build", [], {}), ("this build --no-verify", ["--no-verify"], {}),
                  ("baseline", [], {"BIN": "baseline"}), ("baseline --no-verify", ["--no-verify"], {"BIN": "baseline"})],
-    "verify": [("check by mmap (default)", [], {}), ("check by pread", [], {"RESHARD_VERIFY_READ": "pread"}),
+    "bound": [("replay of the plan's kernel copies", "replay", {}), ("reshard (default)", [], {}),
+              ("reshard --no-verify", ["--no-verify"], {})],
+    "verify": [("check by pread (default)", [], {}), ("check by mmap", [], {"RESHARD_VERIFY_READ": "mmap"}),
                ("--no-verify", ["--no-verify"], {})],
 }
+
+
+def kernel_runs(reshard: Path, src: Path, to: str) -> tuple[list[str], int, list[tuple]]:
+    """The source files, the size of destination file 0 and its plain runs of at least 64 KiB
+    (the copies reshard's executor gives the kernel), from `reshard plan --json`, in
+    destination order, cut at 8 MiB windows as the executor cuts them."""
+    import json
+    import subprocess
+    plan = json.loads(subprocess.run([str(reshard), "plan", str(src), "--to", to, "--json"],
+                                     capture_output=True, check=True).stdout)
+    window = 8 << 20
+    runs = []
+    for o in sorted(plan["plan"]["ops"], key=lambda o: o["dst_offset"]):
+        if o["dst"] != 0 or o["count"] != 1 or o.get("cast") or o["len"] < 64 << 10:
+            continue
+        s, d, n = o["src_offset"], o["dst_offset"], o["len"]
+        while n > 0:
+            m = min(n, window - d % window)
+            runs.append((o["src"], s, d, m))
+            s, d, n = s + m, d + m, n - m
+    return plan["source"]["files"], plan["target"]["files"][0]["size"], runs
+
+
+def replay(runs: tuple, out: Path) -> tuple[float, int, int]:
+    """Copy `runs` (from kernel_runs) into a fresh fallocated file `out`: wall time, and no
+    memory figures (it runs in this process)."""
+    import time
+    files, size, ops = runs
+    t0 = time.perf_counter()
+    fds = [os.open(p, os.O_RDONLY) for p in files]
+    o = os.open(out, os.O_WRONLY | os.O_CREAT, 0o644)
+    os.posix_fallocate(o, 0, size)
+    for src, s, d, n in ops:
+        while n > 0:
+            k = os.copy_file_range(fds[src], o, n, s, d)
+            s, d, n = s + k, d + k, n - k
+    os.close(o)
+    for f in fds:
+        os.close(f)
+    return time.perf_counter() - t0, 0, 0
 
 
 def main() -> None:
@@ -66,12 +111,16 @@ def main() -> None:
     res = {v[0]: [] for v in variants}
     for p in src.iterdir():
         p.read_bytes()
+    runs = kernel_runs(a.reshard, src, a.to) if a.experiment == "bound" else None
     for r in range(a.rounds):
         for label, args, env in variants:
             out = a.work / f"out{a.ext}"
             shutil.rmtree(out, ignore_errors=True)
             out.unlink(missing_ok=True)
             os.sync()
+            if args == "replay":
+                res[label].append(replay(runs, out))
+                continue
             if args is None:
                 cmd = ["cp", "-r", str(src), str(out)]
             else:

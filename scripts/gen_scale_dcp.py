@@ -25,6 +25,7 @@ Values are deterministic: element ``(i, j)`` of tensor number ``t`` is
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing as mp
 import os
 import sys
@@ -133,6 +134,15 @@ class _Planner(DefaultSavePlanner):
         return (torch.arange(n, dtype=torch.float64) + start).to(torch.float32).reshape(c.sizes)
 
 
+# the jobs of a run, inherited by forked workers (sending them through a pipe would pickle
+# every rank's plan once more)
+_JOBS: list = []
+
+
+def _write_job(i: int):
+    return _write_rank(_JOBS[i])
+
+
 def _write_rank(args):
     out, layers, ranks, rows, plan = args
     writer = FileSystemWriter(out, single_file_per_rank=True, sync_files=False, thread_count=1)
@@ -158,15 +168,22 @@ def main() -> int:
     writer = FileSystemWriter(a.out, single_file_per_rank=True, sync_files=False)
     writer.set_up_storage_writer(True)
     global_plans = writer.prepare_global_plan(global_plans)
-    os.makedirs(a.out, exist_ok=True)
-    jobs = [(a.out, a.layers, a.ranks, a.rows, p) for p in global_plans]
-    if a.jobs > 1:
-        with mp.get_context("fork").Pool(a.jobs) as pool:
-            results = pool.map(_write_rank, jobs, chunksize=max(1, len(jobs) // (4 * a.jobs)))
-    else:
-        results = [_write_rank(j) for j in jobs]
-    writer.finish(metadata, results)
     chunks = sum(len(p.items) for p in plans)
+    del plans
+    os.makedirs(a.out, exist_ok=True)
+    _JOBS[:] = [(a.out, a.layers, a.ranks, a.rows, p) for p in global_plans]
+    del global_plans
+    if a.jobs > 1:
+        # Forked workers share the parent's pages until they write to them; keep the
+        # collector from touching (and so copying) every object of the plans in each.
+        gc.freeze()
+        with mp.get_context("fork").Pool(a.jobs) as pool:
+            n = len(_JOBS)
+            results = pool.map(_write_job, range(n), chunksize=max(1, n // (4 * a.jobs)))
+    else:
+        results = [_write_rank(j) for j in _JOBS]
+    _JOBS.clear()
+    writer.finish(metadata, results)
     size = os.path.getsize(os.path.join(a.out, ".metadata"))
     print(
         f"{a.out}: {len(tensors(a.layers))} tensors, {chunks} chunks, "

@@ -3,7 +3,7 @@
 
 use crate::commit::Staging;
 use crate::error::{Error, Result};
-use crate::exec::{execute_with_known, ExecOptions, ExecStats, KnownCrc};
+use crate::exec::{self, ExecOptions, ExecStats, KnownCrc};
 use crate::formats::{self, Aliasing, Checkpoint, Choice, Format, Output, WriteOptions};
 use crate::layout::{DType, TensorLayout};
 use crate::per_rank::{classify, Policy};
@@ -328,19 +328,30 @@ pub fn run(job: &Job, dst: impl AsRef<Path>, opts: &ConvertOptions) -> Result<Ex
             crc: r.crc,
         })
         .collect();
-    // Source checksums are checked on another thread while the copy runs; a mismatch fails
-    // the run before anything is committed (the staging area is then removed).
+    let sched = exec::prepare(&job.plan, &job.output.files, &opts.exec, &known)?;
+    // Source checksums are checked on other threads while the copy runs, as many as the copy
+    // leaves cores for (at least one: more would take cores from the copy itself); a
+    // mismatch fails the run before anything is committed (the staging area is then removed).
+    let check_threads = rayon::current_num_threads()
+        .saturating_sub(sched.threads())
+        .max(1);
     let (checked, stats) = std::thread::scope(|s| {
-        let check = opts
-            .verify
-            .then(|| s.spawn(|| crate::verify::sources_of(&job.source, &job.plan)));
-        let stats = execute_with_known(
+        let check = opts.verify.then(|| {
+            s.spawn(move || -> Result<crate::verify::Report> {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(check_threads)
+                    .build()
+                    .map_err(|e| Error::usage(format!("cannot start worker threads: {e}")))?;
+                pool.install(|| crate::verify::sources_of(&job.source, &job.plan))
+            })
+        });
+        let stats = exec::execute_scheduled(
             &job.plan,
             &job.source.files,
             &job.output.files,
             &dest_paths,
             &opts.exec,
-            &known,
+            sched,
         );
         let checked = check.map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
         (checked, stats)

@@ -162,21 +162,46 @@ pub fn copy_range(
 
 /// Allocate `size` bytes of blocks for a fresh destination (`fallocate`) before any data is
 /// written: large files are laid out in fewer extents than delayed allocation gives them,
-/// and a full disk is found before any copying. Filesystems without `fallocate` are left to
-/// allocate as they write.
-pub fn preallocate(f: &File, size: u64) -> std::io::Result<()> {
+/// and a full disk is found before any copying. On tmpfs, where `fallocate` allocates every
+/// page up front (the copy then looks each up again, costing more than allocating it as it
+/// writes), the free space is checked instead, for `size` plus `pending` bytes (what other
+/// destinations checked this way still need). Returns whether blocks were allocated (false
+/// for a tmpfs check). Filesystems without `fallocate` are left to allocate as they write.
+pub fn preallocate(f: &File, size: u64, pending: u64) -> std::io::Result<bool> {
     if size == 0 || i64::try_from(size).is_err() {
-        return Ok(());
+        return Ok(false);
+    }
+    if let Some(free) = tmpfs_free(f) {
+        return if free < size.saturating_add(pending) {
+            Err(Errno::NOSPC.into())
+        } else {
+            Ok(false)
+        };
     }
     loop {
         // Mode 0 allocates and extends.
         match rustix::fs::fallocate(f, rustix::fs::FallocateFlags::empty(), 0, size) {
-            Ok(()) => return Ok(()),
+            Ok(()) => return Ok(true),
             Err(Errno::INTR) => continue,
-            Err(Errno::OPNOTSUPP | Errno::NOSYS | Errno::INVAL) => return Ok(()),
+            Err(Errno::OPNOTSUPP | Errno::NOSYS | Errno::INVAL) => return Ok(false),
             Err(e) => return Err(e.into()),
         }
     }
+}
+
+/// The bytes free for unprivileged use on the file system of `f` when it is a tmpfs (as
+/// `/dev/shm` is); `None` on any other file system.
+fn tmpfs_free(f: &File) -> Option<u64> {
+    /// `statfs`'s file-system type of tmpfs.
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    let st = rustix::fs::fstatfs(f).ok()?;
+    // (the casts: statfs field types differ between targets)
+    #[allow(clippy::unnecessary_cast)]
+    let (kind, free) = (
+        st.f_type as i64,
+        (st.f_bavail as u64).saturating_mul(st.f_bsize as u64),
+    );
+    (kind == TMPFS_MAGIC).then_some(free)
 }
 
 /// Map file `path` read-only, with an access-pattern hint.
@@ -213,6 +238,21 @@ pub fn release(map: &Mmap, a: u64, b: u64) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn preallocation_on_tmpfs_checks_the_free_space_instead() {
+        let Ok(d) = tempfile::tempdir_in("/dev/shm") else {
+            return; // no /dev/shm here
+        };
+        let f = File::create(d.path().join("x")).unwrap();
+        let Some(free) = super::tmpfs_free(&f) else {
+            return; // /dev/shm is not a tmpfs here
+        };
+        assert!(!super::preallocate(&f, 1 << 20, 0).unwrap());
+        assert_eq!(f.metadata().unwrap().len(), 0, "a check allocates nothing");
+        let e = super::preallocate(&f, free / 2 + 1, free / 2 + 1).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(Errno::NOSPC.raw_os_error()));
+    }
+
     use super::*;
 
     #[test]

@@ -16,8 +16,10 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 
-/// Bytes read per block.
+/// Bytes of a mapping populated and released at a time.
 const BLOCK: usize = 8 << 20;
+/// Bytes read per `pread` of the CRC check (a buffer that stays in the core's cache).
+const PREAD_BLOCK: usize = 256 << 10;
 
 /// A record whose bytes do not match its recorded CRC-32.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -61,12 +63,14 @@ pub struct Report {
 /// Records of at most this many bytes are read with `pread` whatever [`use_mmap`] says.
 const SMALL_RECORD: u64 = 64 << 10;
 
-/// How records are read: from a read-only mapping (populated and released per block), or
-/// with `pread` into a buffer. Set by the `RESHARD_VERIFY_READ` environment variable
-/// (`mmap` or `pread`) for measurements; see BENCHMARKS.md.
+/// How records are read: with `pread` into a small buffer (the default: it stays in the
+/// core's cache, and no page tables change under the copy running beside the check), or
+/// from a read-only mapping, populated and released per block. Set by the
+/// `RESHARD_VERIFY_READ` environment variable (`pread` or `mmap`) for measurements; see
+/// BENCHMARKS.md.
 fn use_mmap() -> bool {
     static MMAP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *MMAP.get_or_init(|| std::env::var("RESHARD_VERIFY_READ").map_or(true, |v| v != "pread"))
+    *MMAP.get_or_init(|| std::env::var("RESHARD_VERIFY_READ").is_ok_and(|v| v == "mmap"))
 }
 
 /// CRC-32 of `len` bytes of `m` (the mapping of `path`) from `offset`: each block's pages are
@@ -106,11 +110,11 @@ fn crc_of(f: &File, path: &std::path::Path, offset: u64, len: u64) -> Result<u32
     }
     BUF.with(|buf| {
         let mut buf = buf.borrow_mut();
-        buf.resize((len as usize).min(BLOCK), 0);
+        buf.resize((len as usize).min(PREAD_BLOCK), 0);
         let mut h = crc32fast::Hasher::new();
         let mut at = offset;
         while at < offset + len {
-            let n = ((offset + len - at) as usize).min(BLOCK);
+            let n = ((offset + len - at) as usize).min(PREAD_BLOCK);
             f.read_exact_at(&mut buf[..n], at).at(path)?;
             h.update(&buf[..n]);
             at += n as u64;

@@ -3,16 +3,18 @@
 //! It knows nothing about formats. Destinations are described as [`OutputFile`]s (size plus
 //! literal bytes such as headers) and written with positional writes, never mapped, so their
 //! pages never count against the process. Work is cut into windows of each destination file
-//! (a few MiB) and windows run in parallel on a rayon pool; a window whose copies are all
-//! plain contiguous runs is copied by the kernel (or written straight from the source
-//! mapping), any other window is assembled in a per-thread buffer (casts, strided rows,
-//! headers) and written once. Source pages a window used are released (`MADV_DONTNEED`) as
-//! soon as it is written, so resident memory stays flat whatever the checkpoint size.
+//! (a few MiB) and windows run in parallel on a rayon pool. Within a window, long plain
+//! contiguous runs are copied by the kernel (`copy_file_range`, or written straight from
+//! the source mapping where the kernel cannot), and the bytes between them (headers, short
+//! or strided copies, casts) are assembled in a per-thread buffer and written once per
+//! stretch. Source pages a window read through the mapping are released (`MADV_DONTNEED`)
+//! as soon as it is written, so resident memory stays flat whatever the checkpoint size.
 //!
-//! This module holds the settings, the statistics and the entry points; `schedule` cuts
-//! windows and picks the thread count, `window` runs one, `crc` streams the outputs'
-//! checksums, and `read` reads regions into the caller's buffers. System calls are in
-//! `crate::sys`, cast kernels in `crate::layout::cast`.
+//! This module holds the settings, the statistics and the entry points ([`prepare`] then
+//! [`execute_scheduled`], or [`execute_with_known`] for both); `schedule` cuts windows and
+//! picks the thread count, `window` runs one, `crc` streams the outputs' checksums, and
+//! `read` reads regions into the caller's buffers. System calls are in `crate::sys`, cast
+//! kernels in `crate::layout::cast`.
 
 mod crc;
 mod read;
@@ -132,6 +134,7 @@ pub fn execute(
 
 /// [`execute`], with the CRC-32s of source ranges the sources record ([`KnownCrc`]): output
 /// checksums over bytes copied whole from them are combined, not hashed.
+#[cfg(any(test, feature = "internals"))]
 pub fn execute_with_known(
     plan: &Plan,
     sources: &[PathBuf],
@@ -140,19 +143,78 @@ pub fn execute_with_known(
     opts: &ExecOptions,
     known: &[KnownCrc],
 ) -> Result<ExecStats> {
-    let maps = map_sources(sources)?;
-    let src_files: Vec<File> = sources
-        .iter()
-        .map(|p| File::open(p).at(p))
-        .collect::<Result<_>>()?;
-    check_bounds(plan, sources, &maps, outputs)?;
+    let sched = prepare(plan, outputs, opts, known)?;
+    execute_scheduled(plan, sources, outputs, dest_paths, opts, sched)
+}
+
+/// A plan cut into work units for its outputs, with the checksum work known and the number
+/// of worker threads chosen: what [`execute_scheduled`] runs. [`prepare`] makes it before any file is
+/// touched, so a caller can fit work it runs beside the copy (the source CRC check) to the
+/// cores the copy leaves free.
+pub struct Schedule<'a> {
+    wins: Vec<Window<'a>>,
+    ranges: Vec<Vec<CkRange>>,
+    given: Vec<CrcPart>,
+    skip: Vec<Vec<(u64, u64)>>,
+    threads: usize,
+}
+
+impl Schedule<'_> {
+    /// Worker threads the run will use.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+}
+
+/// Cut `plan` into work units for `outputs` and choose the worker threads (`opts.threads`,
+/// else one per core when much of the work passes through user space, otherwise one);
+/// checks every op stays within its destination.
+pub fn prepare<'a>(
+    plan: &Plan,
+    outputs: &'a [OutputFile],
+    opts: &ExecOptions,
+    known: &[KnownCrc],
+) -> Result<Schedule<'a>> {
+    check_ops(plan, outputs)?;
     let ranges = crc::checked_ranges(outputs)?;
-    let files = open_outputs(outputs, dest_paths)?;
     let wins = schedule::windows(plan, outputs, opts.window);
     let (given, skip) = crc::known_parts(plan, outputs, &ranges, known);
     let threads = opts
         .threads
         .unwrap_or_else(|| schedule::default_threads(&wins, &ranges, &skip));
+    Ok(Schedule {
+        wins,
+        ranges,
+        given,
+        skip,
+        threads,
+    })
+}
+
+/// Run `sched` (made by [`prepare`] from the same `plan`, `outputs` and `opts`): read
+/// `sources`, write each of `outputs` to `dest_paths` (same order), which must already exist.
+pub fn execute_scheduled(
+    plan: &Plan,
+    sources: &[PathBuf],
+    outputs: &[OutputFile],
+    dest_paths: &[PathBuf],
+    opts: &ExecOptions,
+    sched: Schedule,
+) -> Result<ExecStats> {
+    let maps = map_sources(sources)?;
+    let src_files: Vec<File> = sources
+        .iter()
+        .map(|p| File::open(p).at(p))
+        .collect::<Result<_>>()?;
+    check_sources(plan, sources, &maps)?;
+    let files = open_outputs(outputs, dest_paths)?;
+    let Schedule {
+        wins,
+        ranges,
+        given,
+        skip,
+        threads,
+    } = sched;
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
@@ -237,8 +299,10 @@ fn run_windows(
 }
 
 /// Open the (existing) destination files `dest_paths` for writing, their blocks allocated
-/// and their sizes set to those of `outputs`.
+/// (or, on tmpfs, the free space for all of them checked) and their sizes set to those of
+/// `outputs`.
 fn open_outputs(outputs: &[OutputFile], dest_paths: &[PathBuf]) -> Result<Vec<File>> {
+    let mut pending = 0u64;
     dest_paths
         .iter()
         .zip(outputs)
@@ -248,20 +312,17 @@ fn open_outputs(outputs: &[OutputFile], dest_paths: &[PathBuf]) -> Result<Vec<Fi
                 .write(true)
                 .open(p)
                 .at_write(p)?;
-            preallocate(&f, o.size).at_write(p)?;
+            if !preallocate(&f, o.size, pending).at_write(p)? {
+                pending = pending.saturating_add(o.size);
+            }
             f.set_len(o.size).at_write(p)?;
             Ok(f)
         })
         .collect()
 }
 
-/// Check every op stays within its source mapping and destination size.
-fn check_bounds(
-    plan: &Plan,
-    sources: &[PathBuf],
-    maps: &[Mmap],
-    outputs: &[OutputFile],
-) -> Result<()> {
+/// Check every op names a source file of `sources` and stays within its mapping.
+fn check_sources(plan: &Plan, sources: &[PathBuf], maps: &[Mmap]) -> Result<()> {
     for o in &plan.ops {
         let s = maps.get(o.src as usize).ok_or_else(|| {
             Error::usage(format!(
@@ -277,6 +338,13 @@ fn check_bounds(
                 format!("is shorter than its metadata says: bytes up to {b} are needed, the file has {}", s.len()),
             ));
         }
+    }
+    Ok(())
+}
+
+/// Check every op is well formed and stays within its destination.
+fn check_ops(plan: &Plan, outputs: &[OutputFile]) -> Result<()> {
+    for o in &plan.ops {
         let d = outputs
             .get(o.dst as usize)
             .ok_or_else(|| Error::usage(format!("plan names destination file #{}", o.dst)))?;

@@ -16,11 +16,33 @@ pub(super) enum Frag<'a> {
 }
 
 impl Frag<'_> {
-    /// True for a plain contiguous run (one row, no cast): a kernel copy can do it.
-    pub(super) fn is_direct(&self) -> bool {
-        matches!(self, Frag::Op(o) if o.count == 1 && o.cast.is_none())
+    /// True for a plain contiguous run (one row, no cast) of at least [`KERNEL_BYTES`]: the
+    /// kernel copies it (`copy_file_range`); the window's other bytes are assembled in a
+    /// buffer.
+    pub(super) fn in_kernel(&self) -> bool {
+        matches!(self, Frag::Op(o) if o.count == 1 && o.cast.is_none() && o.len >= KERNEL_BYTES)
+    }
+
+    /// The destination bytes `first..past-the-last` the fragment spans.
+    pub(super) fn dst_span(&self) -> (u64, u64) {
+        match self {
+            Frag::Lit { dst, bytes } => (*dst, dst + bytes.len() as u64),
+            Frag::Op(o) => o.dst_span(),
+        }
+    }
+
+    /// Destination bytes the fragment writes.
+    pub(super) fn bytes_written(&self) -> u64 {
+        match self {
+            Frag::Lit { bytes, .. } => bytes.len() as u64,
+            Frag::Op(o) => o.bytes_written(),
+        }
     }
 }
+
+/// Plain runs at least this long are copied by the kernel; shorter ones cost less assembled
+/// with their neighbours into one write than a system call each.
+pub(super) const KERNEL_BYTES: u64 = 64 << 10;
 
 /// A unit of work: a byte range of one destination file and what fills it.
 #[derive(Debug)]
@@ -168,7 +190,7 @@ pub(super) fn windows<'a>(plan: &Plan, outputs: &'a [OutputFile], window: u64) -
 }
 
 /// Worker threads when none are asked for: one per core when at least a tenth of the bytes
-/// pass through user space (gathered rows, casts, literals, or checksums to hash), otherwise
+/// pass through user space (short or gathered copies, casts, literals, or checksums to hash), otherwise
 /// one. Kernel copies into one file serialise on the file's lock, so a second thread only
 /// adds contention there, while hashing and gathering gain from more threads
 /// (BENCHMARKS.md, executor experiments).
@@ -180,8 +202,9 @@ pub(super) fn default_threads(
     let total: u64 = wins.iter().map(Window::size).sum();
     let gathered: u64 = wins
         .iter()
-        .filter(|w| !w.frags.iter().all(Frag::is_direct))
-        .map(Window::size)
+        .flat_map(|w| &w.frags)
+        .filter(|f| !f.in_kernel())
+        .map(Frag::bytes_written)
         .sum();
     let to_hash: u64 = ranges
         .iter()
