@@ -228,20 +228,24 @@ pub fn fill(
 
     // Group source replicas by region.
     let groups_regions = distinct_regions(src.pieces.iter().map(|p| &p.region));
-    let index: HashMap<&Region, usize> = groups_regions
-        .iter()
-        .enumerate()
-        .map(|(i, r)| (*r, i))
-        .collect();
-    let mut replicas: Vec<Vec<usize>> = vec![vec![]; groups_regions.len()];
-    for (i, p) in src.pieces.iter().enumerate() {
-        if let Some(&g) = index.get(&p.region) {
-            replicas[g].push(i);
+    let replicas: Vec<Vec<usize>> = if groups_regions.len() == src.pieces.len() {
+        // Every piece non-empty and distinct: piece i is group i.
+        vec![]
+    } else {
+        let index: HashMap<&Region, usize> = groups_regions
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (*r, i))
+            .collect();
+        let mut replicas: Vec<Vec<usize>> = vec![vec![]; groups_regions.len()];
+        for (i, p) in src.pieces.iter().enumerate() {
+            if let Some(&g) = index.get(&p.region) {
+                replicas[g].push(i);
+            }
         }
-    }
+        replicas
+    };
     let dst_regions: Vec<&Region> = pieces.iter().map(|p| &p.region).collect();
-    let src_strides: Vec<Vec<u64>> = src.pieces.iter().map(|p| p.strides()).collect();
-    let dst_strides: Vec<Vec<u64>> = pieces.iter().map(|p| p.strides()).collect();
 
     let mut pairs = vec![];
     join(&groups_regions, &dst_regions, |g, j| pairs.push((j, g)));
@@ -250,20 +254,23 @@ pub fn fill(
         let b = groups_regions[g]
             .intersect(dst_regions[j])
             .expect("join yields intersecting pairs");
-        let reps = &replicas[g];
-        let si = reps[(j + g) % reps.len()];
+        let si = match replicas.get(g) {
+            Some(reps) => reps[(j + g) % reps.len()],
+            None => g,
+        };
         let sp = &src.pieces[si];
         let dp = &pieces[j];
+        let (src_strides, dst_strides) = (strides(sp), strides(dp));
         let s = Strided {
             region: &sp.region,
             base: sp.loc.offset,
-            strides: &src_strides[si],
+            strides: &src_strides,
             elem: es,
         };
         let d = Strided {
             region: &dp.region,
             base: dp.loc.offset,
-            strides: &dst_strides[j],
+            strides: &dst_strides,
             elem: ed,
         };
         for_each_run(&b, &s, &d, |r| {
@@ -279,6 +286,21 @@ pub fn fill(
                 cast,
             })
         });
+    }
+}
+
+/// [`crate::layout::Piece::strides`] inline (it is wanted for every copied pair of pieces).
+fn strides(p: &crate::layout::Piece) -> smallvec::SmallVec<[u64; 4]> {
+    match &p.loc.strides {
+        Some(s) => s.as_slice().into(),
+        None => {
+            let sizes = &p.region.sizes;
+            let mut out: smallvec::SmallVec<[u64; 4]> = smallvec::smallvec![1; sizes.len()];
+            for d in (0..sizes.len().saturating_sub(1)).rev() {
+                out[d] = out[d + 1].saturating_mul(sizes[d + 1]);
+            }
+            out
+        }
     }
 }
 
@@ -305,24 +327,21 @@ pub fn region_ops(t: &TensorLayout, region: &Region, dtype: DType) -> Vec<CopyOp
 /// Sort ops by destination and merge neighbours that continue each other on both sides.
 pub fn coalesce(mut ops: Vec<CopyOp>) -> Vec<CopyOp> {
     ops.sort_unstable_by_key(|o| (o.dst, o.dst_offset));
-    let mut out: Vec<CopyOp> = Vec::with_capacity(ops.len());
-    for o in ops {
-        if let Some(last) = out.last_mut() {
-            if last.count == 1
-                && o.count == 1
-                && last.src == o.src
-                && last.dst == o.dst
-                && last.cast == o.cast
-                && last.src_offset + last.len == o.src_offset
-                && last.dst_offset + last.dst_len() == o.dst_offset
-            {
-                last.len += o.len;
-                continue;
-            }
+    // In place: `last` is the op kept before `o`.
+    ops.dedup_by(|o, last| {
+        let continues = last.count == 1
+            && o.count == 1
+            && last.src == o.src
+            && last.dst == o.dst
+            && last.cast == o.cast
+            && last.src_offset + last.len == o.src_offset
+            && last.dst_offset + last.dst_len() == o.dst_offset;
+        if continues {
+            last.len += o.len;
         }
-        out.push(o);
-    }
-    out
+        continues
+    });
+    ops
 }
 
 #[cfg(test)]

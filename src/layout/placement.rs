@@ -10,6 +10,7 @@
 use super::Region;
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 use std::fmt;
 use std::str::FromStr;
 
@@ -155,9 +156,12 @@ pub struct Sharding {
 /// A run of global indices `start .. start + len` in one dimension.
 type Segment = (u64, u64);
 
+/// The runs of one dimension a rank holds: one, but for `StridedShard`.
+type Runs = SmallVec<[Segment; 1]>;
+
 /// Take local indices `a .. b` of a dimension made of `segs` (in order).
-fn slice_segments(segs: &[Segment], a: u64, b: u64) -> Vec<Segment> {
-    let mut out = vec![];
+fn slice_segments(segs: &[Segment], a: u64, b: u64) -> Runs {
+    let mut out = Runs::new();
     let mut pos = 0u64;
     let mut end_global = segs.first().map_or(0, |s| s.0);
     for &(start, len) in segs {
@@ -215,9 +219,22 @@ impl Sharding {
     /// `StridedShard`; one empty region for a rank that gets nothing). A placement that splits
     /// a dimension the tensor does not have acts as `Replicate`.
     pub fn rank_regions(&self, shape: &[u64], rank: u64) -> Vec<Region> {
+        let dims = self.segments(shape, rank);
+        if let Some(one) = dims
+            .iter()
+            .map(|segs| match segs.as_slice() {
+                [seg] => Some(*seg),
+                _ => None,
+            })
+            .collect::<Option<SmallVec<[Segment; 4]>>>()
+        {
+            // One run per dimension (all but `StridedShard`): one region.
+            let (offsets, sizes) = one.into_iter().unzip();
+            return vec![Region { offsets, sizes }];
+        }
         // Cartesian product of the per-dimension segment lists.
         let mut out = vec![Region::new(vec![], vec![])];
-        for segs in &self.rank_segments(shape, rank) {
+        for segs in &dims {
             let mut next = Vec::with_capacity(out.len() * segs.len());
             for r in &out {
                 for &(s, l) in segs {
@@ -236,8 +253,24 @@ impl Sharding {
     /// Per tensor dimension, the runs `(start, len)` of global indices rank `rank` holds, in
     /// the order its local tensor holds them (DTensor's `to_local()` is their product).
     pub fn rank_segments(&self, shape: &[u64], rank: u64) -> Vec<Vec<(u64, u64)>> {
-        let coords = self.mesh.coords(rank);
-        let mut dims: Vec<Vec<Segment>> = shape.iter().map(|&n| vec![(0, n)]).collect();
+        self.segments(shape, rank)
+            .into_iter()
+            .map(|segs| segs.to_vec())
+            .collect()
+    }
+
+    /// [`Sharding::rank_segments`] in inline vectors (this runs for every rank of every
+    /// tensor).
+    fn segments(&self, shape: &[u64], rank: u64) -> SmallVec<[Runs; 4]> {
+        // Mesh coordinates of `rank`, as `Mesh::coords`.
+        let mut coords: SmallVec<[u64; 4]> = smallvec::smallvec![0; self.mesh.0.len()];
+        let mut r = rank;
+        for (c, &k) in coords.iter_mut().zip(&self.mesh.0).rev() {
+            *c = r % k;
+            r /= k;
+        }
+        let mut dims: SmallVec<[Runs; 4]> =
+            shape.iter().map(|&n| smallvec::smallvec![(0, n)]).collect();
         for (m, p) in self.placements.iter().enumerate() {
             let (k, c) = (self.mesh.0[m], coords[m]);
             // A split of a dimension the tensor lacks (a scalar under Shard(0)) replicates.
@@ -258,7 +291,7 @@ impl Sharding {
                 }
                 Placement::StridedShard(d, sf) => {
                     let n: u64 = dims[d].iter().map(|s| s.1).sum();
-                    let mut segs = vec![];
+                    let mut segs = Runs::new();
                     // Chunks j >= n are empty (chunk_range gives (n, n)): with sf > n, stop
                     // at n rather than loop up to a huge sf from a layout file.
                     for j in 0..sf.min(n) {

@@ -325,7 +325,8 @@ enum Got {
     },
     Extra {
         entry: usize,
-        extra: Extra,
+        /// Boxed: the rare variant, and much larger than a piece.
+        extra: Box<Extra>,
     },
 }
 
@@ -355,22 +356,45 @@ fn read_with(dir: &Path, lazy: bool) -> Result<Checkpoint> {
     }
     // Lazily, a plain chunk item is not looked at: its piece points at the item, pending.
     let pending = |w: &Work| lazy && matches!(w.want, Want::Chunk { .. }) && w.transforms == 0;
-    let batches = batches(&works, |w| !pending(w));
-    let (blobs, blob_of) = parse_blobs(&works, &sources, &batches)?;
-    // Parse every item (batches in parallel) and check it against the metadata. The first
-    // error in metadata order is reported, whichever thread met it first, so messages are
-    // stable.
+    let first = batches(&works, |i| !pending(&works[i]));
+    // Parse every item (batches in parallel) and check it against the metadata; the items
+    // of safetensors blobs are only recognised (`Ok(None)`), then their shared headers
+    // parsed, once each, and then those items. The first error in metadata order is
+    // reported, whichever thread met it first, so messages are stable.
     let labels: Vec<Label> = (0..meta.entries.len()).map(|_| Label::new()).collect();
-    let mut parsed = in_batches(&batches, &works, &sources, |i| {
-        read_item(&works[i], blob_of[i], &meta, &sources, &blobs, &labels)
+    let no_blobs = Blobs::new();
+    let mut parsed = in_batches(&first, &works, &sources, |i| {
+        let w = &works[i];
+        if in_blob(w, &sources) {
+            return Ok(None);
+        }
+        read_item(w, false, &meta, &sources, &no_blobs, &labels).map(Some)
     });
-    if lazy {
-        parsed.extend(works.iter().enumerate().filter(|(_, w)| pending(w)).map(|(i, w)| {
-            (i, Ok(pending_piece(w, &meta, &sources)))
-        }));
+    let blob_items: Vec<usize> = first
+        .iter()
+        .flat_map(|b| b.items.iter().copied())
+        .filter(|&i| matches!(parsed[i].get(), Some(Ok(None))))
+        .collect();
+    if !blob_items.is_empty() {
+        let blobs = parse_blobs(&works, &sources, &blob_items)?;
+        let mut blob_of = vec![false; works.len()];
+        for &i in &blob_items {
+            blob_of[i] = true;
+            parsed[i].take();
+        }
+        let again = batches(&works, |i| blob_of[i]);
+        in_batches_into(&parsed, &again, &works, &sources, |i| {
+            read_item(&works[i], true, &meta, &sources, &blobs, &labels).map(Some)
+        });
     }
-    parsed.sort_unstable_by_key(|&(i, _)| i);
-    let got: Vec<Got> = parsed.into_iter().map(|(_, g)| g).collect::<Result<_>>()?;
+    if lazy {
+        for (i, w) in works.iter().enumerate().filter(|(_, w)| pending(w)) {
+            parsed[i] = OnceLock::from(Ok(Some(pending_piece(w, &meta, &sources))));
+        }
+    }
+    let got = parsed
+        .into_iter()
+        .filter_map(|r| r.into_inner()?.transpose());
     let (tensors, mut extras, checksums) = assemble(&meta, &meta_paths, got)?;
     let meta_pt = dir.join(META_PT);
     if meta_pt.is_file() {
@@ -526,12 +550,11 @@ impl Locate for Items {
             })
             .collect::<Result<_>>()?;
         check_item_ranges(&works, &sources, |w| &pieces[w.want.entry()].0.name)?;
-        let mut found = in_batches(&batches(&works, |_| true), &works, &sources, |i| {
+        let found = in_batches(&batches(&works, |_| true), &works, &sources, |i| {
             let (t, p) = pieces[i];
             self.locate_one(&sources, t, p, &works[i])
         });
-        found.sort_unstable_by_key(|&(i, _)| i);
-        found.into_iter().map(|(_, l)| l).collect()
+        found.into_iter().filter_map(OnceLock::into_inner).collect()
     }
 }
 
@@ -688,11 +711,11 @@ impl Batch {
     }
 }
 
-/// Split the work `keep` selects into batches: items sorted by where their (decoded) bytes
-/// are, cut where the source changes, the span would exceed [`BATCH_SPAN`] or the count
-/// [`BATCH_ITEMS`].
-fn batches(works: &[Work], keep: impl Fn(&Work) -> bool) -> Vec<Batch> {
-    let mut order: Vec<usize> = (0..works.len()).filter(|&i| keep(&works[i])).collect();
+/// Split the work `keep` selects (by index) into batches: items sorted by where their
+/// (decoded) bytes are, cut where the source changes, the span would exceed [`BATCH_SPAN`]
+/// or the count [`BATCH_ITEMS`].
+fn batches(works: &[Work], keep: impl Fn(usize) -> bool) -> Vec<Batch> {
+    let mut order: Vec<usize> = (0..works.len()).filter(|&i| keep(i)).collect();
     order.sort_unstable_by_key(|&i| (works[i].at.0, works[i].at.1));
     let mut out: Vec<Batch> = vec![];
     for i in order {
@@ -718,70 +741,83 @@ fn batches(works: &[Work], keep: impl Fn(&Work) -> bool) -> Vec<Batch> {
 }
 
 /// `parse` of every work item of `batches` (batches in parallel, each batch's pages released
-/// when it is done), as `(work index, result)` in no particular order — callers sort, so
-/// that the first error in their order is reported whichever thread met it first. One flat
-/// list built in place (batches are freed as they are moved): at a million items every copy
-/// counts.
-fn in_batches<T: Send>(
+/// when it is done), by work index (unset for works in no batch), so that callers report the
+/// first error in work order whichever thread met it first. Each result is put in place by
+/// the thread that made it: at a million items every copy counts.
+fn in_batches<T: Send + Sync>(
     batches: &[Batch],
     works: &[Work],
     sources: &[Source],
     parse: impl Fn(usize) -> Result<T> + Sync,
-) -> Vec<(usize, Result<T>)> {
-    let parsed: Vec<Vec<(usize, Result<T>)>> = batches
-        .par_iter()
-        .map(|b| {
-            let out = b.items.iter().map(|&i| (i, parse(i))).collect();
-            b.release(works, sources);
-            out
-        })
-        .collect();
-    parsed.into_iter().flatten().collect()
+) -> Vec<OnceLock<Result<T>>> {
+    let slots: Vec<OnceLock<Result<T>>> = (0..works.len()).map(|_| OnceLock::new()).collect();
+    in_batches_into(&slots, batches, works, sources, parse);
+    slots
 }
 
-/// Safetensors blobs (`serialization_format=SAFETENSORS`): each blob header parsed once, by
-/// (source, offset), and per work item whether it lies in one.
-fn parse_blobs(works: &[Work], sources: &[Source], batches: &[Batch]) -> Result<(Blobs, Vec<bool>)> {
-    let mut blobs: Blobs = HashMap::new();
-    let mut blob_of = vec![false; works.len()];
-    for b in batches {
+/// [`in_batches`] into `slots` (by work index), which must be unset for the batches' items.
+fn in_batches_into<T: Send + Sync>(
+    slots: &[OnceLock<Result<T>>],
+    batches: &[Batch],
+    works: &[Work],
+    sources: &[Source],
+    parse: impl Fn(usize) -> Result<T> + Sync,
+) {
+    batches.par_iter().for_each(|b| {
         for &i in &b.items {
-            let w = &works[i];
-            if matches!(w.want, Want::Chunk { .. })
-                && w.transforms == 0
-                && is_blob(sources[w.file].bytes(), w.offset)
-            {
-                blob_of[i] = true;
-                if let std::collections::hash_map::Entry::Vacant(v) =
-                    blobs.entry((w.file, w.offset))
-                {
-                    v.insert(parse_blob(&sources[w.file], w.offset)?);
-                }
-            }
+            // Batches do not share items, so the slot is free.
+            let _ = slots[i].set(parse(i));
         }
-        // Looking at the items' first bytes mapped their pages (see `Batch::release`).
         b.release(works, sources);
-    }
-    Ok((blobs, blob_of))
+    });
 }
 
-/// Gather what the items gave into tensors (in metadata order, each validated), `BYTE_IO`
-/// extras and record checksums.
+/// Whether work item `w` is a chunk stored in a safetensors blob
+/// (`serialization_format=SAFETENSORS`).
+fn in_blob(w: &Work, sources: &[Source]) -> bool {
+    matches!(w.want, Want::Chunk { .. })
+        && w.transforms == 0
+        && is_blob(sources[w.file].bytes(), w.offset)
+}
+
+/// The headers of the safetensors blobs holding work `items`, each parsed once, by (source,
+/// offset), in the order of `items` (the first bad one is reported). The pages this maps
+/// are released when the items are parsed, batch by batch.
+fn parse_blobs(works: &[Work], sources: &[Source], items: &[usize]) -> Result<Blobs> {
+    let mut blobs: Blobs = HashMap::new();
+    for &i in items {
+        let w = &works[i];
+        if let std::collections::hash_map::Entry::Vacant(v) = blobs.entry((w.file, w.offset)) {
+            v.insert(parse_blob(&sources[w.file], w.offset)?);
+        }
+    }
+    Ok(blobs)
+}
+
+/// Gather what the items gave, in work order, into tensors (in metadata order, each
+/// validated), `BYTE_IO` extras and record checksums; the first item that failed fails it.
 fn assemble(
     meta: &Meta,
     meta_paths: &[PathBuf],
-    got: Vec<Got>,
+    got: impl Iterator<Item = Result<Got>>,
 ) -> Result<(Vec<TensorLayout>, Vec<Extra>, Vec<RecordCrc>)> {
-    let mut pieces: Vec<Vec<Piece>> = vec![vec![]; meta.entries.len()];
+    let mut pieces: Vec<Vec<Piece>> = meta
+        .entries
+        .iter()
+        .map(|e| match &e.kind {
+            Kind::Tensor { .. } => Vec::with_capacity(e.kind.chunk_count()),
+            Kind::Bytes { .. } => vec![],
+        })
+        .collect();
     let mut extras_by_entry: Vec<Option<Extra>> = vec![None; meta.entries.len()];
     let mut checksums = vec![];
     for g in got {
-        match g {
+        match g? {
             Got::Piece { entry, piece, crc } => {
                 pieces[entry].push(piece);
                 checksums.extend(crc);
             }
-            Got::Extra { entry, extra } => extras_by_entry[entry] = Some(extra),
+            Got::Extra { entry, extra } => extras_by_entry[entry] = Some(*extra),
         }
     }
     let mut tensors = vec![];
@@ -984,13 +1020,13 @@ fn read_item(
                 save::parse(sources[si].slice(off, len)).map_err(|e| err(e.to_string()))?;
             return Ok(Got::Extra {
                 entry,
-                extra: Extra {
+                extra: Box::new(Extra {
                     name: e.name.clone(),
                     value: to_json(&item.value),
                     pickle: Some(item.value),
                     raw: Some((si as u32, off, len)),
                     origin: "dcp",
-                },
+                }),
             });
         }
     };
@@ -1047,7 +1083,7 @@ impl Expected<'_> {
 
     /// The chunk as a region of its tensor.
     fn region(&self) -> crate::layout::Region {
-        crate::layout::Region::new(self.offsets.to_vec(), self.sizes.to_vec())
+        crate::layout::Region::new(self.offsets, self.sizes)
     }
 
     /// Check an item's dtype and shape against the metadata's.

@@ -8,7 +8,7 @@
 use crate::error::{Error, Result};
 use crate::exec::{Checksum, Literal, OutputFile};
 use crate::formats::torch::dtype::torch_dtype_name;
-use crate::formats::torch::pickle::{op, pickle, Pickler, PyValue};
+use crate::formats::torch::pickle::{op, pickle, Pickler, PyValue, Slot};
 use crate::formats::torch::save::{save_to_vec, standard_records, TensorRef};
 use crate::formats::torch::zip::{layout_archive, output_parts};
 use crate::formats::{Extra, KeyPart, Output, TargetTensor, WriteOptions};
@@ -67,22 +67,17 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
     let (meta_pt, byte_io): (Vec<&Extra>, Vec<&Extra>) =
         opts.extras.iter().partition(|e| e.origin == "meta.pt");
     let byte_io_items: Vec<ItemSpan> = byte_io.iter().map(|e| w.byte_io(e)).collect();
-    let mut items = Vec::with_capacity(target.len());
-    let mut tensors = Vec::with_capacity(target.len());
-    for t in target {
-        let (layout, spans) = w.tensor(t, world)?;
-        tensors.push(layout);
-        items.push(spans);
-    }
+    let (tensors, items) = w.tensors(target, world)?;
     let keys = Keys {
         byte_io: &byte_io,
         byte_io_items: &byte_io_items,
         tensors: &tensors,
         items: &items,
+        world,
     };
     let metadata = keys.metadata(opts);
     let mut files = w.files;
-    files.push(literal_file(".metadata", metadata));
+    files.push(blocks_file(".metadata", metadata));
     if !meta_pt.is_empty() {
         files.push(meta_pt_file(&meta_pt));
     }
@@ -99,10 +94,24 @@ struct ItemSpan {
 
 /// A whole file holding `bytes`.
 fn literal_file(path: &str, bytes: Vec<u8>) -> OutputFile {
+    blocks_file(path, vec![bytes.into()])
+}
+
+/// A whole file holding `blocks`, one after the other.
+fn blocks_file(path: &str, blocks: Vec<Literal>) -> OutputFile {
+    let mut size = 0;
+    let literals = blocks
+        .into_iter()
+        .map(|b| {
+            let at = size;
+            size += b.len() as u64;
+            (at, b)
+        })
+        .collect();
     OutputFile {
         path: PathBuf::from(path),
-        size: bytes.len() as u64,
-        literals: vec![(0, bytes.into())],
+        size,
+        literals,
         checksums: vec![],
     }
 }
@@ -153,8 +162,12 @@ impl ItemTemplate {
 /// The data files being laid out, one per rank, growing as items are appended.
 struct Writer {
     files: Vec<OutputFile>,
-    templates: HashMap<(DType, Vec<u64>), ItemTemplate>,
 }
+
+/// The chunks of one tensor that are written, in the order they are: target rank, region,
+/// and the index of the chunk's shape among the tensor's shapes (of its item template, once
+/// [`Writer::tensors`] has made the templates).
+type Chunks<'a> = Vec<(u32, &'a Region, u32)>;
 
 impl Writer {
     fn new(world: u32) -> Writer {
@@ -167,7 +180,6 @@ impl Writer {
                     checksums: vec![],
                 })
                 .collect(),
-            templates: HashMap::new(),
         }
     }
 
@@ -185,46 +197,108 @@ impl Writer {
         span
     }
 
-    /// Every chunk of `t` that a rank below `world` holds, written once (by the lowest
-    /// rank holding it); returns where its pieces lie and, chunk by chunk, its items.
-    fn tensor(&mut self, t: &TargetTensor, world: u32) -> Result<(TensorLayout, Vec<ItemSpan>)> {
-        let whole = Region::full(&t.shape);
-        let mut written: HashSet<&Region> = HashSet::new();
-        let mut spans = vec![];
-        let mut pieces = vec![];
-        for (r, regions) in t.ranks.iter().enumerate().take(world as usize) {
-            for reg in regions {
-                let keep = if whole.is_empty() {
-                    r == 0 && written.is_empty()
-                } else {
-                    !reg.is_empty()
+    /// Append every tensor's chunks to the files, tensor by tensor, each as [`chunks`]
+    /// orders them; returns where each tensor's pieces lie and, chunk by chunk, its items.
+    /// The chunks are chosen, and the layouts and file contents built, in parallel; only
+    /// the templates and the items' offsets are assigned in order.
+    fn tensors(
+        &mut self,
+        target: &[TargetTensor],
+        world: u32,
+    ) -> Result<(Vec<TensorLayout>, Vec<Vec<ItemSpan>>)> {
+        use rayon::prelude::*;
+        let mut chosen: Vec<(Chunks, Vec<&[u64]>)> =
+            target.par_iter().map(|t| chunks(t, world)).collect();
+        // One template per dtype and chunk shape, made in order of first use; each chunk's
+        // tensor-local shape index becomes the template's.
+        let mut index: HashMap<(DType, &[u64]), u32> = HashMap::new();
+        let mut templates: Vec<ItemTemplate> = vec![];
+        for (t, (chunks, shapes)) in target.iter().zip(&mut chosen) {
+            let mut ids = Vec::with_capacity(shapes.len());
+            for &sizes in shapes.iter() {
+                let id = match index.entry((t.dtype, sizes)) {
+                    Entry::Occupied(e) => *e.get(),
+                    Entry::Vacant(e) => {
+                        templates.push(ItemTemplate::new(t.dtype, sizes)?);
+                        *e.insert(templates.len() as u32 - 1)
+                    }
                 };
-                if !keep || !written.insert(reg) {
-                    continue;
-                }
-                let (piece, span) = self.chunk(t, r as u32, reg)?;
-                pieces.push(piece);
-                spans.push(span);
+                ids.push(id);
+            }
+            for c in chunks.iter_mut() {
+                c.2 = ids[c.2 as usize];
             }
         }
-        let layout = TensorLayout {
-            name: t.name.clone(),
-            dtype: t.dtype,
-            shape: t.shape.clone(),
-            pieces,
-        };
-        Ok((layout, spans))
+        // Item offsets in file order; each file's items as (offset, template).
+        let mut placed: Vec<Vec<(u64, u32)>> = vec![vec![]; self.files.len()];
+        let mut offsets: Vec<Vec<u64>> = Vec::with_capacity(target.len());
+        for (chunks, _) in &chosen {
+            let mut at = Vec::with_capacity(chunks.len());
+            for &(r, _, tpl) in chunks {
+                let f = &mut self.files[r as usize];
+                placed[r as usize].push((f.size, tpl));
+                at.push(f.size);
+                f.size += templates[tpl as usize].len;
+            }
+            offsets.push(at);
+        }
+        let templates = &templates;
+        self.files
+            .par_iter_mut()
+            .zip(&placed)
+            .for_each(|(f, items)| place(f, items, templates));
+        drop(placed);
+        Ok(target
+            .par_iter()
+            .zip(&chosen)
+            .zip(&offsets)
+            .map(|((t, (chunks, _)), at)| layout_of(t, chunks, at, templates))
+            .unzip())
     }
+}
 
-    /// Append a chunk of `t` (region `reg`) to rank `r`'s file as a torch.save item whose
-    /// data record the executor fills.
-    fn chunk(&mut self, t: &TargetTensor, r: u32, reg: &Region) -> Result<(Piece, ItemSpan)> {
-        let tpl = match self.templates.entry((t.dtype, reg.sizes.to_vec())) {
-            Entry::Occupied(e) => e.into_mut(),
-            Entry::Vacant(e) => e.insert(ItemTemplate::new(t.dtype, &reg.sizes)?),
-        };
-        let f = &mut self.files[r as usize];
-        let offset = f.size;
+/// The chunks of `t` that a rank below `world` holds, each written once (by the lowest rank
+/// holding it), rank by rank; each with the index of its shape among the distinct shapes,
+/// which are returned in order of first use.
+fn chunks(t: &TargetTensor, world: u32) -> (Chunks<'_>, Vec<&[u64]>) {
+    let whole = Region::full(&t.shape);
+    let mut written: HashSet<&Region> = HashSet::new();
+    let mut shapes: Vec<&[u64]> = vec![];
+    let mut shape_index: HashMap<&[u64], u32> = HashMap::new();
+    let mut out: Chunks = vec![];
+    for (r, regions) in t.ranks.iter().enumerate().take(world as usize) {
+        for reg in regions {
+            let keep = if whole.is_empty() {
+                r == 0 && written.is_empty()
+            } else {
+                !reg.is_empty()
+            };
+            if !keep || !written.insert(reg) {
+                continue;
+            }
+            let shape = match out.last() {
+                // Chunks mostly have the shape of the one before.
+                Some(&(_, prev, shape)) if prev.sizes == reg.sizes => shape,
+                _ => *shape_index.entry(&reg.sizes).or_insert_with(|| {
+                    shapes.push(&reg.sizes);
+                    shapes.len() as u32 - 1
+                }),
+            };
+            out.push((r as u32, reg, shape));
+        }
+    }
+    (out, shapes)
+}
+
+/// Fill `f`'s literals and checksums with its items, `(offset, template)` in file order.
+fn place(f: &mut OutputFile, items: &[(u64, u32)], templates: &[ItemTemplate]) {
+    let count = |of: fn(&ItemTemplate) -> usize| -> usize {
+        items.iter().map(|&(_, t)| of(&templates[t as usize])).sum()
+    };
+    f.literals.reserve(count(|t| t.literals.len()));
+    f.checksums.reserve(count(|t| t.checksums.len()));
+    for &(offset, tpl) in items {
+        let tpl = &templates[tpl as usize];
         f.literals.extend(
             tpl.literals
                 .iter()
@@ -235,25 +309,50 @@ impl Writer {
             at: c.at.iter().map(|a| offset + a).collect(),
             hex: c.hex,
         }));
-        f.size += tpl.len;
-        let piece = Piece {
-            rank: r,
-            region: reg.clone(),
-            loc: Loc {
-                file: r,
-                offset: offset + tpl.data_offset,
-                strides: None,
-                pending: None,
-            },
-        };
-        let span = ItemSpan {
-            rank: r,
-            offset,
-            length: tpl.len,
-        };
-        Ok((piece, span))
     }
 }
+
+/// The layout of `t` written as `chunks` at item offsets `at`, and its items.
+fn layout_of(
+    t: &TargetTensor,
+    chunks: &[(u32, &Region, u32)],
+    at: &[u64],
+    templates: &[ItemTemplate],
+) -> (TensorLayout, Vec<ItemSpan>) {
+    let (pieces, spans) = chunks
+        .iter()
+        .zip(at)
+        .map(|(&(r, reg, tpl), &offset)| {
+            let tpl = &templates[tpl as usize];
+            let piece = Piece {
+                rank: r,
+                region: reg.clone(),
+                loc: Loc {
+                    file: r,
+                    offset: offset + tpl.data_offset,
+                    strides: None,
+                    pending: None,
+                },
+            };
+            let span = ItemSpan {
+                rank: r,
+                offset,
+                length: tpl.len,
+            };
+            (piece, span)
+        })
+        .unzip();
+    let layout = TensorLayout {
+        name: t.name.clone(),
+        dtype: t.dtype,
+        shape: t.shape.clone(),
+        pieces,
+    };
+    (layout, spans)
+}
+
+/// Size of the blocks `.metadata` is written in (literals of its output file).
+const METADATA_BLOCK: usize = 1 << 20;
 
 /// Every key of the checkpoint and where its items lie: what `.metadata` lists.
 struct Keys<'a> {
@@ -262,6 +361,8 @@ struct Keys<'a> {
     tensors: &'a [TensorLayout],
     /// Per tensor, per chunk (in `pieces` order).
     items: &'a [Vec<ItemSpan>],
+    /// Number of data files (ranks).
+    world: u32,
 }
 
 impl Keys<'_> {
@@ -276,8 +377,8 @@ impl Keys<'_> {
     /// 2.1 class layout, pickled straight from the laid-out chunks (no value tree: at a
     /// million chunks it would be several times the pickle), each repeated global and str
     /// written once through the memo (the file is read by the full unpickler only).
-    fn metadata(&self, opts: &WriteOptions) -> Vec<u8> {
-        let mut p = Pickler::with_memo();
+    fn metadata(&self, opts: &WriteOptions) -> Vec<Literal> {
+        let mut p = Pickler::with_memo().in_blocks(METADATA_BLOCK);
         p.new_object(META, "Metadata");
         p.dict_with(3, |p, field| match field {
             0 => {
@@ -294,11 +395,12 @@ impl Keys<'_> {
             }
         });
         p.op(op::BUILD);
-        p.finish()
+        p.finish_blocks()
     }
 
     fn state_dict_metadata(&self, p: &mut Pickler) {
         let nb = self.byte_io.len();
+        let [mut chunk_cls, mut offsets, mut sizes, mut size_cls] = [Slot::default(); 4];
         p.dict_with(nb + self.tensors.len(), |p, i| {
             p.str(self.name(i));
             let Some(t) = i.checked_sub(nb).map(|t| &self.tensors[t]) else {
@@ -312,20 +414,20 @@ impl Keys<'_> {
                 }
                 1 => {
                     p.str("size");
-                    p.torch_size(&t.shape);
+                    p.torch_size_at(&t.shape, &mut size_cls);
                 }
                 _ => {
                     p.str("chunks");
                     p.list_with(t.pieces.len(), |p, c| {
                         let reg = &t.pieces[c].region;
-                        p.new_object(META, "ChunkStorageMetadata");
+                        p.new_object_at(META, "ChunkStorageMetadata", &mut chunk_cls);
                         p.dict_with(2, |p, k| {
-                            let (key, dims) = match k {
-                                0 => ("offsets", &reg.offsets),
-                                _ => ("sizes", &reg.sizes),
+                            let (key, slot, dims) = match k {
+                                0 => ("offsets", &mut offsets, &reg.offsets),
+                                _ => ("sizes", &mut sizes, &reg.sizes),
                             };
-                            p.str(key);
-                            p.torch_size(dims);
+                            p.str_at(key, slot);
+                            p.torch_size_at(dims, &mut size_cls);
                         });
                         p.op(op::BUILD);
                     });
@@ -352,19 +454,26 @@ impl Keys<'_> {
         for (t, spans) in self.items.iter().enumerate() {
             all.extend((0..spans.len()).map(|c| (nb + t, c)));
         }
+        // Memo slots of what every item repeats: the classes, the keys, each tensor's name
+        // (kept while its items follow one another) and each rank's file name.
+        let [mut index_cls, mut info_cls, mut size_cls] = [Slot::default(); 3];
+        let [mut fqn, mut offset, mut index, mut relative_path, mut length] =
+            [Slot::default(); 5];
+        let mut name: (usize, Slot) = (usize::MAX, Slot::default());
+        let mut paths = vec![Slot::default(); self.world as usize];
         let mut path = String::new();
         p.dict_with(all.len(), |p, j| {
             let (i, c) = all[j];
-            p.new_object(META, "MetadataIndex");
+            p.new_object_at(META, "MetadataIndex", &mut index_cls);
             let span = match i.checked_sub(nb) {
                 None => {
                     p.dict_with(2, |p, k| match k {
                         0 => {
-                            p.str("fqn");
+                            p.str_at("fqn", &mut fqn);
                             p.str(&self.byte_io[i].name);
                         }
                         _ => {
-                            p.str("index");
+                            p.str_at("index", &mut index);
                             p.op(op::NONE);
                         }
                     });
@@ -372,17 +481,20 @@ impl Keys<'_> {
                 }
                 Some(t) => {
                     let tensor = &self.tensors[t];
+                    if name.0 != t {
+                        name = (t, Slot::default());
+                    }
                     p.dict_with(3, |p, k| match k {
                         0 => {
-                            p.str("fqn");
-                            p.str(&tensor.name);
+                            p.str_at("fqn", &mut fqn);
+                            p.str_at(&tensor.name, &mut name.1);
                         }
                         1 => {
-                            p.str("offset");
-                            p.torch_size(&tensor.pieces[c].region.offsets);
+                            p.str_at("offset", &mut offset);
+                            p.torch_size_at(&tensor.pieces[c].region.offsets, &mut size_cls);
                         }
                         _ => {
-                            p.str("index");
+                            p.str_at("index", &mut index);
                             p.int(c as i64);
                         }
                     });
@@ -390,21 +502,24 @@ impl Keys<'_> {
                 }
             };
             p.op(op::BUILD);
-            p.new_object(FS, "_StorageInfo");
+            p.new_object_at(FS, "_StorageInfo", &mut info_cls);
             p.dict_with(3, |p, k| match k {
                 0 => {
-                    p.str("relative_path");
-                    path.clear();
-                    use std::fmt::Write;
-                    let _ = write!(path, "__{}_0.distcp", span.rank);
-                    p.str(&path);
+                    p.str_at("relative_path", &mut relative_path);
+                    let slot = &mut paths[span.rank as usize];
+                    if !slot.is_known() {
+                        path.clear();
+                        use std::fmt::Write;
+                        let _ = write!(path, "__{}_0.distcp", span.rank);
+                    }
+                    p.str_at(&path, slot);
                 }
                 1 => {
-                    p.str("offset");
+                    p.str_at("offset", &mut offset);
                     p.int(span.offset as i64);
                 }
                 _ => {
-                    p.str("length");
+                    p.str_at("length", &mut length);
                     p.int(span.length as i64);
                 }
             });

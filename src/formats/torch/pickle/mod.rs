@@ -59,7 +59,7 @@ pub mod write;
 pub use globals::{dcp_metadata_globals, torch_save_globals, Globals};
 pub use read::{parse, parse_graph, Obj, PickleError};
 pub use value::Value;
-pub use write::{pickle, Pickler, PyValue};
+pub use write::{pickle, Pickler, PyValue, Slot};
 #[cfg(any(test, feature = "internals"))]
 pub use write::from_pickle;
 #[cfg(any(test, feature = "internals"))]

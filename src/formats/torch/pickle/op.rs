@@ -73,6 +73,21 @@ pub const READONLY_BUFFER: u8 = 0x98;
 
 /// Name of a pickle opcode (any protocol), `None` for bytes that are no opcode.
 pub fn opcode_name(byte: u8) -> Option<&'static str> {
+    NAMES[byte as usize]
+}
+
+/// [`opcode_name`] of every byte: the reader looks one up per opcode.
+const NAMES: [Option<&str>; 256] = {
+    let mut names = [None; 256];
+    let mut i = 0;
+    while i < 256 {
+        names[i] = name_of(i as u8);
+        i += 1;
+    }
+    names
+};
+
+const fn name_of(byte: u8) -> Option<&'static str> {
     Some(match byte {
         MARK => "MARK",
         STOP => "STOP",

@@ -644,6 +644,9 @@ struct Machine<'g> {
     global_index: HashMap<(String, String), u32>,
     proto: u8,
     budget: Budget,
+    /// Buffers reused by the opcodes that pop a MARK most (`TUPLE`, `APPENDS`, `SETITEMS`).
+    scratch: Vec<Id>,
+    scratch_pairs: Vec<(Id, Id)>,
 }
 
 impl<'g> Machine<'g> {
@@ -665,6 +668,8 @@ impl<'g> Machine<'g> {
             global_index: HashMap::new(),
             proto: 0,
             budget,
+            scratch: Vec::new(),
+            scratch_pairs: Vec::new(),
         }
     }
 
@@ -742,6 +747,23 @@ impl<'g> Machine<'g> {
             return Err(PickleError::StackUnderflow { opcode, offset: at });
         }
         Ok(self.stack.split_off(mark))
+    }
+
+    /// [`Machine::pop_mark`] into the reused buffer `scratch`; give it back when done.
+    fn pop_mark_scratch(&mut self, opcode: &'static str, at: usize) -> Result<Vec<Id>, PickleError> {
+        let mark = self
+            .marks
+            .pop()
+            .ok_or(PickleError::MissingMark { opcode, offset: at })?;
+        let items = self
+            .stack
+            .get(mark..)
+            .ok_or(PickleError::StackUnderflow { opcode, offset: at })?;
+        let mut out = std::mem::take(&mut self.scratch);
+        out.clear();
+        out.extend_from_slice(items);
+        self.stack.truncate(mark);
+        Ok(out)
     }
 
     fn str_of(&self, id: Id) -> Option<&str> {
@@ -856,29 +878,33 @@ impl<'g> Machine<'g> {
                 ))
             }
         };
-        let arg_ids = match self.nodes.get(args as usize) {
-            Some(n) if n.tuple_ids().is_some() => {
-                charged(&mut self.budget, n.tuple_ids().unwrap_or_default())?
-            }
-            other => {
+        let n_args = match self.nodes.get(args as usize).and_then(Node::tuple_ids) {
+            Some(ids) => ids.len(),
+            None => {
                 return Err(invalid(
                     at,
                     format!(
                         "{opcode} arguments must be a tuple, got a {}",
-                        other.map_or("?", Node::kind)
+                        self.nodes.get(args as usize).map_or("?", Node::kind)
                     ),
                 ))
             }
         };
+        self.budget.values(n_args)?;
         let (module, name) = self.global_name(gid);
-        let qual = format!("{module}.{name}");
         let builtin = builtin_of(module, name);
-        let node = match (builtin, arg_ids.as_slice()) {
-            (Builtin::Plain, _) => Node::Object {
+        if builtin == Builtin::Plain {
+            // The common case (`torch.Size`, classes): no copy of the arguments, no name.
+            let node = Node::Object {
                 global: gid,
                 args,
                 state: None,
-            },
+            };
+            return self.alloc(node, at);
+        }
+        let qual = format!("{module}.{name}");
+        let arg_ids = self.node(args).tuple_ids().unwrap_or_default().to_vec();
+        let node = match (builtin, arg_ids.as_slice()) {
             (Builtin::Dict, []) => Node::Dict(Seq::new()),
             (Builtin::Dict, [src]) => {
                 let src = *src;
@@ -1190,8 +1216,10 @@ impl<'g> Machine<'g> {
                 }
                 EMPTY_TUPLE => self.push(EMPTY_TUPLE_ID, at)?,
                 TUPLE => {
-                    let items = self.pop_mark(name, at)?;
-                    self.push_node(Node::tuple(&items), at)?;
+                    let items = self.pop_mark_scratch(name, at)?;
+                    let node = Node::tuple(&items);
+                    self.scratch = items;
+                    self.push_node(node, at)?;
                 }
                 TUPLE1 | TUPLE2 | TUPLE3 => {
                     let n = usize::from(code - TUPLE1) + 1;
@@ -1218,7 +1246,7 @@ impl<'g> Machine<'g> {
                     }
                 }
                 APPENDS => {
-                    let new = self.pop_mark(name, at)?;
+                    let new = self.pop_mark_scratch(name, at)?;
                     let list = self.top(name, at)?;
                     match self.node_mut(list, at)? {
                         Node::List(items) => items.extend(&new),
@@ -1227,6 +1255,7 @@ impl<'g> Machine<'g> {
                             return Err(invalid(at, format!("APPENDS to a {kind}")));
                         }
                     }
+                    self.scratch = new;
                 }
                 EMPTY_DICT => self.push_node(Node::Dict(Seq::new()), at)?,
                 DICT => {
@@ -1247,8 +1276,10 @@ impl<'g> Machine<'g> {
                     }
                 }
                 SETITEMS => {
-                    let items = self.pop_mark(name, at)?;
-                    let new = pairs_of(&items, name, at)?;
+                    let items = self.pop_mark_scratch(name, at)?;
+                    let mut new = std::mem::take(&mut self.scratch_pairs);
+                    pairs_into(&items, name, at, &mut new)?;
+                    self.scratch = items;
                     let dict = self.top(name, at)?;
                     match self.node_mut(dict, at)? {
                         Node::Dict(pairs) => pairs.extend(&new),
@@ -1257,6 +1288,7 @@ impl<'g> Machine<'g> {
                             return Err(invalid(at, format!("SETITEMS on a {kind}")));
                         }
                     }
+                    self.scratch_pairs = new;
                 }
                 EMPTY_SET => self.push_node(Node::Set(Seq::new()), at)?,
                 ADDITEMS => {
@@ -1414,7 +1446,7 @@ impl<'g> Machine<'g> {
             globals: &self.global_table,
             shared: shared_nodes(&self.nodes),
             done: HashMap::new(),
-            on_path: vec![false; self.nodes.len()],
+            state: vec![0; self.nodes.len()],
         };
         let (values, bytes) = sizes.of(root, 0)?;
         // Charged up front; `materialize` then runs on a fresh meter with what is left.
@@ -1449,16 +1481,27 @@ fn charged<T: Clone>(budget: &mut Budget, items: &[T]) -> Result<Vec<T>, PickleE
 }
 
 fn pairs_of(items: &[Id], opcode: &'static str, at: usize) -> Result<Vec<(Id, Id)>, PickleError> {
+    let mut out = Vec::with_capacity(items.len() / 2);
+    pairs_into(items, opcode, at, &mut out)?;
+    Ok(out)
+}
+
+/// [`pairs_of`] into `out` (cleared first).
+fn pairs_into(
+    items: &[Id],
+    opcode: &'static str,
+    at: usize,
+    out: &mut Vec<(Id, Id)>,
+) -> Result<(), PickleError> {
     if items.len() % 2 != 0 {
         return Err(invalid(at, format!("odd number of items for {opcode}")));
     }
-    Ok(items
-        .chunks_exact(2)
-        .filter_map(|kv| match kv {
-            [k, v] => Some((*k, *v)),
-            _ => None,
-        })
-        .collect())
+    out.clear();
+    out.extend(items.chunks_exact(2).filter_map(|kv| match kv {
+        [k, v] => Some((*k, *v)),
+        _ => None,
+    }));
+    Ok(())
 }
 
 fn parse_memo_key(line: &[u8], opcode: &'static str, at: usize) -> Result<u64, PickleError> {
@@ -1583,10 +1626,17 @@ struct Sizes<'a> {
     globals: &'a [(String, String)],
     /// Per node, true when more than one value refers to it (see [`shared_nodes`]).
     shared: Vec<bool>,
-    /// Tree sizes of the shared nodes computed so far.
+    /// Tree sizes of the shared containers and objects computed so far (a leaf's size is
+    /// its own, so leaves are only marked [`SEEN`] in `state`).
     done: HashMap<Id, (u64, u64)>,
-    on_path: Vec<bool>,
+    /// Per node, [`ON_PATH`] while its tree is being sized, [`SEEN`] once a leaf was sized.
+    state: Vec<u8>,
 }
+
+/// [`Sizes::state`]: the node is on the path being sized (met again, it contains itself).
+const ON_PATH: u8 = 1;
+/// [`Sizes::state`]: the leaf was sized before.
+const SEEN: u8 = 2;
 
 /// Per node, whether more than one container, object or persistent id refers to it. Only
 /// those can be reached twice, so only their tree sizes need remembering: a table for every
@@ -1621,9 +1671,42 @@ fn shared_nodes(nodes: &[Node]) -> Vec<bool> {
 }
 
 impl Sizes<'_> {
+    /// String bytes of the global `gid` (module and name).
+    fn global_len(&self, gid: u32) -> u64 {
+        self.globals
+            .get(gid as usize)
+            .map_or(0, |(m, n)| m.len().saturating_add(n.len()) as u64)
+    }
+
+    /// The tree size of a leaf (a value without children), `None` for other nodes.
+    fn leaf(&self, node: &Node) -> Option<(u64, u64)> {
+        let bytes = match node {
+            Node::None | Node::Bool(_) | Node::Int(_) | Node::Float(_) => 0,
+            Node::BigInt(b) | Node::Bytes(b) => b.len() as u64,
+            Node::Str(s) => s.len() as u64,
+            Node::Global(gid) => self.global_len(*gid),
+            _ => return None,
+        };
+        Some((1, bytes))
+    }
+
     fn of(&mut self, id: Id, depth: usize) -> Result<(u64, u64), PickleError> {
         let slot = id as usize;
+        let nodes = self.nodes;
+        let node = nodes.get(slot).unwrap_or(&Node::None);
         let shared = self.shared.get(slot).copied().unwrap_or(false);
+        if let Some(size) = self.leaf(node) {
+            // As for containers, a shared leaf sized before is not checked for depth again.
+            let state = self.state.get_mut(slot);
+            let seen = state.as_ref().is_some_and(|s| **s & SEEN != 0);
+            if depth >= MAX_DEPTH && !(shared && seen) {
+                return Err(PickleError::TooDeep { limit: MAX_DEPTH });
+            }
+            if let Some(s) = state {
+                *s |= SEEN;
+            }
+            return Ok(size);
+        }
         if shared {
             if let Some(known) = self.done.get(&id) {
                 return Ok(*known);
@@ -1632,27 +1715,25 @@ impl Sizes<'_> {
         if depth >= MAX_DEPTH {
             return Err(PickleError::TooDeep { limit: MAX_DEPTH });
         }
-        let nodes = self.nodes;
-        let node = nodes.get(slot).unwrap_or(&Node::None);
-        if self.on_path.get(slot).copied().unwrap_or(false) {
+        if self.state.get(slot).is_some_and(|s| s & ON_PATH != 0) {
             return Err(PickleError::Recursive { kind: node.kind() });
         }
-        if let Some(flag) = self.on_path.get_mut(slot) {
-            *flag = true;
+        if let Some(s) = self.state.get_mut(slot) {
+            *s |= ON_PATH;
         }
-        let global_len = |gid: &u32| {
-            self.globals
-                .get(*gid as usize)
-                .map_or(0, |(m, n)| m.len().saturating_add(n.len()) as u64)
-        };
         let mut values = 1u64;
         let mut bytes = 0u64;
         let mut children: &[Id] = &[];
         let mut extra: [Option<Id>; 1] = [None];
         match node {
-            Node::None | Node::Bool(_) | Node::Int(_) | Node::Float(_) => {}
-            Node::BigInt(b) | Node::Bytes(b) => bytes = b.len() as u64,
-            Node::Str(s) => bytes = s.len() as u64,
+            Node::None
+            | Node::Bool(_)
+            | Node::Int(_)
+            | Node::Float(_)
+            | Node::BigInt(_)
+            | Node::Bytes(_)
+            | Node::Str(_)
+            | Node::Global(_) => {}
             Node::List(_) | Node::SmallTuple { .. } | Node::Tuple(_) | Node::Set(_) => {
                 children = node.seq_ids().unwrap_or_default()
             }
@@ -1666,13 +1747,12 @@ impl Sizes<'_> {
                     }
                 }
             }
-            Node::Global(gid) => bytes = global_len(gid),
             Node::Object {
                 global,
                 args,
                 state,
             } => {
-                bytes = global_len(global);
+                bytes = self.global_len(*global);
                 if let Some(ids) = nodes.get(*args as usize).and_then(Node::tuple_ids) {
                     children = ids;
                 }
@@ -1685,8 +1765,8 @@ impl Sizes<'_> {
             values = values.saturating_add(cv);
             bytes = bytes.saturating_add(cb);
         }
-        if let Some(flag) = self.on_path.get_mut(slot) {
-            *flag = false;
+        if let Some(s) = self.state.get_mut(slot) {
+            *s &= !ON_PATH;
         }
         if shared {
             self.done.insert(id, (values, bytes));

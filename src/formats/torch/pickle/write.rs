@@ -12,6 +12,7 @@ use super::op;
 use super::Value;
 use crate::formats::torch::dtype;
 use crate::formats::torch::save::{write_tensor, TensorRef};
+use std::sync::Arc;
 
 // ---------------------------------------------------------------------------------------------
 // Value model
@@ -425,6 +426,22 @@ pub(crate) fn write_u64_tuple(w: &mut Vec<u8>, xs: &[u64]) {
 pub struct Pickler {
     w: Vec<u8>,
     memo: Option<Memo>,
+    /// With [`Pickler::in_blocks`]: the block size and the blocks written so far.
+    blocks: Option<(usize, Vec<Arc<[u8]>>)>,
+}
+
+/// Where a caller remembers the memo slot of a str or global it pushes many times
+/// ([`Pickler::str_at`], [`Pickler::global_at`]): once memoised, a value is always fetched
+/// from the same slot, so the memo need not be searched again.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Slot(Option<u32>);
+
+impl Slot {
+    /// Whether the slot is known: [`Pickler::str_at`] and [`Pickler::global_at`] then push
+    /// what it holds, whatever they are given.
+    pub fn is_known(&self) -> bool {
+        self.0.is_some()
+    }
 }
 
 /// Memo slots of the globals (few: a list) and strs written so far.
@@ -448,7 +465,30 @@ impl Pickler {
     pub fn new() -> Pickler {
         let mut w = Vec::with_capacity(256);
         w.extend_from_slice(&[op::PROTO, 2]);
-        Pickler { w, memo: None }
+        Pickler {
+            w,
+            memo: None,
+            blocks: None,
+        }
+    }
+
+    /// Keep the pickle in blocks of about `size` bytes ([`Pickler::finish_blocks`]): the
+    /// bytes written are cut off between the items of a dict or list once there are `size`
+    /// of them, and the buffer is reused, so a large pickle is neither copied whole nor held
+    /// twice.
+    pub fn in_blocks(mut self, size: usize) -> Pickler {
+        self.blocks = Some((size, vec![]));
+        self
+    }
+
+    /// With [`Pickler::in_blocks`], cut off a block if there is one.
+    fn end_item(&mut self) {
+        if let Some((size, done)) = &mut self.blocks {
+            if self.w.len() >= *size {
+                done.push(Arc::from(&self.w[..]));
+                self.w.clear();
+            }
+        }
     }
 
     /// A protocol-2 pickle that writes each global and str once (see the type's docs).
@@ -466,8 +506,21 @@ impl Pickler {
 
     /// The finished pickle (`STOP` appended).
     pub fn finish(mut self) -> Vec<u8> {
+        match self.blocks {
+            Some(_) => self.finish_blocks().concat(),
+            None => {
+                self.w.push(op::STOP);
+                self.w
+            }
+        }
+    }
+
+    /// The finished pickle (`STOP` appended) in blocks (one unless [`Pickler::in_blocks`]).
+    pub fn finish_blocks(mut self) -> Vec<Arc<[u8]>> {
         self.w.push(op::STOP);
-        self.w
+        let mut blocks = self.blocks.map(|(_, done)| done).unwrap_or_default();
+        blocks.push(Arc::from(self.w));
+        blocks
     }
 
     fn put(&mut self, slot: u32) {
@@ -490,34 +543,69 @@ impl Pickler {
 
     /// Push global `module.name`.
     pub fn global(&mut self, module: &str, name: &str) {
+        self.memo_global(module, name);
+    }
+
+    /// [`Pickler::global`], returning the memo slot that now holds the global, if any.
+    fn memo_global(&mut self, module: &str, name: &str) -> Option<u32> {
         let Some(memo) = self.memo.as_mut() else {
-            return write_global(&mut self.w, module, name);
+            write_global(&mut self.w, module, name);
+            return None;
         };
         if let Some(&(_, _, i)) = memo
             .globals
             .iter()
-            .find(|(m, n, _)| m == module && n == name)
+            .find(|(m, n, _)| n == name && m == module)
         {
-            return self.get(i);
+            self.get(i);
+            return Some(i);
         }
         let i = memo.slot();
         memo.globals.push((module.to_string(), name.to_string(), i));
         write_global(&mut self.w, module, name);
         self.put(i);
+        Some(i)
     }
 
     /// Push str `s`.
     pub fn str(&mut self, s: &str) {
+        self.memo_str(s);
+    }
+
+    /// [`Pickler::str`], returning the memo slot that now holds `s`, if any.
+    fn memo_str(&mut self, s: &str) -> Option<u32> {
         let Some(memo) = self.memo.as_mut() else {
-            return write_str(&mut self.w, s);
+            write_str(&mut self.w, s);
+            return None;
         };
         if let Some(&i) = memo.strs.get(s) {
-            return self.get(i);
+            self.get(i);
+            return Some(i);
         }
         let i = memo.slot();
         memo.strs.insert(s.to_string(), i);
         write_str(&mut self.w, s);
         self.put(i);
+        Some(i)
+    }
+
+    /// Push str `s` as [`Pickler::str`] does, the memo looked up only the first time:
+    /// `slot` remembers where `s` is memoised. Use a slot for one str of one pickler only.
+    pub fn str_at(&mut self, s: &str, slot: &mut Slot) {
+        match slot.0 {
+            Some(i) => self.get(i),
+            None => slot.0 = self.memo_str(s),
+        }
+    }
+
+    /// Push global `module.name` as [`Pickler::global`] does, the memo looked up only the
+    /// first time: `slot` remembers where it is memoised. Use a slot for one global of one
+    /// pickler only.
+    pub fn global_at(&mut self, module: &str, name: &str, slot: &mut Slot) {
+        match slot.0 {
+            Some(i) => self.get(i),
+            None => slot.0 = self.memo_global(module, name),
+        }
     }
 
     /// Push int `x`.
@@ -525,9 +613,10 @@ impl Pickler {
         write_int(&mut self.w, x);
     }
 
-    /// Push `torch.Size(dims)`.
-    pub fn torch_size(&mut self, dims: &[u64]) {
-        self.global("torch", "Size");
+    /// Push `torch.Size(dims)`, `slot` remembering where `torch.Size` is memoised (see
+    /// [`Pickler::global_at`]).
+    pub fn torch_size_at(&mut self, dims: &[u64], slot: &mut Slot) {
+        self.global_at("torch", "Size", slot);
         write_u64_tuple(&mut self.w, dims);
         self.w.push(op::TUPLE1);
         self.w.push(op::REDUCE);
@@ -535,7 +624,13 @@ impl Pickler {
 
     /// Push an empty `module.name` object (`NEWOBJ`); its state follows, then `BUILD`.
     pub fn new_object(&mut self, module: &str, name: &str) {
-        self.global(module, name);
+        self.new_object_at(module, name, &mut Slot::default());
+    }
+
+    /// [`Pickler::new_object`], `slot` remembering where the class is memoised (see
+    /// [`Pickler::global_at`]).
+    pub fn new_object_at(&mut self, module: &str, name: &str, slot: &mut Slot) {
+        self.global_at(module, name, slot);
         self.w.push(op::EMPTY_TUPLE);
         self.w.push(op::NEWOBJ);
     }
@@ -549,6 +644,7 @@ impl Pickler {
             self.w.push(op::MARK);
             for j in i..(i + BATCH).min(n) {
                 each(self, j);
+                self.end_item();
             }
             self.w.push(op::SETITEMS);
             i += BATCH;
@@ -563,6 +659,7 @@ impl Pickler {
             self.w.push(op::MARK);
             for j in i..(i + BATCH).min(n) {
                 each(self, j);
+                self.end_item();
             }
             self.w.push(op::APPENDS);
             i += BATCH;
