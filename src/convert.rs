@@ -338,11 +338,8 @@ pub fn run(job: &Job, dst: impl AsRef<Path>, opts: &ConvertOptions) -> Result<Ex
     let (checked, stats) = std::thread::scope(|s| {
         let check = opts.verify.then(|| {
             s.spawn(move || -> Result<crate::verify::Report> {
-                let pool = rayon::ThreadPoolBuilder::new()
-                    .num_threads(check_threads)
-                    .build()
-                    .map_err(|e| Error::usage(format!("cannot start worker threads: {e}")))?;
-                pool.install(|| crate::verify::sources_of(&job.source, &job.plan))
+                exec::thread_pool(check_threads)?
+                    .install(|| crate::verify::sources_of(&job.source, &job.plan))
             })
         });
         let stats = exec::execute_scheduled(

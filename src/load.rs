@@ -354,7 +354,7 @@ fn local_pieces<'a>(
             loc: Loc {
                 file: 0,
                 offset: first * lt.dtype.size() as u64,
-                strides: Some(strides),
+                strides: Some(strides.to_vec()),
                 pending: None,
             },
         });

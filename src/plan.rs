@@ -260,7 +260,7 @@ pub fn fill(
         };
         let sp = &src.pieces[si];
         let dp = &pieces[j];
-        let (src_strides, dst_strides) = (strides(sp), strides(dp));
+        let (src_strides, dst_strides) = (sp.strides(), dp.strides());
         let s = Strided {
             region: &sp.region,
             base: sp.loc.offset,
@@ -286,21 +286,6 @@ pub fn fill(
                 cast,
             })
         });
-    }
-}
-
-/// [`crate::layout::Piece::strides`] inline (it is wanted for every copied pair of pieces).
-fn strides(p: &crate::layout::Piece) -> smallvec::SmallVec<[u64; 4]> {
-    match &p.loc.strides {
-        Some(s) => s.as_slice().into(),
-        None => {
-            let sizes = &p.region.sizes;
-            let mut out: smallvec::SmallVec<[u64; 4]> = smallvec::smallvec![1; sizes.len()];
-            for d in (0..sizes.len().saturating_sub(1)).rev() {
-                out[d] = out[d + 1].saturating_mul(sizes[d + 1]);
-            }
-            out
-        }
     }
 }
 

@@ -215,10 +215,7 @@ pub fn execute_scheduled(
         skip,
         threads,
     } = sched;
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| Error::usage(format!("cannot start worker threads: {e}")))?;
+    let pool = thread_pool(threads)?;
     let progress = opts.progress.as_deref();
     if let Some(p) = progress {
         p.start(wins.iter().map(Window::size).sum());
@@ -254,6 +251,14 @@ pub fn execute_scheduled(
         windows: wins.len(),
         threads: pool.current_num_threads(),
     })
+}
+
+/// A rayon pool of `threads` worker threads.
+pub(crate) fn thread_pool(threads: usize) -> Result<rayon::ThreadPool> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| Error::usage(format!("cannot start worker threads: {e}")))
 }
 
 /// What every window of a run shares: the sources (mapped and opened), the destinations

@@ -132,9 +132,9 @@ impl Mesh {
         self.0.iter().product()
     }
 
-    /// Mesh coordinates of `rank`.
-    pub fn coords(&self, rank: u64) -> Vec<u64> {
-        let mut c = vec![0; self.0.len()];
+    /// Mesh coordinates of `rank` (inline: wanted for every rank of every tensor).
+    pub fn coords(&self, rank: u64) -> SmallVec<[u64; 4]> {
+        let mut c: SmallVec<[u64; 4]> = smallvec::smallvec![0; self.0.len()];
         let mut r = rank;
         for d in (0..self.0.len()).rev() {
             c[d] = r % self.0[d];
@@ -262,13 +262,7 @@ impl Sharding {
     /// [`Sharding::rank_segments`] in inline vectors (this runs for every rank of every
     /// tensor).
     fn segments(&self, shape: &[u64], rank: u64) -> SmallVec<[Runs; 4]> {
-        // Mesh coordinates of `rank`, as `Mesh::coords`.
-        let mut coords: SmallVec<[u64; 4]> = smallvec::smallvec![0; self.mesh.0.len()];
-        let mut r = rank;
-        for (c, &k) in coords.iter_mut().zip(&self.mesh.0).rev() {
-            *c = r % k;
-            r /= k;
-        }
+        let coords = self.mesh.coords(rank);
         let mut dims: SmallVec<[Runs; 4]> =
             shape.iter().map(|&n| smallvec::smallvec![(0, n)]).collect();
         for (m, p) in self.placements.iter().enumerate() {

@@ -139,9 +139,10 @@ impl fmt::Display for Region {
     }
 }
 
-/// Row-major element strides of a tensor of `shape`.
-pub fn row_major_strides(shape: &[u64]) -> Vec<u64> {
-    let mut strides = vec![1u64; shape.len()];
+/// Row-major element strides of a tensor of `shape` (inline: wanted for every copied pair
+/// of pieces).
+pub fn row_major_strides(shape: &[u64]) -> Dims {
+    let mut strides: Dims = smallvec::smallvec![1u64; shape.len()];
     for d in (0..shape.len().saturating_sub(1)).rev() {
         strides[d] = strides[d + 1].saturating_mul(shape[d + 1]);
     }

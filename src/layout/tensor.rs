@@ -38,11 +38,11 @@ pub struct Piece {
 
 impl Piece {
     /// The piece's element strides (row-major unless the location says otherwise).
-    pub fn strides(&self) -> Vec<u64> {
-        self.loc
-            .strides
-            .clone()
-            .unwrap_or_else(|| row_major_strides(&self.region.sizes))
+    pub fn strides(&self) -> super::region::Dims {
+        match &self.loc.strides {
+            Some(s) => s.as_slice().into(),
+            None => row_major_strides(&self.region.sizes),
+        }
     }
 
     /// Bytes spanned by the piece in its file (from its first to past its last element).
