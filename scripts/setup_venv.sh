@@ -9,6 +9,8 @@
 #                                          (scripts/compare.py)
 #   scripts/setup_venv.sh --torch21       ... plus a second venv with torch==2.1.0
 #                                          (fixture case fabric_fsdp1_w4_f32_torch21)
+#   scripts/setup_venv.sh --deepspeed     ... plus DeepSpeed and ninja (scripts/gen_deepspeed.py,
+#                                          the DeepSpeed interop tests, which CI runs)
 #
 # Locations: ${RESHARD_VENV:-$HOME/.cache/reshard/venv} and
 #            ${RESHARD_VENV21:-$HOME/.cache/reshard/venv-torch21}.
@@ -26,12 +28,14 @@ LIGHTNING_SPEC="${RESHARD_LIGHTNING_SPEC:-lightning==2.6.6}"
 want_torch21=0
 want_lightning=0
 want_bench=0
+want_deepspeed=0
 for arg in "$@"; do
   case "$arg" in
     --torch21) want_torch21=1 ;;
     --lightning) want_lightning=1 ;;
     --bench) want_lightning=1; want_bench=1 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    --deepspeed) want_deepspeed=1 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "setup_venv.sh: unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -66,6 +70,10 @@ if [ "$want_lightning" = 1 ]; then
 fi
 if [ "$want_bench" = 1 ]; then
   ensure_venv "$VENV" 'import accelerate, matplotlib; print("accelerate", accelerate.__version__, "matplotlib", matplotlib.__version__)' accelerate matplotlib
+fi
+if [ "$want_deepspeed" = 1 ]; then
+  # DeepSpeed builds from source (~40 s); ninja JIT-compiles its CPU shm op on first use.
+  ensure_venv "$VENV" 'import deepspeed, ninja; print("deepspeed", deepspeed.__version__)' "${RESHARD_DEEPSPEED_SPEC:-deepspeed==0.19.8}" ninja
 fi
 
 # <repo>/.venv -> main venv

@@ -60,6 +60,83 @@ pub struct Extra {
     pub origin: &'static str,
 }
 
+/// Where parameter values come from, for formats that keep more than one copy of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Weights {
+    /// The fp32 master weights an optimizer keeps (DeepSpeed's optim files, as
+    /// `zero_to_fp32` reads them): the default.
+    Master,
+    /// The model's own weights in its training dtype (DeepSpeed's `module`, bf16 for a bf16
+    /// job; ZeRO stages 1 and 2).
+    Model,
+}
+
+impl std::fmt::Display for Weights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Weights::Master => "master",
+            Weights::Model => "model",
+        })
+    }
+}
+
+impl std::str::FromStr for Weights {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "master" | "fp32" => Ok(Weights::Master),
+            "model" | "module" => Ok(Weights::Model),
+            _ => Err(format!("unknown weights `{s}` (expected master or model)")),
+        }
+    }
+}
+
+/// How to open a checkpoint: which checkpoint of a folder of several, and which copy of the
+/// parameters to read where a format keeps two. The default opens the folder's own (for
+/// DeepSpeed, the tag its `latest` file names) with each format's default weights.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OpenOptions {
+    /// A checkpoint in a sub-folder of the path given (`PATH/<tag>`: a DeepSpeed tag such as
+    /// `global_step100`).
+    pub tag: Option<String>,
+    /// Where parameter values come from; `None`: the format's default (master weights).
+    pub weights: Option<Weights>,
+}
+
+impl OpenOptions {
+    /// The path to open for `path` under these options: `path/<tag>` when a tag is given
+    /// (checked to be one folder name, and a folder).
+    pub fn resolve(&self, path: &Path) -> Result<PathBuf> {
+        let Some(tag) = &self.tag else {
+            return Ok(path.to_path_buf());
+        };
+        let plain = !tag.is_empty()
+            && tag != "."
+            && tag != ".."
+            && !tag.contains(['/', '\\', '\0'])
+            && !tag.chars().any(char::is_control);
+        if !plain {
+            return Err(Error::usage(format!(
+                "tag `{}` is not a folder name",
+                crate::formats::torch::short(tag)
+            )));
+        }
+        let dir = path.join(tag);
+        if !dir.is_dir() {
+            return Err(Error::format(
+                path,
+                format!(
+                    "has no checkpoint tagged `{}` ({} is not a folder)",
+                    crate::formats::torch::short(tag),
+                    dir.display()
+                ),
+            ));
+        }
+        Ok(dir)
+    }
+}
+
 /// A checkpoint as a reader sees it: its files, and every tensor's layout over them.
 #[derive(Clone, Debug, Serialize)]
 pub struct Checkpoint {
@@ -83,6 +160,10 @@ pub struct Checkpoint {
     /// What wrote the checkpoint, where that can be told (e.g. `torch >= 2.4 (DCP 1.0.0)`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub producer: Option<String>,
+    /// The checkpoint's name inside its folder, for formats that keep several (the DeepSpeed
+    /// tag read: `global_step100`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
     /// Scratch files the reader created (e.g. decompressed zstd items listed in `files`);
     /// they are deleted when the last clone of the checkpoint is dropped.
     #[serde(skip)]
@@ -133,7 +214,22 @@ impl Checkpoint {
 
     /// Open `path` as a checkpoint of `format` (no detection), and validate it.
     pub fn open_as(path: impl AsRef<Path>, format: Format) -> Result<Checkpoint> {
-        Self::opened(path.as_ref(), format, false)
+        Self::opened(path.as_ref(), format, false, None)
+    }
+
+    /// [`Checkpoint::open`] under `opts`: the checkpoint tagged `opts.tag` inside `path`, with
+    /// parameter values from `opts.weights`; `format` when given (no detection).
+    pub fn open_with(
+        path: impl AsRef<Path>,
+        format: Option<Format>,
+        opts: &OpenOptions,
+    ) -> Result<Checkpoint> {
+        let path = opts.resolve(path.as_ref())?;
+        let format = match format {
+            Some(f) => f,
+            None => formats::detect(&path)?,
+        };
+        Self::opened(&path, format, false, opts.weights)
     }
 
     /// Open a checkpoint for reading parts of it ([`Checkpoint::read_region`], the
@@ -144,19 +240,33 @@ impl Checkpoint {
     /// by the read that needs it. Pieces left to locate have [`Loc::pending`] set: a
     /// conversion or a plan needs a checkpoint from [`Checkpoint::open`].
     pub fn open_lazy(path: impl AsRef<Path>, format: Option<Format>) -> Result<Checkpoint> {
-        let path = path.as_ref();
-        let format = match format {
-            Some(f) => f,
-            None => formats::detect(path)?,
-        };
-        Self::opened(path, format, true)
+        Self::open_lazy_with(path, format, &OpenOptions::default())
     }
 
-    fn opened(path: &Path, format: Format, lazy: bool) -> Result<Checkpoint> {
-        let ck = if lazy {
-            format.codec().read_lazy(path)?
-        } else {
-            format.codec().read(path)?
+    /// [`Checkpoint::open_lazy`] under `opts` (see [`Checkpoint::open_with`]).
+    pub fn open_lazy_with(
+        path: impl AsRef<Path>,
+        format: Option<Format>,
+        opts: &OpenOptions,
+    ) -> Result<Checkpoint> {
+        let path = opts.resolve(path.as_ref())?;
+        let format = match format {
+            Some(f) => f,
+            None => formats::detect(&path)?,
+        };
+        Self::opened(&path, format, true, opts.weights)
+    }
+
+    fn opened(
+        path: &Path,
+        format: Format,
+        lazy: bool,
+        weights: Option<Weights>,
+    ) -> Result<Checkpoint> {
+        let ck = match (weights, lazy) {
+            (Some(w), _) => format.codec().read_weights(path, w)?,
+            (None, true) => format.codec().read_lazy(path)?,
+            (None, false) => format.codec().read(path)?,
         };
         ck.validate().map_err(|e| match e {
             Error::Layout { .. } => Error::format(path, e.to_string()),
@@ -185,6 +295,7 @@ impl Checkpoint {
             extras: vec![],
             paths: BTreeMap::new(),
             producer: None,
+            tag: None,
             scratch: vec![],
             checksums: vec![],
             locator: None,

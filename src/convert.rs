@@ -1,6 +1,7 @@
 //! The end-to-end job: open a checkpoint, select tensors, compile the target layout, lay out
 //! the output, plan, execute and commit. The CLI and trainers call this.
 
+use crate::checkpoint::OpenOptions;
 use crate::commit::Staging;
 use crate::error::{Error, Result};
 use crate::exec::{self, ExecOptions, ExecStats, KnownCrc};
@@ -40,6 +41,9 @@ pub struct ConvertOptions {
     /// ([`crate::verify::sources_of`], on its own thread while the copy runs); a mismatch
     /// fails the run before the output is committed.
     pub verify: bool,
+    /// How to open the source: which checkpoint of a folder of several (a DeepSpeed tag),
+    /// which copy of the weights.
+    pub open: OpenOptions,
 }
 
 impl ConvertOptions {
@@ -56,6 +60,7 @@ impl ConvertOptions {
             per_rank: None,
             untie: false,
             verify: true,
+            open: OpenOptions::default(),
         }
     }
 }
@@ -108,7 +113,7 @@ impl Job {
 pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions) -> Result<Job> {
     let src = src.as_ref();
     opts.layout.check()?;
-    let source = Checkpoint::open(src)?;
+    let source = Checkpoint::open_with(src, None, &opts.open)?;
     let world = opts.layout.world();
     let (format, format_reason) = match opts.format {
         Some(format) => (format, None),
@@ -171,8 +176,29 @@ pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions)
         extra_names,
     )?;
     let output = formats::write(format, &target, world as u32, &wopts)?;
+    // second copies a format keeps (DeepSpeed's model-dtype weights) read what their
+    // target tensor reads
+    let index: std::collections::HashMap<&str, usize> = tensor_names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.as_str(), i))
+        .collect();
+    let copies = output
+        .copies
+        .iter()
+        .map(|(copy, of)| {
+            index
+                .get(of.as_str())
+                .map(|&i| (copy.as_str(), selected[i]))
+                .ok_or_else(|| Error::layout(of, "is copied by the output but not in the target"))
+        })
+        .collect::<Result<Vec<_>>>()?;
     let plan = plan_named(
-        tensor_names.iter().map(String::as_str).zip(selected),
+        tensor_names
+            .iter()
+            .map(String::as_str)
+            .zip(selected.iter().copied())
+            .chain(copies),
         &output.tensors,
     )?;
     Ok(Job {
@@ -252,6 +278,9 @@ fn write_options(
     extra_names: &[String],
 ) -> Result<WriteOptions> {
     let mut wopts = opts.write.clone();
+    if wopts.tag.is_none() {
+        wopts.tag = source.tag.clone();
+    }
     for (k, v) in &source.metadata {
         wopts.metadata.entry(k.clone()).or_insert_with(|| v.clone());
     }

@@ -67,6 +67,8 @@ pub enum Hint {
     PerRankState,
     /// Ask for fewer target ranks, or an output format that holds more.
     WorldSize,
+    /// Name which of the checkpoints a folder holds to open (a DeepSpeed tag, a step folder).
+    Tag,
 }
 
 /// `text` with its control characters (newlines, carriage returns, terminal escapes) written

@@ -331,14 +331,26 @@ class Slice:
         return arr
 
 
-def open(path: PathLike, *, format: Optional[str] = None, framework: str = "pt") -> Checkpoint:
+def open(
+    path: PathLike,
+    *,
+    format: Optional[str] = None,
+    framework: str = "pt",
+    tag: Optional[str] = None,
+    weights: Optional[str] = None,
+) -> Checkpoint:
     """Open a checkpoint of any format reshard reads (detected from ``path``, or ``format``
     by name) and validate it: every tensor covered exactly, every item inside its file. The
     header of each DCP item is read (and checked) only when a read needs that item, so a rank
-    loading its shards touches the ``.metadata`` and its own items. Tensors come back as ``torch.Tensor`` (``framework="numpy"``: numpy arrays)."""
+    loading its shards touches the ``.metadata`` and its own items. Tensors come back as ``torch.Tensor`` (``framework="numpy"``: numpy arrays).
+
+    ``tag``: the checkpoint in that sub-folder of ``path`` (a DeepSpeed tag such as
+    ``"global_step100"``; default: the one DeepSpeed's ``latest`` names). ``weights``
+    (DeepSpeed): ``"master"`` (the fp32 master weights, the default) or ``"model"`` (the
+    model-dtype weights of ZeRO stages 1 and 2)."""
     if framework not in ("pt", "torch", "np", "numpy"):
         raise RequestError(f'framework must be "pt" or "numpy", not "{framework}"')
-    return Checkpoint(_reshard.open(_os.fspath(path), format), framework)
+    return Checkpoint(_reshard.open(_os.fspath(path), format, tag, weights), framework)
 
 
 def _progress(progress: Any) -> Optional[Callable[[int, int], None]]:
@@ -391,11 +403,16 @@ def convert(
     verify: bool = True,
     progress: Any = None,
     dry_run: bool = False,
+    tag: Optional[str] = None,
+    weights: Optional[str] = None,
+    zero_stage: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Convert checkpoint ``src`` into ``dst`` for ``world_size`` ranks, as ``reshard
     convert`` does: the output format from ``format`` or from ``dst``, the world size and
     the source; the output appears atomically, or not at all. ``progress``: a callable
     ``(done_bytes, total_bytes)``, a tqdm bar, or ``True``. ``dry_run``: plan only.
+    ``tag`` and ``weights`` choose the source as :func:`open` does; ``zero_stage`` the ZeRO
+    stage of a ``format="deepspeed"`` output (default: the source's).
     Returns a summary: the format chosen (and why), files and bytes written, entries
     dropped, tied tensors."""
     out = _reshard.convert(
@@ -417,6 +434,9 @@ def convert(
         verify,
         _progress(progress),
         dry_run,
+        tag,
+        weights,
+        zero_stage,
     )
     return _json.loads(out)
 

@@ -62,7 +62,12 @@ class NativeCheckpoint:
     def read_into(self, dests: List[_Dest]) -> None:
         """Fill destinations ``(name, dtype, shape, parts, address, nbytes)`` in memory."""
 
-def open(path: Union[str, "PathLike[str]"], format: Optional[str] = None) -> NativeCheckpoint:
+def open(
+    path: Union[str, "PathLike[str]"],
+    format: Optional[str] = None,
+    tag: Optional[str] = None,
+    weights: Optional[str] = None,
+) -> NativeCheckpoint:
     """Open and validate a checkpoint of any supported format."""
 
 def local_tensor(
@@ -89,6 +94,9 @@ def convert(
     verify: bool = True,
     progress: Optional[Callable[[int, int], Any]] = None,
     dry_run: bool = False,
+    tag: Optional[str] = None,
+    weights: Optional[str] = None,
+    zero_stage: Optional[int] = None,
 ) -> str:
     """Convert a checkpoint; a JSON summary."""
 

@@ -50,6 +50,7 @@ fn hint(e: &Error) -> String {
         (Some(Hint::PerRankState), _) => {
             ": pass per_rank_state=\"drop\" (leave it out) or per_rank_state=\"rank0\" (keep rank 0's)".into()
         }
+        (Some(Hint::Tag), _) => " with tag=\"NAME\"".into(),
         (Some(Hint::WorldSize), Error::TooManyRanks { world, .. }) => {
             let more: Vec<String> = Format::all()
                 .filter(|f| f.holds(*world))
@@ -89,6 +90,16 @@ fn selection(include: Option<Vec<String>>, exclude: Option<Vec<String>>) -> Sele
         exclude: exclude.unwrap_or_default(),
         ..Default::default()
     }
+}
+
+/// How to open a source: a tag (sub-folder) and which weights (`master`, `model`).
+fn open_options(tag: Option<String>, weights: Option<&str>) -> PyResult<reshard::OpenOptions> {
+    Ok(reshard::OpenOptions {
+        tag,
+        weights: weights
+            .map(|w| w.parse::<reshard::Weights>().map_err(request))
+            .transpose()?,
+    })
 }
 
 /// The target layout: a layout JSON text, or `Shard(0)` over `world_size` ranks.
@@ -389,11 +400,18 @@ fn read_raw(ck: &Checkpoint, file: u32, offset: u64, len: u64) -> PyResult<Vec<u
 /// Open a checkpoint of any supported format (detected, or `format` by name) for reading: the
 /// layouts are validated now, a DCP item's own header when a read needs that item.
 #[pyfunction]
-#[pyo3(signature = (path, format=None))]
-fn open(py: Python<'_>, path: PathBuf, format: Option<&str>) -> PyResult<PyCheckpoint> {
+#[pyo3(signature = (path, format=None, tag=None, weights=None))]
+fn open(
+    py: Python<'_>,
+    path: PathBuf,
+    format: Option<&str>,
+    tag: Option<String>,
+    weights: Option<&str>,
+) -> PyResult<PyCheckpoint> {
     let format = format.map(format_named).transpose()?;
+    let opts = open_options(tag, weights)?;
     let ck = py
-        .detach(move || Checkpoint::open_lazy(&path, format))
+        .detach(move || Checkpoint::open_lazy_with(&path, format, &opts))
         .map_err(py_err)?;
     Ok(PyCheckpoint { ck: Arc::new(ck) })
 }
@@ -469,7 +487,8 @@ impl reshard::Progress for Callback {
 #[pyfunction]
 #[pyo3(signature = (src, dst, world_size, format=None, layout=None, include=None, exclude=None,
     strip_prefix=None, add_prefix=None, dtype=None, max_shard_size=None, threads=None,
-    per_rank_state=None, untie=false, overwrite=false, verify=true, progress=None, dry_run=false))]
+    per_rank_state=None, untie=false, overwrite=false, verify=true, progress=None, dry_run=false,
+    tag=None, weights=None, zero_stage=None))]
 #[allow(clippy::too_many_arguments)]
 fn convert(
     py: Python<'_>,
@@ -491,8 +510,18 @@ fn convert(
     verify: bool,
     progress: Option<Py<PyAny>>,
     dry_run: bool,
+    tag: Option<String>,
+    weights: Option<&str>,
+    zero_stage: Option<u8>,
 ) -> PyResult<String> {
     let mut opts = ConvertOptions::to(1);
+    opts.open = open_options(tag, weights)?;
+    if let Some(s) = zero_stage {
+        if !(1..=3).contains(&s) {
+            return Err(request(format!("zero_stage must be 1, 2 or 3, not {s}")));
+        }
+        opts.write.zero_stage = Some(s);
+    }
     opts.layout = layout_spec(world_size, layout)?;
     opts.format = format.map(format_named).transpose()?;
     opts.select = Selection {

@@ -36,6 +36,8 @@ pub enum Cmd {
     Inspect {
         /// Checkpoint file or directory.
         path: PathBuf,
+        #[command(flatten)]
+        source: SourceArgs,
         /// Print JSON (every piece of every tensor) instead of a table.
         #[arg(long)]
         json: bool,
@@ -47,6 +49,8 @@ pub enum Cmd {
     Plan {
         /// Source checkpoint.
         src: PathBuf,
+        #[command(flatten)]
+        source: SourceArgs,
         #[command(flatten)]
         target: TargetArgs,
         /// Also list every copy op.
@@ -66,6 +70,8 @@ pub enum Cmd {
         /// Destination file or directory (must not exist unless --force).
         dst: PathBuf,
         #[command(flatten)]
+        source: SourceArgs,
+        #[command(flatten)]
         target: TargetArgs,
         #[command(flatten)]
         flags: ConvertFlags,
@@ -77,6 +83,8 @@ pub enum Cmd {
     Verify {
         /// Checkpoint file or directory.
         path: PathBuf,
+        #[command(flatten)]
+        source: SourceArgs,
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
@@ -95,6 +103,30 @@ pub enum Cmd {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// Which checkpoint to read in a folder of several, and which copy of its weights.
+#[derive(Args)]
+pub struct SourceArgs {
+    /// The checkpoint in this sub-folder of the path (a DeepSpeed tag such as global_step100;
+    /// default: the one DeepSpeed's `latest` file names).
+    #[arg(long, value_name = "TAG")]
+    tag: Option<String>,
+    /// DeepSpeed: where parameter values come from: the fp32 master weights of the optim
+    /// files (master, the default, as zero_to_fp32) or the model-dtype weights of the model
+    /// states file (model; ZeRO stages 1 and 2).
+    #[arg(long, value_name = "master|model")]
+    weights: Option<crate::Weights>,
+}
+
+impl SourceArgs {
+    /// The library's open options.
+    pub fn options(&self) -> crate::OpenOptions {
+        crate::OpenOptions {
+            tag: self.tag.clone(),
+            weights: self.weights,
+        }
+    }
 }
 
 /// The switches of `convert` beyond its target.
@@ -168,6 +200,9 @@ pub struct TargetArgs {
     /// too, instead of sharing one storage as torch.save of a tied model does.
     #[arg(long)]
     untie: bool,
+    /// ZeRO stage of a deepspeed output (1, 2 or 3; default: the source's).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(1..=3))]
+    zero_stage: Option<u8>,
 }
 
 /// A size such as `5GB`, `500MiB` or `1024` (bytes): decimal (KB, MB, GB, TB) and binary
@@ -200,6 +235,7 @@ impl TargetArgs {
             dtype: self.dtype,
             write: WriteOptions {
                 max_shard_size: self.max_shard_size,
+                zero_stage: self.zero_stage,
                 ..Default::default()
             },
             exec: ExecOptions {
@@ -218,6 +254,7 @@ impl TargetArgs {
             per_rank: self.per_rank_state,
             untie: self.untie,
             verify: true,
+            open: Default::default(),
         })
     }
 
@@ -284,6 +321,7 @@ pub fn hint(e: &Error) -> String {
             ": add --per-rank-state drop (leave it out) or --per-rank-state rank0 (keep rank 0's)"
                 .into()
         }
+        (Some(Hint::Tag), _) => " with --tag NAME".into(),
         (Some(Hint::WorldSize), Error::TooManyRanks { world, .. }) => {
             let more: Vec<&str> = Format::all()
                 .filter(|f| f.holds(*world))

@@ -15,11 +15,13 @@ use std::time::Instant;
 pub fn run(
     src: &Path,
     dst: &Path,
+    source: &crate::OpenOptions,
     target: &TargetArgs,
     flags: &ConvertFlags,
     out: &mut dyn Write,
 ) -> Result<Outcome> {
-    let opts = flags.options(target)?;
+    let mut opts = flags.options(target)?;
+    opts.open = source.clone();
     let t0 = Instant::now();
     let (job, stats) = convert::convert(src, dst, &opts)?;
     if !flags.quiet {

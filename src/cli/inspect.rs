@@ -18,8 +18,13 @@ struct Findings<'a> {
 }
 
 /// Open `path` and print what it holds to `out`.
-pub fn run(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<Outcome> {
-    let ck = Checkpoint::open(path)?;
+pub fn run(
+    path: &Path,
+    source: &crate::OpenOptions,
+    as_json: bool,
+    out: &mut dyn Write,
+) -> Result<Outcome> {
+    let ck = Checkpoint::open_with(path, None, source)?;
     let found = Findings {
         ties: ck.tied_names()?,
         per_rank: per_rank_entries(&ck),

@@ -38,20 +38,22 @@ pub enum Outcome {
 /// Run the command `cli` names, writing its output to `out`.
 fn run(cli: Cli, out: &mut dyn Write) -> Result<Outcome> {
     match cli.cmd {
-        Cmd::Inspect { path, json } => inspect::run(&path, json, out),
+        Cmd::Inspect { path, source, json } => inspect::run(&path, &source.options(), json, out),
         Cmd::Plan {
             src,
+            source,
             target,
             ops,
             json,
-        } => plan::run(&src, &target, ops, json, out),
+        } => plan::run(&src, &source.options(), &target, ops, json, out),
         Cmd::Convert {
             src,
             dst,
+            source,
             target,
             flags,
-        } => convert::run(&src, &dst, &target, &flags, out),
-        Cmd::Verify { path, json } => verify::run(&path, json, out),
+        } => convert::run(&src, &dst, &source.options(), &target, &flags, out),
+        Cmd::Verify { path, source, json } => verify::run(&path, &source.options(), json, out),
         Cmd::Diff { a, b, json } => diff::run(&a, &b, json, out),
     }
 }

@@ -11,12 +11,14 @@ use std::path::Path;
 /// Plan the conversion of `src` to `target` and print it to `out` (`ops`: every copy op too).
 pub fn run(
     src: &Path,
+    source: &crate::OpenOptions,
     target: &TargetArgs,
     ops: bool,
     as_json: bool,
     out: &mut dyn Write,
 ) -> Result<Outcome> {
-    let opts = target.options(true)?;
+    let mut opts = target.options(true)?;
+    opts.open = source.clone();
     let job = convert::prepare(src, None, &opts)?;
     shown(print(out, &job, &opts, ops, as_json))?;
     Ok(Outcome::Clean)

@@ -11,8 +11,13 @@ use std::path::Path;
 
 /// Open `path`, check every recorded checksum and print the report to `out`; the first
 /// corrupt record is the finding, the others are listed on standard error (table only).
-pub fn run(path: &Path, as_json: bool, out: &mut dyn Write) -> Result<Outcome> {
-    let ck = Checkpoint::open(path)?;
+pub fn run(
+    path: &Path,
+    source: &crate::OpenOptions,
+    as_json: bool,
+    out: &mut dyn Write,
+) -> Result<Outcome> {
+    let ck = Checkpoint::open_with(path, None, source)?;
     let report = crate::verify::checksums(&ck)?;
     shown(print(out, &ck, &report, as_json))?;
     let Some((first, others)) = report.mismatches.split_first() else {

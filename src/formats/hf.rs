@@ -215,5 +215,9 @@ pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
         literals: vec![(0, bytes.into())],
         checksums: vec![],
     });
-    Ok(Output { files, tensors })
+    Ok(Output {
+        files,
+        tensors,
+        copies: vec![],
+    })
 }

@@ -338,5 +338,9 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
             pieces: pieces.remove(&t.name).unwrap_or_default(),
         })
         .collect();
-    Ok(Output { files, tensors })
+    Ok(Output {
+        files,
+        tensors,
+        copies: vec![],
+    })
 }

@@ -10,6 +10,7 @@
 //! | `hf_storage` | the per-rank shards of torch's `HuggingFaceStorageWriter(save_distributed=True)` |
 //! | `dcp/` | PyTorch Distributed Checkpoints (`.metadata` + `__R_I.distcp`): codec, reader, writer |
 //! | `pt/` | one `torch.save` file (`.pt`) holding a state dict: codec, reader, writer |
+//! | `deepspeed/` | DeepSpeed ZeRO checkpoints (stages 1-3): file records, partitions, reader, writer |
 //! | `torch/` | the torch.save machinery DCP and `.pt` share: pickle, zip records, dtypes |
 //!
 //! # Adding a format
@@ -23,6 +24,7 @@
 
 crate::internal! {
     mod dcp;
+    mod deepspeed;
     mod hf;
     mod hf_storage;
     mod pt;
@@ -50,6 +52,7 @@ pub const REGISTRY: &[Format] = &[
     Format::HF_STORAGE,
     Format::DCP,
     Format::PT,
+    Format::DEEPSPEED,
 ];
 
 /// One checkpoint format: what it can hold, how to recognize it, its reader and its writer.
@@ -67,6 +70,18 @@ pub trait Codec: Sync + std::panic::RefUnwindSafe + 'static {
     /// with a locator that reads them on demand. The default reads everything.
     fn read_lazy(&self, path: &Path) -> Result<Checkpoint> {
         self.read(path)
+    }
+    /// Read the checkpoint at `path` taking parameter values from `weights`, for formats
+    /// that keep more than one copy (DeepSpeed's fp32 master weights and model weights). The
+    /// default refuses: the format keeps one.
+    fn read_weights(&self, path: &Path, weights: crate::checkpoint::Weights) -> Result<Checkpoint> {
+        Err(Error::usage(format!(
+            "{}: is {}, which keeps one copy of its parameters: the choice of {} weights \
+             applies to DeepSpeed checkpoints",
+            path.display(),
+            self.capabilities().noun,
+            weights
+        )))
     }
     /// Lay out `target`, held by `world` ranks, as this format's files. `world` is within
     /// [`Capabilities::max_world`].
@@ -224,6 +239,9 @@ impl Format {
     /// One `torch.save` file holding a state dict, which `torch.load(weights_only=True)`
     /// opens.
     pub const PT: Format = Format(&pt::Pt);
+    /// A DeepSpeed ZeRO checkpoint folder (`latest` + a tag folder of model and optim
+    /// states files).
+    pub const DEEPSPEED: Format = Format(&deepspeed::DeepSpeed);
 
     /// The name used on the command line.
     pub fn name(self) -> &'static str {
@@ -305,8 +323,52 @@ impl FromStr for Format {
 }
 
 /// Tell which format `path` holds: the one format whose marker it carries, else the one that
-/// takes it as a fallback.
+/// takes it as a fallback. A folder that is none but holds checkpoints in sub-folders (tags,
+/// steps) is refused with [`crate::Hint::Tag`], naming them.
 pub fn detect(path: &Path) -> Result<Format> {
+    let found = candidates(path)?;
+    match found.as_slice() {
+        [f] => Ok(*f),
+        [] => {
+            let inner = checkpoint_subdirs(path);
+            if !inner.is_empty() {
+                let shown: Vec<&str> = inner.iter().take(5).map(String::as_str).collect();
+                return Err(Error::refused(
+                    format!(
+                        "{}: holds {} checkpoint(s) in sub-folders ({}{}): choose one",
+                        path.display(),
+                        inner.len(),
+                        shown.join(", "),
+                        if inner.len() > shown.len() {
+                            ", …"
+                        } else {
+                            ""
+                        }
+                    ),
+                    crate::Hint::Tag,
+                ));
+            }
+            Err(Error::format(
+                path,
+                format!(
+                    "is not a checkpoint: expected {}",
+                    or_list(Format::all().map(|f| f.capabilities().noun))
+                ),
+            ))
+        }
+        several => Err(Error::format(
+            path,
+            format!(
+                "is ambiguous: it looks like {}",
+                or_list(several.iter().map(|f| f.capabilities().noun))
+            ),
+        )),
+    }
+}
+
+/// The formats that recognize `path`: those whose marker it carries, else those that take it
+/// as a fallback.
+fn candidates(path: &Path) -> Result<Vec<Format>> {
     let meta = std::fs::metadata(path).at(path)?;
     let mut head = vec![];
     if meta.is_file() {
@@ -336,28 +398,30 @@ pub fn detect(path: &Path) -> Result<Format> {
             Recognition::No => {}
         }
     }
-    let found = if markers.is_empty() {
+    Ok(if markers.is_empty() {
         fallbacks
     } else {
         markers
+    })
+}
+
+/// The names of the sub-folders of `dir` that a format recognizes (sorted; at most the first
+/// 10,000 entries of `dir` are looked at).
+fn checkpoint_subdirs(dir: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return vec![];
     };
-    match found.as_slice() {
-        [f] => Ok(*f),
-        [] => Err(Error::format(
-            path,
-            format!(
-                "is not a checkpoint: expected {}",
-                or_list(Format::all().map(|f| f.capabilities().noun))
-            ),
-        )),
-        several => Err(Error::format(
-            path,
-            format!(
-                "is ambiguous: it looks like {}",
-                or_list(several.iter().map(|f| f.capabilities().noun))
-            ),
-        )),
-    }
+    let mut out: Vec<String> = entries
+        .take(10_000)
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let name = e.file_name().into_string().ok()?;
+            let p = e.path();
+            (p.is_dir() && candidates(&p).is_ok_and(|c| !c.is_empty())).then_some(name)
+        })
+        .collect();
+    out.sort();
+    out
 }
 
 /// `a, b or c`.
@@ -441,6 +505,11 @@ pub struct WriteOptions {
     /// Groups of tied target names (see `inspect`), stored once by formats whose
     /// [`Capabilities::aliasing`] is [`Aliasing::StoresOnce`]; other formats write every name.
     pub ties: Vec<Vec<String>>,
+    /// The name of the checkpoint inside its folder, for formats that keep several (a
+    /// DeepSpeed tag): the source's ([`Checkpoint::tag`]) when it has one.
+    pub tag: Option<String>,
+    /// The ZeRO stage of a DeepSpeed output (1, 2 or 3); `None`: the source's.
+    pub zero_stage: Option<u8>,
 }
 
 impl Default for WriteOptions {
@@ -451,6 +520,8 @@ impl Default for WriteOptions {
             extras: vec![],
             paths: BTreeMap::new(),
             ties: vec![],
+            tag: None,
+            zero_stage: None,
         }
     }
 }
@@ -462,6 +533,11 @@ pub struct Output {
     pub files: Vec<OutputFile>,
     /// The tensors as they will be laid out in those files.
     pub tensors: Vec<TensorLayout>,
+    /// Tensors of `tensors` that are a second copy of a target tensor, as
+    /// `(output name, target name)`: formats that store a tensor twice, possibly in another
+    /// dtype (DeepSpeed keeps the model-dtype weights beside the fp32 master copy). The plan
+    /// fills them from the target tensor's source.
+    pub copies: Vec<(String, String)>,
 }
 
 /// Lay out `target` (over `world` ranks) in `format`; refused when the format holds fewer

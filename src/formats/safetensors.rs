@@ -555,6 +555,7 @@ pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
     Ok(Output {
         files: vec![file],
         tensors: full_layouts(&entries, &offsets, 0),
+        copies: vec![],
     })
 }
 

@@ -359,12 +359,16 @@ pub fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
     out
 }
 
-/// Copy the files of directory `from` into `to` (created).
+/// Copy directory `from` into `to` (created), sub-folders too (a DeepSpeed tag folder).
 pub fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap() {
         let e = e.unwrap();
-        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &to.join(e.file_name()));
+        } else {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
     }
 }
 

@@ -18,6 +18,7 @@ mod verify;
 // formats, each judged against torch's own files and oracles
 mod dcp_read;
 mod dcp_write;
+mod deepspeed;
 mod hf_storage;
 mod pt_read;
 mod pt_write;

@@ -421,6 +421,7 @@ fn read_with(dir: &Path, lazy: bool) -> Result<Checkpoint> {
         extras,
         paths: meta.planner.into_iter().collect(),
         producer,
+        tag: None,
         scratch,
         checksums,
         locator,

@@ -81,7 +81,11 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
     if !meta_pt.is_empty() {
         files.push(meta_pt_file(&meta_pt));
     }
-    Ok(Output { files, tensors })
+    Ok(Output {
+        files,
+        tensors,
+        copies: vec![],
+    })
 }
 
 /// Where an item lies: bytes `offset..offset + length` of rank `rank`'s data file.

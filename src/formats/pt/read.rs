@@ -102,6 +102,7 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
         extras: w.extras,
         paths: w.paths,
         producer: Some(producer),
+        tag: None,
         scratch: vec![],
         checksums: w.checksums,
         locator: None,
@@ -160,7 +161,7 @@ fn key_text(k: &Value) -> Option<String> {
 /// n, ...}})}` after the items. The pickle reader merges a dict's `BUILD` state into its
 /// items; this recognizes that last pair so it is dropped, as `torch.load` keeps it an
 /// attribute, not a key.
-fn is_module_metadata(pairs: &[(Value, Value)], i: usize) -> bool {
+pub(crate) fn is_module_metadata(pairs: &[(Value, Value)], i: usize) -> bool {
     i + 1 == pairs.len()
         && pairs[i].0.as_str() == Some("_metadata")
         && pairs[i].1.as_dict().is_some_and(|m| {

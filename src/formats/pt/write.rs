@@ -219,5 +219,6 @@ pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
     Ok(Output {
         files: vec![file],
         tensors,
+        copies: vec![],
     })
 }

@@ -229,11 +229,17 @@ pub struct Item {
 
 /// Parse the torch.save archive in `bytes`.
 pub fn parse(bytes: &[u8]) -> Result<Item> {
+    parse_with(bytes, globals())
+}
+
+/// [`parse`] with another allow-list of globals (the `torch.save` one plus a trainer's own
+/// classes, e.g. DeepSpeed's loss scaler).
+pub fn parse_with(bytes: &[u8], globals: &pickle::Globals) -> Result<Item> {
     let archive = Archive::parse(bytes)?;
     let pkl_name = format!("{}/data.pkl", archive.prefix);
     let pkl = archive.read_checked(bytes, &pkl_name)?;
     check_byte_order(&archive, bytes)?;
-    let value = pickle::parse(pkl, globals()).map_err(|source| TorchZipError::Pickle {
+    let value = pickle::parse(pkl, globals).map_err(|source| TorchZipError::Pickle {
         record: short(&pkl_name),
         source,
     })?;
@@ -475,8 +481,11 @@ fn check_byte_order(archive: &Archive, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// The arguments of the tensor rebuild call `value` (looking through `_rebuild_parameter`),
-/// and whether it is `_rebuild_tensor_v3`; `None` when `value` is no such call.
+/// The arguments of the tensor rebuild call `value` (looking through `_rebuild_parameter`,
+/// and through `_rebuild_from_type_v2` of a plain `torch.Tensor` or `Parameter`: a tensor
+/// saved with Python attributes, such as DeepSpeed's `ds_id`, which are dropped), and whether
+/// it is `_rebuild_tensor_v3`; `None` when `value` is no such call (tensor subclasses
+/// included).
 fn rebuild_call(value: &Value) -> Result<Option<(&[Value], bool)>> {
     let mut call = value;
     if call.is_object("torch._utils", "_rebuild_parameter")
@@ -487,11 +496,29 @@ fn rebuild_call(value: &Value) -> Result<Option<(&[Value], bool)>> {
             None => return Ok(None),
         }
     }
+    if call.is_object("torch._tensor", "_rebuild_from_type_v2") {
+        // _rebuild_from_type_v2(func, new_type, args, state): func(*args) as new_type
+        let Some([func, new_type, Value::Tuple(args), ..]) = call.args() else {
+            return Ok(None);
+        };
+        let plain = new_type.is_global("torch", "Tensor")
+            || new_type.is_global("torch.nn.parameter", "Parameter");
+        let v3 = func.is_global("torch._utils", "_rebuild_tensor_v3");
+        if !plain || !(v3 || func.is_global("torch._utils", "_rebuild_tensor_v2")) {
+            return Ok(None);
+        }
+        return rebuild_args(args, v3).map(Some);
+    }
     let v3 = call.is_object("torch._utils", "_rebuild_tensor_v3");
     if !v3 && !call.is_object("torch._utils", "_rebuild_tensor_v2") {
         return Ok(None);
     }
-    let args = call.args().unwrap_or_default();
+    rebuild_args(call.args().unwrap_or_default(), v3).map(Some)
+}
+
+/// The arguments of a `_rebuild_tensor_v2` (`v3`: `_rebuild_tensor_v3`) call, checked for
+/// their number.
+fn rebuild_args(args: &[Value], v3: bool) -> Result<(&[Value], bool)> {
     let need = if v3 { 7 } else { 6 };
     if args.len() < need {
         return Err(tensor_err(format!(
@@ -499,7 +526,7 @@ fn rebuild_call(value: &Value) -> Result<Option<(&[Value], bool)>> {
             args.len()
         )));
     }
-    Ok(Some((args, v3)))
+    Ok((args, v3))
 }
 
 /// The storage class of a persistent id: the dtype of a legacy typed storage (`None` for

@@ -96,6 +96,9 @@ pub fn torch_save_globals() -> Globals {
         ("torch._utils", "_rebuild_parameter"),
         ("torch._utils", "_rebuild_parameter_with_state"),
         ("torch._tensor", "_rebuild_from_type_v2"),
+        // the plain tensor class `_rebuild_from_type_v2` names for a tensor saved with Python
+        // attributes
+        ("torch", "Tensor"),
         ("torch.storage", "UntypedStorage"),
         ("torch", "Size"),
         ("torch", "device"),
