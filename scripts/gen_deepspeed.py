@@ -97,14 +97,18 @@ def model_and_groups(spec):
 
     torch.manual_seed(SEED)
     model = Net()
-    params = [p for p in model.parameters() if p.requires_grad]
+    return model, param_groups(model, spec)
+
+
+def param_groups(model, spec):
+    """The optimizer's parameter groups of the case (by parameter names, so that a wrapped
+    model, e.g. FSDP2's, gets the same groups)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if spec["groups"] == 2:
-        decay = [p for n, p in model.named_parameters() if p.requires_grad and n.endswith("weight") and "norm" not in n]
-        rest = [p for n, p in model.named_parameters() if p.requires_grad and not (n.endswith("weight") and "norm" not in n)]
-        groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 0.02}]
-    else:
-        groups = [{"params": params, "weight_decay": 0.01}]
-    return model, groups
+        decay = [p for n, p in named if n.endswith("weight") and "norm" not in n]
+        rest = [p for n, p in named if not (n.endswith("weight") and "norm" not in n)]
+        return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 0.02}]
+    return [{"params": [p for _, p in named], "weight_decay": 0.01}]
 
 
 def batches(n):

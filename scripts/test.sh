@@ -7,7 +7,7 @@
 #   scripts/test.sh --rust       Rust only      scripts/test.sh --python   Python only
 #   extra arguments after -- go to pytest (e.g. scripts/test.sh --python -- -k slice)
 #
-# The Python part needs the venv of scripts/setup_venv.sh --lightning (found at .venv or
+# The Python part needs the venv of scripts/setup_venv.sh --lightning --deepspeed (found at .venv or
 # $RESHARD_VENV). Without it the Python tests are reported skipped, except under CI=true,
 # where a missing venv fails the run.
 set -euo pipefail
@@ -35,7 +35,7 @@ if [ "$python" = 1 ]; then
   venv="${RESHARD_VENV:-.venv}"
   py="$venv/bin/python"
   if [ ! -x "$py" ] || ! "$py" -c 'import torch, pytest' >/dev/null 2>&1; then
-    msg="no venv with torch and pytest at $venv (run scripts/setup_venv.sh --lightning)"
+    msg="no venv with torch and pytest at $venv (run scripts/setup_venv.sh --lightning --deepspeed)"
     if [ "${CI:-}" = true ]; then echo "test.sh: error: $msg" >&2; exit 1; fi
     echo "== Python: SKIPPED: $msg"
     exit 0

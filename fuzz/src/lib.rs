@@ -42,18 +42,26 @@ pub fn assert_one_line(what: &str, e: &dyn Display) {
 // ---------------------------------------------------------------------------------------------
 // pickle
 
-fn globals() -> &'static [pk::Globals; 2] {
-    static G: OnceLock<[pk::Globals; 2]> = OnceLock::new();
-    G.get_or_init(|| [pk::dcp_metadata_globals(), pk::torch_save_globals()])
+fn globals() -> &'static [pk::Globals; 3] {
+    static G: OnceLock<[pk::Globals; 3]> = OnceLock::new();
+    G.get_or_init(|| {
+        [
+            pk::dcp_metadata_globals(),
+            pk::torch_save_globals(),
+            reshard::formats::deepspeed::records::globals().clone(),
+        ]
+    })
 }
 
-/// `pickle`: the pickle interpreter with both allow-lists (DCP `.metadata`, torch.save
-/// `data.pkl`); a decoded value is also JSON-ified as `inspect` shows non-tensor entries.
+/// `pickle`: the pickle interpreter with each allow-list (DCP `.metadata`, torch.save
+/// `data.pkl`, DeepSpeed's files); a decoded value is also JSON-ified as `inspect` shows
+/// non-tensor entries, and made plain as the DeepSpeed reader makes it.
 pub fn pickle(data: &[u8]) {
     for g in globals() {
         match pk::parse(data, g) {
             Ok(v) => {
                 let _ = dcp::to_json(&v);
+                let _ = dcp::to_json(&reshard::formats::deepspeed::records::plain(&v));
             }
             Err(e) => assert_one_line("pickle", &e),
         }
@@ -387,7 +395,7 @@ pub fn layout(data: &[u8]) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// whole DCP checkpoints
+// whole checkpoints: DCP and DeepSpeed
 
 /// The small real DCP checkpoints `open_dcp` mutates, relative to the repository root:
 /// plain FSDP2, zstd-compressed items, safetensors-serialized items, and torch 2.1 Fabric
@@ -397,6 +405,16 @@ pub const DCP_FIXTURES: [&str; 4] = [
     "tests/fixtures/fsdp2_w2_f32_zstd/checkpoint",
     "tests/fixtures/fmt_fs_safetensors_w2/checkpoint",
     "tests/fixtures/fabric_fsdp1_w4_f32_torch21/checkpoint",
+];
+
+/// The DeepSpeed tag folders `open_deepspeed` mutates: one per optimizer layout (stage 1
+/// with a tied parameter, BF16_Optimizer, stage 2 bf16 with a frozen parameter, stage 3
+/// with frozen fragments and sub-groups).
+pub const DEEPSPEED_FIXTURES: [&str; 4] = [
+    "tests/fixtures/deepspeed/zero1_dp2_f32_g1/checkpoint/global_step2",
+    "tests/fixtures/deepspeed/zero1_dp2_bf16_g2_fp32acc/checkpoint/global_step2",
+    "tests/fixtures/deepspeed/zero2_dp3_bf16_g1/checkpoint/global_step2",
+    "tests/fixtures/deepspeed/zero3_dp2_f32_g2_sub/checkpoint/global_step2",
 ];
 
 /// The repository root: the crate's own directory when this file is compiled into the
@@ -412,7 +430,7 @@ pub fn repo_root() -> PathBuf {
 /// The files of a fixture directory, sorted by name: `(name, bytes)`.
 fn fixture_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
     let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
-        .expect("read a DCP fixture")
+        .expect("read a fixture checkpoint")
         .flatten()
         .filter(|e| e.path().is_file())
         .map(|e| {
@@ -429,57 +447,81 @@ fn fixture_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
 /// The files of one fixture checkpoint: (name, bytes).
 type FixtureFiles = Vec<(String, Vec<u8>)>;
 
-fn dcp_fixtures() -> &'static Vec<FixtureFiles> {
-    static F: OnceLock<Vec<FixtureFiles>> = OnceLock::new();
-    F.get_or_init(|| {
-        let root = repo_root();
-        DCP_FIXTURES
+/// A set of fixture checkpoints a whole-checkpoint target mutates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Set {
+    /// [`DCP_FIXTURES`], for `open_dcp`.
+    Dcp,
+    /// [`DEEPSPEED_FIXTURES`], for `open_deepspeed`.
+    DeepSpeed,
+}
+
+impl Set {
+    /// The fixture directories, relative to the repository root.
+    pub fn dirs(self) -> &'static [&'static str] {
+        match self {
+            Set::Dcp => &DCP_FIXTURES,
+            Set::DeepSpeed => &DEEPSPEED_FIXTURES,
+        }
+    }
+
+    fn files(self) -> &'static Vec<FixtureFiles> {
+        static DCP: OnceLock<Vec<FixtureFiles>> = OnceLock::new();
+        static DS: OnceLock<Vec<FixtureFiles>> = OnceLock::new();
+        let cell = match self {
+            Set::Dcp => &DCP,
+            Set::DeepSpeed => &DS,
+        };
+        cell.get_or_init(|| {
+            let root = repo_root();
+            self.dirs()
+                .iter()
+                .map(|d| fixture_files(&root.join(d)))
+                .collect()
+        })
+    }
+
+    /// The selector byte for file `file` of fixture `fixture`.
+    pub fn selector(self, fixture: usize, file: usize) -> u8 {
+        ((fixture as u8) << 4) | file as u8
+    }
+
+    /// Which fixture and file a selector byte picks: `(fixture, file)`.
+    pub fn pick(self, sel: u8) -> (usize, usize) {
+        let fx = self.files();
+        let f = (sel >> 4) as usize % fx.len();
+        (f, (sel & 0x0f) as usize % fx[f].len())
+    }
+
+    /// The names of the files of fixture `fixture`, as [`Set::selector`] numbers them.
+    pub fn file_names(self, fixture: usize) -> Vec<String> {
+        self.files()[fixture]
             .iter()
-            .map(|d| fixture_files(&root.join(d)))
+            .map(|(n, _)| n.clone())
             .collect()
-    })
+    }
+
+    /// The original bytes of file `file` of fixture `fixture`.
+    pub fn file(self, fixture: usize, file: usize) -> &'static [u8] {
+        &self.files()[fixture][file].1
+    }
 }
 
-/// The selector byte `open_dcp` uses for file `file` of fixture `fixture`.
-pub fn dcp_selector(fixture: usize, file: usize) -> u8 {
-    ((fixture as u8) << 4) | file as u8
-}
-
-/// Which fixture and file a selector byte picks: `(fixture, file)`.
-pub fn dcp_pick(sel: u8) -> (usize, usize) {
-    let fx = dcp_fixtures();
-    let f = (sel >> 4) as usize % fx.len();
-    (f, (sel & 0x0f) as usize % fx[f].len())
-}
-
-/// The names of the files of DCP fixture `fixture`, as [`dcp_selector`] numbers them.
-pub fn dcp_file_names(fixture: usize) -> Vec<String> {
-    dcp_fixtures()[fixture]
-        .iter()
-        .map(|(n, _)| n.clone())
-        .collect()
-}
-
-/// The original bytes of file `file` of DCP fixture `fixture`.
-pub fn dcp_file(fixture: usize, file: usize) -> &'static [u8] {
-    &dcp_fixtures()[fixture][file].1
-}
-
-/// `open_dcp`: the whole open path on a small real DCP checkpoint. The first byte picks a
-/// fixture (high nibble) and one of its files (low nibble); the rest replaces that file. The
+/// The whole open path on a small real checkpoint of `set`. The first byte picks a fixture
+/// (high nibble) and one of its files (low nibble); the rest replaces that file. The
 /// checkpoint is opened and, when it opens, every tensor read; then opened lazily, every
 /// tensor read again, the bytes the same as the eager reads'.
-pub fn open_dcp(data: &[u8]) {
+fn open_replaced(set: Set, data: &[u8]) {
     let Some((&sel, content)) = data.split_first() else {
         return;
     };
-    let (fi, file) = dcp_pick(sel);
-    let fixture = &dcp_fixtures()[fi];
-    let dir = scratch().join(format!("dcp{fi}"));
+    let (fi, file) = set.pick(sel);
+    let fixture = &set.files()[fi];
+    let dir = scratch().join(format!("{set:?}{fi}"));
     if !dir.is_dir() {
-        std::fs::create_dir_all(&dir).expect("create a DCP copy");
+        std::fs::create_dir_all(&dir).expect("create a fixture copy");
         for (name, bytes) in fixture {
-            std::fs::write(dir.join(name), bytes).expect("copy a DCP fixture file");
+            std::fs::write(dir.join(name), bytes).expect("copy a fixture file");
         }
     }
     let (name, original) = &fixture[file];
@@ -487,7 +529,18 @@ pub fn open_dcp(data: &[u8]) {
     std::fs::write(&path, content).expect("write the fuzz input");
     let eager = open_and_read(&dir);
     lazy_agrees(&dir, eager);
-    std::fs::write(&path, original).expect("restore a DCP fixture file");
+    std::fs::write(&path, original).expect("restore a fixture file");
+}
+
+/// `open_dcp`: [`open_replaced`] on [`DCP_FIXTURES`].
+pub fn open_dcp(data: &[u8]) {
+    open_replaced(Set::Dcp, data)
+}
+
+/// `open_deepspeed`: [`open_replaced`] on [`DEEPSPEED_FIXTURES`] (tag folders: model states
+/// and optim files, whose pickles name DeepSpeed's classes).
+pub fn open_deepspeed(data: &[u8]) {
+    open_replaced(Set::DeepSpeed, data)
 }
 
 /// The lazy open of `dir` ([`Checkpoint::open_lazy`]): errors are one line, and when the eager

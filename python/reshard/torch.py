@@ -331,7 +331,7 @@ def load_model(
     path: Any,
     *,
     strict: bool = True,
-    prefix: str = "model.",
+    prefix: Optional[str] = None,
 ) -> LoadResult:
     """Load a model's parameters and buffers from the checkpoint at ``path``, whatever the
     world size it was saved at: the model's state dict
@@ -339,7 +339,9 @@ def load_model(
     ShardedTensors or DTensors for FSDP1, plain tensors otherwise) is filled by
     :func:`load` from the checkpoint entries named ``prefix`` + key, then set back with
     ``set_model_state_dict``. ``prefix`` defaults to what Fabric and most trainers write
-    (``{"model": ...}``); pass ``""`` for a bare model state dict."""
+    (``{"model": ...}``), and to none for a DeepSpeed ZeRO checkpoint (whose parameters are
+    named as the module names them, the fp32 master weights); pass ``""`` for a bare model
+    state dict."""
     sdapi = _state_dict_api("load_model")
     StateDictOptions, get_model_state_dict, set_model_state_dict = (
         sdapi.StateDictOptions,
@@ -347,8 +349,11 @@ def load_model(
         sdapi.set_model_state_dict,
     )
 
+    ck = _checkpoint(path)
+    if prefix is None:
+        prefix = "" if ck.format == "deepspeed" else "model."
     sd = get_model_state_dict(model)
-    res = load(sd, path, strict=strict, rename=_prefixed(prefix))
+    res = load(sd, ck, strict=strict, rename=_prefixed(prefix))
     set_model_state_dict(model, sd, options=StateDictOptions(strict=strict))
     return res
 

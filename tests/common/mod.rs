@@ -471,7 +471,9 @@ pub fn judge<S: AsRef<std::ffi::OsStr> + std::fmt::Debug>(py: &Path, args: &[S])
 }
 
 /// Every real checkpoint of `tests/fixtures`: the torch-written DCP and HF-storage
-/// directories and the `.pt` files, sorted.
+/// directories, the `.pt` files, and the tag folders of four DeepSpeed checkpoints (one per
+/// optimizer layout: stage 1 tied, stage 2 bf16 with a frozen parameter, BF16_Optimizer,
+/// stage 3 with frozen fragments), sorted.
 pub fn fixture_checkpoints() -> Vec<PathBuf> {
     let root = fixture("");
     let mut v: Vec<PathBuf> = std::fs::read_dir(&root)
@@ -481,6 +483,18 @@ pub fn fixture_checkpoints() -> Vec<PathBuf> {
         .collect();
     for case in ["flat_dtypes", "training", "tied", "views", "ordered"] {
         v.push(root.join("pt").join(case).join("model.pt"));
+    }
+    for case in [
+        "zero1_dp2_f32_g1",
+        "zero2_dp3_bf16_g1",
+        "zero1_dp2_bf16_g2_fp32acc",
+        "zero3_dp3_f32_g2",
+    ] {
+        v.push(
+            root.join("deepspeed")
+                .join(case)
+                .join("checkpoint/global_step2"),
+        );
     }
     v.sort();
     v

@@ -162,7 +162,7 @@ fn variants(src: &Path, work: &Path) -> Vec<Variant> {
         .iter()
         .filter(|f| {
             let n = f.file_name().unwrap().to_string_lossy();
-            n.ends_with(".distcp") || n.ends_with(".safetensors")
+            n.ends_with(".distcp") || n.ends_with(".safetensors") || n.ends_with("_states.pt")
         })
         .collect();
     // a rank file missing; two rank files swapped

@@ -84,6 +84,11 @@ fn open_dcp_corpus() {
     replay("open_dcp", targets::open_dcp);
 }
 
+#[test]
+fn open_deepspeed_corpus() {
+    replay("open_deepspeed", targets::open_deepspeed);
+}
+
 /// The seeds are what they claim: the real fixtures open (so the fuzzers start from inputs
 /// that reach deep into each parser).
 #[test]
@@ -94,6 +99,7 @@ fn seeds_are_valid_inputs() {
         let data = std::fs::read(&p).unwrap();
         let mut g = pickle::dcp_metadata_globals();
         g.extend(&pickle::torch_save_globals());
+        g.extend(reshard::formats::deepspeed::records::globals());
         pickle::parse(&data, &g).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
     }
     for p in seeds("torch_zip") {
@@ -123,20 +129,41 @@ fn seeds_are_valid_inputs() {
     .unwrap();
     let ck = reshard::formats::Checkpoint::open(dir.path()).unwrap();
     assert_eq!(ck.tensors.len(), 4);
-    // Each open_dcp seed is its fixture's own file, behind the selector byte naming it.
-    for p in seeds("open_dcp") {
-        let data = std::fs::read(&p).unwrap();
-        let (fixture, file) = targets::dcp_pick(data[0]);
-        assert_eq!(
-            &data[1..],
-            targets::dcp_file(fixture, file),
-            "{}: selector {:#04x} picks {}/{}",
-            p.display(),
-            data[0],
-            targets::DCP_FIXTURES[fixture],
-            targets::dcp_file_names(fixture)[file]
-        );
-        assert_eq!(data[0], targets::dcp_selector(fixture, file));
+    // Each open_dcp / open_deepspeed seed is its fixture's own file, behind the selector byte
+    // naming it; every file of every fixture has its seed.
+    for (target, set) in [
+        ("open_dcp", targets::Set::Dcp),
+        ("open_deepspeed", targets::Set::DeepSpeed),
+    ] {
+        let mut seen = std::collections::BTreeSet::new();
+        for p in seeds(target) {
+            let data = std::fs::read(&p).unwrap();
+            let (fixture, file) = set.pick(data[0]);
+            assert_eq!(
+                &data[1..],
+                set.file(fixture, file),
+                "{}: selector {:#04x} picks {}/{}",
+                p.display(),
+                data[0],
+                set.dirs()[fixture],
+                set.file_names(fixture)[file]
+            );
+            assert_eq!(data[0], set.selector(fixture, file));
+            seen.insert((fixture, file));
+        }
+        let all: usize = (0..set.dirs().len()).map(|f| set.file_names(f).len()).sum();
+        if target == "open_deepspeed" {
+            assert_eq!(seen.len(), all, "{target}: a seed per fixture file");
+        }
+    }
+    // DeepSpeed's pickles decode with its allow-list
+    for p in seeds("pickle")
+        .iter()
+        .filter(|p| p.to_string_lossy().contains("deepspeed"))
+    {
+        let data = std::fs::read(p).unwrap();
+        pickle::parse(&data, reshard::formats::deepspeed::records::globals())
+            .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
     }
 }
 
