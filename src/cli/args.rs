@@ -305,8 +305,8 @@ fn convert_help() -> String {
          reshard convert ckpt/ out/ --to 8 --exclude 'optimizer.*' --dtype bf16\n\n\
          Without --format, the output format follows DST, M and the source: for M = 1 a file\n\
          named {} is that format, any other name a Hugging Face sharded\n\
-         directory; for M > 1 a DCP source gives DCP, a safetensors source per-rank\n\
-         safetensors shards. `plan` and `convert` say which format they chose and why.\n\nFormats:\n{}",
+         directory; for M > 1 a DCP or DeepSpeed source keeps its format, a safetensors\n\
+         source gives per-rank safetensors shards. `plan` and `convert` say which format they chose and why.\n\nFormats:\n{}",
         files.join(", "),
         formats.join("\n")
     )

@@ -73,10 +73,9 @@ pub fn tag_dir(path: &Path) -> Result<PathBuf> {
 struct Layout {
     /// Stage 3: one model states file per rank; else the one shared file.
     model: Vec<PathBuf>,
-    /// One optim states file per rank.
+    /// One optim states file per rank (with the `bf16_` prefix of a bf16 engine, if the
+    /// files carry it).
     optim: Vec<PathBuf>,
-    /// The optim files carry the `bf16_` prefix.
-    bf16: bool,
 }
 
 /// The ZeRO files of a tag folder, by kind and name.
@@ -175,7 +174,7 @@ impl Layout {
                 ));
             }
         }
-        Ok(Layout { model, optim, bf16 })
+        Ok(Layout { model, optim })
     }
 }
 
@@ -256,7 +255,7 @@ pub fn read(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
         checksums: vec![],
         records: HashSet::new(),
     };
-    let (optimizer, r) = r.run(stage3, layout.bf16)?;
+    let (optimizer, r) = r.run(stage3)?;
     let ds_version = models[0]
         .1
         .others
@@ -321,7 +320,7 @@ struct Placed {
 }
 
 impl<'a> Reader<'a> {
-    fn run(mut self, stage3: bool, bf16_files: bool) -> Result<(Optimizer, Reader<'a>)> {
+    fn run(mut self, stage3: bool) -> Result<(Optimizer, Reader<'a>)> {
         let (opt0_file, opt0) = &self.optims[0];
         let optimizer = opt0.optimizer;
         if (optimizer == Optimizer::Zero3) != stage3 {
@@ -342,7 +341,6 @@ impl<'a> Reader<'a> {
                 )));
             }
         }
-        let _ = bf16_files;
         let states = &self.models[0].1;
         // param_shapes lists the parameters of each flat tensor: a parameter group at stages
         // 1 and 2, a sub-group at stage 3

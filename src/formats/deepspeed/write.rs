@@ -579,8 +579,8 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
     let dir = PathBuf::from(&tag);
     // the flat tensors of every rank, and which parameters each holds
     let flats = w.flats();
-    let fp32 = w.optim_files(&dir, &flats, &state, opts)?;
-    w.model_files(&dir, &flats, &module, &frozen, &shared, &fp32)?;
+    w.optim_files(&dir, &flats, &state)?;
+    w.model_files(&dir, &flats, &module, &frozen, &shared)?;
     w.finish(tag)
 }
 
@@ -693,14 +693,14 @@ impl<'a> Writer<'a> {
         (v, (file, k))
     }
 
-    /// The M optim files; returns, per flat tensor, its fp32 storage in each rank's file.
+    /// The M optim files: the fp32 master partitions and the optimizer state of every flat
+    /// tensor, and the wrapper's scalars.
     fn optim_files(
         &mut self,
         dir: &std::path::Path,
         flats: &[Flat],
         state: &HashMap<String, ParamState>,
-        opts: &WriteOptions,
-    ) -> Result<Vec<Vec<At>>> {
+    ) -> Result<()> {
         let job = self.job;
         let target = self.target;
         // each flat tensor's state: the keys of its first parameter, which all must share
@@ -753,7 +753,6 @@ impl<'a> Writer<'a> {
             flat_state.push(keys);
             flat_values.push(first.values);
         }
-        let _ = opts;
         let groups = job.groups.len();
         let mut fp32: Vec<Vec<At>> = vec![vec![]; flats.len()];
         // per flat tensor and state key: the storage of each rank
@@ -914,7 +913,7 @@ impl<'a> Writer<'a> {
                 }
             }
         }
-        Ok(fp32)
+        Ok(())
     }
 
     /// `ds_config` for the output.
@@ -937,9 +936,7 @@ impl<'a> Writer<'a> {
         module: &[usize],
         frozen: &[usize],
         shared: &HashMap<&str, &str>,
-        fp32: &[Vec<At>],
     ) -> Result<()> {
-        let _ = fp32;
         let job = self.job;
         let target = self.target;
         let stage3 = job.kind == Kind::Zero3;
