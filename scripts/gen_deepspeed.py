@@ -62,6 +62,10 @@ for _stage in (1, 2, 3):
 # layout: fp32 partitions kept padded, no zero_stage), Megatron-DeepSpeed's usual setting
 CASES["zero1_dp2_bf16_g2_fp32acc"] = dict(stage=1, dtype="bfloat16", dp=2, groups=2, tied=False, frozen=True,
                                           grad_accum_fp32=True)
+# zero_optimization.parameter_alignment: each parameter but a group's last padded to 16 bytes
+# of the model dtype inside the flat buffer (param_alignment_paddings)
+CASES["zero2_dp2_bf16_g1_aligned"] = dict(stage=2, dtype="bfloat16", dp=2, groups=1, tied=True, frozen=False,
+                                          parameter_alignment=True)
 # stage 3 with a small sub_group_size: each param group split into several flat fp32 sub-groups
 CASES["zero3_dp2_f32_g2_sub"] = dict(stage=3, dtype="float32", dp=2, groups=2, tied=False, frozen=False,
                                      sub_group_size=40)
@@ -131,6 +135,8 @@ def ds_config(spec, dp):
         # tiny params: partition every one (not kept whole below the threshold)
         cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_max_live_parameters=0,
                                         stage3_prefetch_bucket_size=0)
+    if spec.get("parameter_alignment"):
+        cfg["zero_optimization"]["parameter_alignment"] = True
     if spec.get("sub_group_size"):
         cfg["zero_optimization"]["sub_group_size"] = spec["sub_group_size"]
     if spec["dtype"] == "bfloat16":

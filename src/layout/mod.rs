@@ -17,4 +17,4 @@ pub use placement::{
 };
 pub use region::{for_each_run, row_major_strides, Region, Run, Strided};
 pub use summary::summary;
-pub use tensor::{distinct_regions, join, Loc, Piece, TensorLayout};
+pub use tensor::{distinct_regions, join, Loc, Piece, TensorLayout, MAX_DIMS};

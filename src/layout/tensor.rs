@@ -25,6 +25,11 @@ pub struct Loc {
     pub pending: Option<u64>,
 }
 
+/// Most dimensions a tensor may have (torch's own kernels stop at fewer): more is refused when
+/// a checkpoint is opened, which bounds the per-dimension walks (the flat-range boxes recurse
+/// once per dimension).
+pub const MAX_DIMS: usize = 64;
+
 /// One region of a tensor held by one rank, and where its bytes are.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Piece {
@@ -100,6 +105,15 @@ impl TensorLayout {
     /// tensor's rank, no two different regions overlapping, and no element left uncovered.
     /// Identical regions (replicas) are allowed.
     pub fn validate(&self) -> Result<()> {
+        if self.shape.len() > MAX_DIMS {
+            return Err(Error::layout(
+                &self.name,
+                format!(
+                    "has {} dimensions; reshard handles at most {MAX_DIMS}",
+                    self.shape.len()
+                ),
+            ));
+        }
         let full = Region::full(&self.shape);
         let total = full
             .checked_volume()
@@ -283,6 +297,22 @@ mod tests {
             shape: shape.to_vec(),
             pieces,
         }
+    }
+
+    #[test]
+    fn more_dimensions_than_reshard_handles_are_refused() {
+        let ones = vec![1u64; MAX_DIMS + 1];
+        let zeros = vec![0u64; MAX_DIMS + 1];
+        let e = t(&ones, vec![piece(0, &zeros, &ones)])
+            .validate()
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "tensor `w`: has 65 dimensions; reshard handles at most 64"
+        );
+        let ones = vec![1u64; MAX_DIMS];
+        let zeros = vec![0u64; MAX_DIMS];
+        t(&ones, vec![piece(0, &zeros, &ones)]).validate().unwrap();
     }
 
     #[test]

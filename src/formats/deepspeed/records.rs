@@ -191,6 +191,14 @@ pub fn shape(f: &File, v: &Value, what: &str) -> Result<Vec<u64>> {
         .as_int_tuple()
         .and_then(|t| t.into_iter().map(|i| u64::try_from(i).ok()).collect());
     let dims = dims.ok_or_else(|| f.err(format!("`{}` is not a shape", short(what))))?;
+    if dims.len() > crate::layout::MAX_DIMS {
+        return Err(f.err(format!(
+            "`{}` has {} dimensions; reshard handles at most {}",
+            short(what),
+            dims.len(),
+            crate::layout::MAX_DIMS
+        )));
+    }
     if dims.iter().try_fold(1u64, |a, &b| a.checked_mul(b)).is_none() {
         return Err(f.err(format!("`{}`: shape {dims:?} is too large", short(what))));
     }

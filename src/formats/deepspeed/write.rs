@@ -351,15 +351,18 @@ impl Archive {
         let records = standard_records(pickle(value), &self.storages);
         let layout = layout_archive(&stem, &records);
         let (literals, checksums) = output_parts(&layout, &records, 0);
+        let at: HashMap<&str, usize> = records
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (r.name.as_str(), i))
+            .collect();
         let offsets = self
             .storages
             .iter()
             .map(|(k, _)| {
                 let name = format!("data/{k}");
-                records
-                    .iter()
-                    .position(|r| r.name == name)
-                    .map(|i| layout.data_offsets[i])
+                at.get(name.as_str())
+                    .map(|&i| layout.data_offsets[i])
                     .ok_or_else(|| Error::usage(format!("internal error: no record {name}")))
             })
             .collect::<Result<_>>()?;
@@ -463,9 +466,9 @@ fn config_for(mut cfg: PyValue, m: u64, stage: u8) -> PyValue {
     }
     let m = m as i64;
     let gas = get_int(&cfg, "gradient_accumulation_steps").unwrap_or(1).max(1);
-    if let Some(t) = get_int(&cfg, "train_batch_size") {
-        if t > 0 && t % (gas * m) == 0 && get_int(&cfg, "train_micro_batch_size_per_gpu").is_some() {
-            set_in(&mut cfg, &["train_micro_batch_size_per_gpu"], PyValue::Int(t / (gas * m)));
+    if let (Some(t), Some(per_step)) = (get_int(&cfg, "train_batch_size"), gas.checked_mul(m)) {
+        if t > 0 && t % per_step == 0 && get_int(&cfg, "train_micro_batch_size_per_gpu").is_some() {
+            set_in(&mut cfg, &["train_micro_batch_size_per_gpu"], PyValue::Int(t / per_step));
         }
     }
     set_in(&mut cfg, &["zero_optimization", "stage"], PyValue::Int(stage as i64));
@@ -509,8 +512,8 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
         }
         trainable.insert(name.as_str());
     }
-    // optimizer state, by parameter
-    let params: Vec<&str> = job.groups.iter().flatten().map(|(n, _)| n.as_str()).collect();
+    // optimizer state, by parameter: `optimizer.state.<param>.<key>` (by its path when it has
+    // one, else the longest parameter name it starts with)
     let owner = |name: &str| -> Option<(String, String)> {
         if let Some([KeyPart::Key(a), KeyPart::Key(b), KeyPart::Key(p), KeyPart::Key(k)]) =
             opts.paths.get(name).map(Vec::as_slice)
@@ -520,11 +523,12 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
             }
         }
         let rest = name.strip_prefix("optimizer.state.")?;
-        params
-            .iter()
-            .filter(|p| rest.len() > p.len() + 1 && rest.starts_with(**p) && rest.as_bytes()[p.len()] == b'.')
-            .max_by_key(|p| p.len())
-            .map(|p| (p.to_string(), rest[p.len() + 1..].to_string()))
+        rest.char_indices()
+            .filter(|&(_, c)| c == '.')
+            .map(|(i, _)| i)
+            .rev()
+            .find(|&i| trainable.contains(&rest[..i]))
+            .map(|i| (rest[..i].to_string(), rest[i + 1..].to_string()))
     };
     let mut state: HashMap<String, ParamState> = HashMap::new();
     let mut module: Vec<usize> = vec![];
