@@ -224,12 +224,7 @@ impl Checkpoint {
         format: Option<Format>,
         opts: &OpenOptions,
     ) -> Result<Checkpoint> {
-        let path = opts.resolve(path.as_ref())?;
-        let format = match format {
-            Some(f) => f,
-            None => formats::detect(&path)?,
-        };
-        Self::opened(&path, format, false, opts.weights)
+        Self::resolved(path.as_ref(), format, opts, false)
     }
 
     /// Open a checkpoint for reading parts of it ([`Checkpoint::read_region`], the
@@ -249,12 +244,22 @@ impl Checkpoint {
         format: Option<Format>,
         opts: &OpenOptions,
     ) -> Result<Checkpoint> {
-        let path = opts.resolve(path.as_ref())?;
+        Self::resolved(path.as_ref(), format, opts, true)
+    }
+
+    /// `path` resolved under `opts` (its tag), the format detected unless given, opened.
+    fn resolved(
+        path: &Path,
+        format: Option<Format>,
+        opts: &OpenOptions,
+        lazy: bool,
+    ) -> Result<Checkpoint> {
+        let path = opts.resolve(path)?;
         let format = match format {
             Some(f) => f,
             None => formats::detect(&path)?,
         };
-        Self::opened(&path, format, true, opts.weights)
+        Self::opened(&path, format, lazy, opts.weights)
     }
 
     fn opened(

@@ -12,7 +12,7 @@ use super::{
 };
 use crate::error::{Error, IoContext, Result};
 use crate::exec::OutputFile;
-use crate::layout::{Loc, Piece, Region, TensorLayout};
+use crate::layout::TensorLayout;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -124,21 +124,14 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                 format!("has no tensor `{name}`, which {INDEX} maps to it"),
             )
         })?;
-        tensors.push(TensorLayout {
-            name: name.clone(),
-            dtype: t.dtype,
-            shape: t.shape.clone(),
-            pieces: vec![Piece {
-                rank: 0,
-                region: Region::full(&t.shape),
-                loc: Loc {
-                    file: ix,
-                    offset: t.offset,
-                    strides: None,
-                    pending: None,
-                },
-            }],
-        });
+        tensors.push(TensorLayout::whole(
+            name.clone(),
+            t.dtype,
+            t.shape.clone(),
+            ix,
+            t.offset,
+            None,
+        ));
     }
     for (f, h) in files.iter().zip(&headers) {
         if let Some(t) = h.tensors.iter().find(|t| !map.contains_key(&t.name)) {

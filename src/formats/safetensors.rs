@@ -12,7 +12,7 @@ use super::{
 };
 use crate::error::{Error, IoContext, Result};
 use crate::exec::{Checksum, OutputFile};
-use crate::layout::{DType, Loc, Piece, Region, TensorLayout};
+use crate::layout::{DType, Region, TensorLayout};
 use ::safetensors::tensor::{Dtype, Metadata};
 use ::safetensors::SafeTensors;
 use std::collections::BTreeMap;
@@ -511,21 +511,7 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
     let tensors = h
         .tensors
         .into_iter()
-        .map(|t| TensorLayout {
-            pieces: vec![Piece {
-                rank: 0,
-                region: Region::full(&t.shape),
-                loc: Loc {
-                    file: 0,
-                    offset: t.offset,
-                    strides: None,
-                    pending: None,
-                },
-            }],
-            name: t.name,
-            dtype: t.dtype,
-            shape: t.shape,
-        })
+        .map(|t| TensorLayout::whole(t.name, t.dtype, t.shape, 0, t.offset, None))
         .collect();
     let mut ck = checkpoint(
         Format::SAFETENSORS,
@@ -564,20 +550,8 @@ pub fn full_layouts(entries: &[Entry], offsets: &[u64], file: u32) -> Vec<Tensor
     entries
         .iter()
         .zip(offsets)
-        .map(|(e, &offset)| TensorLayout {
-            name: e.name.clone(),
-            dtype: e.dtype,
-            shape: e.shape.clone(),
-            pieces: vec![Piece {
-                rank: 0,
-                region: Region::full(&e.shape),
-                loc: Loc {
-                    file,
-                    offset,
-                    strides: None,
-                    pending: None,
-                },
-            }],
+        .map(|(e, &offset)| {
+            TensorLayout::whole(e.name.clone(), e.dtype, e.shape.clone(), file, offset, None)
         })
         .collect()
 }

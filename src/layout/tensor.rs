@@ -81,6 +81,33 @@ pub struct TensorLayout {
 }
 
 impl TensorLayout {
+    /// A tensor held whole by rank 0 in file `file`, its element 0 at byte `offset`
+    /// (`strides` when the stored view is not row-major).
+    pub fn whole(
+        name: String,
+        dtype: DType,
+        shape: Vec<u64>,
+        file: u32,
+        offset: u64,
+        strides: Option<Vec<u64>>,
+    ) -> TensorLayout {
+        TensorLayout {
+            name,
+            dtype,
+            pieces: vec![Piece {
+                rank: 0,
+                region: Region::full(&shape),
+                loc: Loc {
+                    file,
+                    offset,
+                    strides,
+                    pending: None,
+                },
+            }],
+            shape,
+        }
+    }
+
     /// Bytes of the whole tensor.
     pub fn nbytes(&self) -> u64 {
         Region::full(&self.shape)

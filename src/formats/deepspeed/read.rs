@@ -599,21 +599,14 @@ impl<'a> Reader<'a> {
     fn whole(&mut self, name: &str, file: u32, f: &File, t: &TensorItem) -> TensorLayout {
         self.crc(file, f, t, &format!("`{}`", short(name)));
         let strides = (!t.is_row_major()).then(|| t.strides.clone());
-        TensorLayout {
-            name: name.to_string(),
-            dtype: t.dtype,
-            shape: t.shape.clone(),
-            pieces: vec![Piece {
-                rank: 0,
-                region: Region::full(&t.shape),
-                loc: Loc {
-                    file,
-                    offset: t.data_offset(),
-                    strides,
-                    pending: None,
-                },
-            }],
-        }
+        TensorLayout::whole(
+            name.to_string(),
+            t.dtype,
+            t.shape.clone(),
+            file,
+            t.data_offset(),
+            strides,
+        )
     }
 
     /// Parameters (fp32 master or model weights), frozen parameters, buffers and tied names,

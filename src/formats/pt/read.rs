@@ -19,7 +19,6 @@
 //! and pickles, missing or short storage records, a top level that is not a dict, tensors
 //! inside tuples, sets or other objects, tensor subclasses, duplicate flat keys.
 
-use super::whole_tensor;
 use crate::error::{Error, IoContext, Result};
 use crate::formats::torch::pickle::Value;
 use crate::formats::torch::save::{self, TensorItem};
@@ -353,7 +352,7 @@ impl<'a> Walker<'a> {
 /// The layout of a saved tensor: one piece at its element 0 in file 0.
 fn layout(name: String, t: &TensorItem) -> TensorLayout {
     let strides = (!t.is_row_major()).then(|| t.strides.clone());
-    whole_tensor(name, t.dtype, t.shape.clone(), t.data_offset(), strides)
+    TensorLayout::whole(name, t.dtype, t.shape.clone(), 0, t.data_offset(), strides)
 }
 
 #[cfg(test)]

@@ -7,14 +7,13 @@
 //! ([`WriteOptions::ties`]) share one storage record, as `torch.save` of a tied model does;
 //! only the first of a group is in the output's tensor list, so its bytes are copied once.
 
-use super::whole_tensor;
 use crate::error::{Error, Result};
 use crate::exec::OutputFile;
 use crate::formats::torch::pickle::{pickle, PyValue};
 use crate::formats::torch::save::{standard_records, TensorRef};
 use crate::formats::torch::zip::{layout_archive, output_parts};
 use crate::formats::{KeyPart, Output, TargetTensor, WriteOptions};
-use crate::layout::Region;
+use crate::layout::{Region, TensorLayout};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -202,10 +201,11 @@ pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
             .position(|r| r.name == name)
             .ok_or_else(|| Error::usage(format!("internal error: no record {name}")))?;
         let t = &target[i];
-        tensors.push(whole_tensor(
+        tensors.push(TensorLayout::whole(
             t.name.clone(),
             t.dtype,
             t.shape.clone(),
+            0,
             layout.data_offsets[r],
             None,
         ));
