@@ -66,6 +66,9 @@ CASES["zero1_dp2_bf16_g2_fp32acc"] = dict(stage=1, dtype="bfloat16", dp=2, group
 # of the model dtype inside the flat buffer (param_alignment_paddings)
 CASES["zero2_dp2_bf16_g1_aligned"] = dict(stage=2, dtype="bfloat16", dp=2, groups=1, tied=True, frozen=False,
                                           parameter_alignment=True)
+# zero_optimization.round_robin_gradients: a group flattened in an order that depends on dp
+CASES["zero2_dp3_f32_g2_roundrobin"] = dict(stage=2, dtype="float32", dp=3, groups=2, tied=False, frozen=True,
+                                            round_robin=True)
 # stage 3 with a small sub_group_size: each param group split into several flat fp32 sub-groups
 CASES["zero3_dp2_f32_g2_sub"] = dict(stage=3, dtype="float32", dp=2, groups=2, tied=False, frozen=False,
                                      sub_group_size=40)
@@ -135,6 +138,8 @@ def ds_config(spec, dp):
         # tiny params: partition every one (not kept whole below the threshold)
         cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_max_live_parameters=0,
                                         stage3_prefetch_bucket_size=0)
+    if spec.get("round_robin"):
+        cfg["zero_optimization"]["round_robin_gradients"] = True
     if spec.get("parameter_alignment"):
         cfg["zero_optimization"]["parameter_alignment"] = True
     if spec.get("sub_group_size"):
@@ -188,8 +193,17 @@ def full_state(engine):
             engine.optimizer._hp_optimizer_states_linked = False
         lazy()
     out = {}
+    opt = engine.optimizer
+    if getattr(opt, "round_robin_gradients", False) and not any(any(p) for p in opt.round_robin_bit16_padding):
+        # DeepSpeed 0.19.8 links each parameter to its fp32 fragment at offsets in the group's
+        # own order, not in the round-robin order it flattened them in: safe_get_full_* then
+        # read other parameters' elements. Gather the flat partitions and cut them at the
+        # offsets DeepSpeed flattened at (round_robin_bit16_offsets) instead.
+        out.update(_round_robin_state(engine))
     for n, p in engine.module.named_parameters():
         if p.requires_grad:
+            if n in out:
+                continue
             out[n] = safe_get_full_fp32_param(p)
             for k in ("exp_avg", "exp_avg_sq"):
                 out[f"optimizer.state.{n}.{k}"] = safe_get_full_optimizer_state(p, k)
@@ -201,6 +215,37 @@ def full_state(engine):
     for n, b in engine.module.named_buffers():
         out[n] = b.detach().clone()
     return {k: v.detach().cpu().clone().contiguous() for k, v in out.items()}
+
+
+def _round_robin_state(engine):
+    """Stage 1/2 with round_robin_gradients: every trainable parameter's fp32 master weights
+    and Adam moments, from the flat partitions of every rank (all_gather) cut at the offsets
+    DeepSpeed flattened each parameter at."""
+    import torch
+    import torch.distributed as dist
+
+    opt = engine.optimizer
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    dp = dist.get_world_size()
+    out = {}
+    for i, params in enumerate(opt.round_robin_bit16_groups):
+        size = opt.partition_size[i]
+        flat = opt.single_partition_of_fp32_groups[i]
+        state = opt.optimizer.state[flat]
+        whole = {}
+        for key, local in [("param", flat)] + [(k, state[k]) for k in ("exp_avg", "exp_avg_sq")]:
+            padded = torch.zeros(size, dtype=local.dtype)
+            padded[: local.numel()] = local.detach().reshape(-1)
+            parts = [torch.empty_like(padded) for _ in range(dp)]
+            dist.all_gather(parts, padded)
+            whole[key] = torch.cat(parts)
+        for p, at in zip(params, opt.round_robin_bit16_offsets[i]):
+            n = names[id(p)]
+            cut = lambda t: t[at:at + p.numel()].view(p.shape).clone()  # noqa: E731
+            out[n] = cut(whole["param"])
+            for k in ("exp_avg", "exp_avg_sq"):
+                out[f"optimizer.state.{n}.{k}"] = cut(whole[k])
+    return out
 
 
 def worker(args):
@@ -290,7 +335,9 @@ def generate(name, out):
     info = dict(spec, deepspeed=deepspeed.__version__, torch=torch.__version__, tag=TAG,
                 oracle="deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(checkpoint)",
                 engine_oracle="full_state(engine) after save_checkpoint: safe_get_full_fp32_param, "
-                              "safe_get_full_optimizer_state, module buffers and frozen parameters",
+                              "safe_get_full_optimizer_state (with round_robin_gradients: the flat "
+                              "partitions of every rank cut at round_robin_bit16_offsets), module "
+                              "buffers and frozen parameters",
                 files=files)
     if err.exists():
         info["zero_to_fp32_error"] = err.read_text().strip()

@@ -1,7 +1,7 @@
 //! DeepSpeed ZeRO checkpoints (`tests/fixtures/deepspeed/<case>`, saved by DeepSpeed 0.19.8
 //! itself under torchrun on gloo by `scripts/gen_deepspeed.py`: stages 1, 2, 3; fp32 and bf16;
 //! one and two parameter groups; 2 and 3 data-parallel ranks; tied, frozen, BF16_Optimizer,
-//! parameter alignment, stage-3 sub-groups), judged byte for byte against DeepSpeed's own results: its
+//! parameter alignment, round-robin gradients, stage-3 sub-groups), judged byte for byte against DeepSpeed's own results: its
 //! consolidation (`oracle/fp32.safetensors`, from `zero_to_fp32`) and the engine's own full
 //! state after saving (`oracle/engine.safetensors`: fp32 master weights, Adam moments,
 //! buffers and frozen parameters, gathered with DeepSpeed's `safe_get_full_*`). That

@@ -132,6 +132,43 @@ fn spans_over(start: u64, n: u64, size: u64) -> Vec<Span> {
     out
 }
 
+/// `zero_optimization.round_robin_gradients` (stages 1 and 2): the order in which DeepSpeed
+/// at `dp` ranks flattens a group of `n` parameters (`_round_robin_reorder`): the parameters
+/// whose index is 0 modulo `dp` first, then those at 1, and so on. Entry `j` is the index, in
+/// the group's own order, of the `j`-th parameter flattened.
+pub fn round_robin(n: usize, dp: u64) -> Vec<usize> {
+    let dp = dp.max(1) as usize;
+    (0..dp.min(n.max(1)))
+        .flat_map(|j| (j..n).step_by(dp))
+        .collect()
+}
+
+/// The `param_slice_mappings` DeepSpeed 0.19.8 records for `group` (parameters in
+/// flattening order): per parameter in that order, its runs by rank. `order[j]` is the
+/// group's own index of the `j`-th parameter flattened ([`round_robin`], or the identity).
+/// DeepSpeed places a fragment at the parameter's true offset when the group has alignment
+/// padding, and otherwise at the sum of the sizes of the parameters before it in the group's
+/// own order — not where round robin flattened it (its own links, and so
+/// `safe_get_full_fp32_param`, read other parameters' elements then).
+pub fn recorded_slices(group: &FlatGroup, order: &[usize]) -> Vec<Vec<Span>> {
+    let identity = order.iter().enumerate().all(|(j, &i)| i == j);
+    if identity || group.paddings.iter().any(|&p| p != 0) {
+        return group.all_spans();
+    }
+    let n = order.len();
+    let mut numels = vec![0; n];
+    for (j, &i) in order.iter().enumerate() {
+        numels[i] = group.numels[j];
+    }
+    let own = FlatGroup {
+        numels,
+        paddings: vec![0; n],
+        dp: group.dp,
+    }
+    .all_spans();
+    order.iter().map(|&i| own[i].clone()).collect()
+}
+
 /// The pieces of a tensor of `shape` whose flat runs `spans` lie in rank files: `at(rank)`
 /// gives the file and the byte offset of the rank's flat tensor, `elem` the element size.
 /// Each run is cut into the boxes of the tensor it covers
@@ -274,6 +311,40 @@ mod tests {
                 assert_eq!(next, g.numels[i]);
             }
         }
+    }
+
+    #[test]
+    fn round_robin_is_deepspeeds_reorder() {
+        assert_eq!(round_robin(7, 3), vec![0, 3, 6, 1, 4, 2, 5]);
+        assert_eq!(round_robin(4, 2), vec![0, 2, 1, 3]);
+        assert_eq!(round_robin(3, 8), vec![0, 1, 2]);
+        assert_eq!(round_robin(0, 2), Vec::<usize>::new());
+        for (n, dp) in [(10, 4), (5, 1), (9, 9)] {
+            let mut v = round_robin(n, dp);
+            v.sort_unstable();
+            assert_eq!(v, (0..n).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn recorded_slices_follow_deepspeeds_own_order_under_round_robin() {
+        // zero2_dp3_f32_g2_roundrobin, group 0: own order emb 66, lin 42, out 42, head 66;
+        // flattened at dp 3 as emb, head, lin, out; rank 0's param_slice_mappings say emb
+        // (66 at 0) and lin (6 at 66) — head's elements are there
+        let order = round_robin(4, 3);
+        assert_eq!(order, vec![0, 3, 1, 2]);
+        let g = FlatGroup::new(vec![66, 66, 42, 42], 3);
+        let rec = recorded_slices(&g, &order);
+        let rank0: Vec<(usize, u64, u64)> = rec
+            .iter()
+            .enumerate()
+            .filter_map(|(j, sp)| sp.iter().find(|s| s.rank == 0).map(|s| (order[j], s.end - s.start, s.at)))
+            .collect();
+        assert_eq!(rank0, vec![(0, 66, 0), (1, 6, 66)]);
+        // with alignment padding DeepSpeed records the true places
+        let mut padded = g.clone();
+        padded.paddings = vec![2, 2, 2, 0];
+        assert_eq!(recorded_slices(&padded, &order), padded.all_spans());
     }
 
     #[test]

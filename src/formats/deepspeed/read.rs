@@ -48,10 +48,10 @@ pub fn tag_dir(path: &Path) -> Result<PathBuf> {
             "holds no DeepSpeed model states file and no `latest` file",
         ));
     }
-    let text = std::fs::read(&latest).at(&latest)?;
-    if text.len() > 4096 {
+    if std::fs::metadata(&latest).at(&latest)?.len() > 4096 {
         return Err(Error::format(&latest, "is too long to hold a tag"));
     }
+    let text = std::fs::read(&latest).at(&latest)?;
     let tag = String::from_utf8_lossy(&text).trim().to_string();
     if !names::is_plain_tag(&tag) {
         return Err(Error::format(
@@ -241,6 +241,14 @@ pub fn read(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
     let mut models = vec![(model0, states0)];
     models.extend(model_rest);
 
+    let round_robin = matches!(optims[0].1.optimizer, Optimizer::Zero12 { .. })
+        && models[0]
+            .1
+            .others
+            .iter()
+            .find(|(k, _)| k == "ds_config")
+            .and_then(|(_, c)| c.get("zero_optimization")?.get("round_robin_gradients")?.as_bool())
+            == Some(true);
     let r = Reader {
         dir: &dir,
         models: &models,
@@ -248,6 +256,7 @@ pub fn read(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
         n_model: n_model as u32,
         dp,
         weights: opts.weights.unwrap_or(Weights::Master),
+        round_robin,
         tensors: vec![],
         index: HashMap::new(),
         extras: vec![],
@@ -300,6 +309,9 @@ struct Reader<'a> {
     n_model: u32,
     dp: u64,
     weights: Weights,
+    /// `zero_optimization.round_robin_gradients` of a stage 1/2 `DeepSpeedZeroOptimizer`:
+    /// groups are flattened in round-robin order.
+    round_robin: bool,
     tensors: Vec<TensorLayout>,
     /// Tensor name → index in `tensors`.
     index: HashMap<String, usize>,
@@ -436,25 +448,36 @@ impl<'a> Reader<'a> {
                 }
             }
             let all = group.all_spans();
+            let order = if self.round_robin {
+                partition::round_robin(shapes.len(), self.dp)
+            } else {
+                (0..shapes.len()).collect()
+            };
+            let recorded_spans = partition::recorded_slices(&group, &order);
             // each rank's slice mappings must be its own: a file of another rank (swapped,
             // copied) has another rank's
             for (r, (f, o)) in self.optims.iter().enumerate() {
                 let Some(recorded) = o.slice_mappings.as_ref().and_then(|m| m.get(g)) else {
                     continue;
                 };
-                let expected: Vec<(&str, u64, u64)> = shapes
+
+                // by name: DeepSpeed lists them in the group's own order, which is not the
+                // flattening order under round_robin_gradients
+                let mut expected: Vec<(&str, u64, u64)> = shapes
                     .iter()
-                    .zip(&all)
+                    .zip(&recorded_spans)
                     .filter_map(|((n, _), spans)| {
                         let s = spans.iter().find(|s| s.rank == r as u64)?;
                         Some((n.as_str(), s.end - s.start, s.at))
                     })
                     .collect();
-                let same = recorded.len() == expected.len()
-                    && recorded
-                        .iter()
-                        .zip(&expected)
-                        .all(|(a, b)| (a.0.as_str(), a.1, a.2) == *b);
+                let mut got: Vec<(&str, u64, u64)> = recorded
+                    .iter()
+                    .map(|(n, numel, at)| (n.as_str(), *numel, *at))
+                    .collect();
+                expected.sort_unstable();
+                got.sort_unstable();
+                let same = got == expected;
                 if !same {
                     return Err(f.err(format!(
                         "records the parameter slices of another rank than {r} for parameter \
@@ -631,15 +654,15 @@ impl<'a> Reader<'a> {
                  parameters (only placeholders): read its fp32 master weights",
             ));
         }
+        let in_module: HashSet<&str> = states.module.iter().map(|(n, _)| n.as_str()).collect();
         if let Some(b) = states
             .buffer_names
             .iter()
-            .find(|b| !states.module.iter().any(|(n, _)| n == *b))
+            .find(|b| !in_module.contains(b.as_str()))
         {
             return Err(f0.err(format!("buffer `{}` is not in `module`", short(b))));
         }
         let mut order: Vec<&str> = states.module.iter().map(|(n, _)| n.as_str()).collect();
-        let in_module: HashSet<&str> = order.iter().copied().collect();
         order.extend(
             placed
                 .iter()
@@ -649,6 +672,17 @@ impl<'a> Reader<'a> {
         );
         let module: HashMap<&str, &TensorItem> =
             states.module.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        // stage 3: each rank's frozen parameter chunks, by name
+        let fragments: Vec<HashMap<&str, &TensorItem>> = self
+            .models
+            .iter()
+            .map(|(_, s)| {
+                s.frozen_fragments
+                    .iter()
+                    .map(|(k, t)| (k.as_str(), t))
+                    .collect()
+            })
+            .collect();
         let mut aliases = vec![];
         for name in order {
             if shared.contains_key(name) && !trainable.contains_key(name) {
@@ -694,13 +728,8 @@ impl<'a> Reader<'a> {
                 let n = numel(&shape);
                 let c = partition::chunk(n, self.dp);
                 let mut frags = vec![];
-                for (r, (f, s)) in self.models.iter().enumerate() {
-                    let t = s
-                        .frozen_fragments
-                        .iter()
-                        .find(|(k, _)| k == name)
-                        .map(|(_, t)| t)
-                        .ok_or_else(|| {
+                for (r, (f, _)) in self.models.iter().enumerate() {
+                    let t = fragments[r].get(name).copied().ok_or_else(|| {
                             f.err(format!(
                                 "frozen parameter `{}` has no frozen_param_fragments entry",
                                 short(name)
@@ -777,14 +806,17 @@ impl<'a> Reader<'a> {
                         // one per flat tensor (`step`): every rank's copy is a replica
                         let mut pieces = vec![];
                         for (r, (f, o)) in optims.iter().enumerate() {
-                            let t = state_tensor(f, o, p.flat, key)?;
-                            if !t.shape.is_empty() {
+                            let rt = state_tensor(f, o, p.flat, key)?;
+                            if !rt.shape.is_empty() || rt.dtype != t.dtype {
                                 return Err(f.err(format!(
-                                    "optimizer state `{key}` of flat tensor {} is not a scalar \
+                                    "optimizer state `{}` of flat tensor {} is not a {} scalar \
                                      as on rank 0",
-                                    p.flat
+                                    short(key),
+                                    p.flat,
+                                    t.dtype
                                 )));
                             }
+                            let t = rt;
                             let file = n_model + r as u32;
                             self.crc(file, f, t, &format!("`{}`", short(&name)));
                             pieces.push(Piece {
@@ -811,9 +843,11 @@ impl<'a> Reader<'a> {
                         // padding): a flat tensor at least as long as the fp32 partition
                         if t.shape.len() != 1 {
                             return Err(f0.err(format!(
-                                "optimizer state `{key}` of flat tensor {} has shape {:?}, \
-                                 not one value per element",
-                                p.flat, t.shape
+                                "optimizer state `{}` of flat tensor {} has shape {:?}, not one \
+                                 value per element",
+                                short(key),
+                                p.flat,
+                                t.shape
                             )));
                         }
                         let dtype = t.dtype;
@@ -823,7 +857,8 @@ impl<'a> Reader<'a> {
                             let t = state_tensor(f, o, flat, key)?;
                             if t.shape.len() != 1 || !t.is_row_major() {
                                 return Err(f.err(format!(
-                                    "optimizer state `{key}` of flat tensor {flat} is not flat"
+                                    "optimizer state `{}` of flat tensor {flat} is not flat",
+                                    short(key)
                                 )));
                             }
                             states.push((n_model + r as u32, f, t));
@@ -847,14 +882,26 @@ impl<'a> Reader<'a> {
                 }
             }
         }
-        // param groups, with each group's parameter names for `params`
+        // param groups, with each group's parameter names for `params`, in the group's own
+        // order (round_robin_gradients flattens them in another)
         let states = &self.models[0].1;
         for (g, hyper) in opt0.param_groups.iter().enumerate() {
             let mut entries: Vec<(String, crate::formats::torch::pickle::Value)> = hyper.clone();
-            let params = opt0.group_flats[g]
+            let mut names: Vec<&String> = opt0.group_flats[g]
                 .iter()
                 .flat_map(|&k| &states.param_shapes[k])
-                .map(|(n, _)| crate::formats::torch::pickle::Value::Str(n.clone()))
+                .map(|(n, _)| n)
+                .collect();
+            if self.round_robin {
+                let mut own = names.clone();
+                for (j, i) in partition::round_robin(names.len(), self.dp).into_iter().enumerate() {
+                    own[i] = names[j];
+                }
+                names = own;
+            }
+            let params = names
+                .into_iter()
+                .map(|n| crate::formats::torch::pickle::Value::Str(n.clone()))
                 .collect();
             entries.push((
                 "params".into(),

@@ -494,7 +494,7 @@ impl OptimStates {
                 .ok_or_else(|| {
                     f.err(format!(
                         "`{base_key}.state` has key {} for {} flat tensors",
-                        crate::formats::dcp::to_json(k),
+                        short(&crate::formats::dcp::to_json(k).to_string()),
                         flat.len()
                     ))
                 })?;

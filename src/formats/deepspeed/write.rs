@@ -56,6 +56,8 @@ struct Job<'a> {
     sub_group_size: u64,
     /// `zero_optimization.parameter_alignment` (stages 1 and 2).
     parameter_alignment: bool,
+    /// `zero_optimization.round_robin_gradients` (stages 1 and 2).
+    round_robin: bool,
     /// The model states entries, in order (everything but the optimizer's).
     entries: Vec<&'a Extra>,
     /// `optimizer.param_groups.<g>.<key>` (without `params`), per group.
@@ -148,10 +150,21 @@ impl<'a> Job<'a> {
             1 if model_dtype == DType::BF16 && fp32_accumulation && !offload => Kind::Bf16,
             s => Kind::Zero12(s),
         };
+        // a count the config may write as a float (`1e9`)
+        let count = |v: &Json| {
+            v.as_u64().or_else(|| {
+                v.as_f64()
+                    .filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f < 1.8e19)
+                    .map(|f| f as u64)
+            })
+        };
         let sub_group_size = at(&["zero_optimization", "sub_group_size"])
-            .and_then(Json::as_u64)
+            .and_then(count)
             .unwrap_or(1_000_000_000);
         let parameter_alignment = at(&["zero_optimization", "parameter_alignment"])
+            .and_then(Json::as_bool)
+            .unwrap_or(false);
+        let round_robin = at(&["zero_optimization", "round_robin_gradients"])
             .and_then(Json::as_bool)
             .unwrap_or(false);
         let entries = opts
@@ -242,7 +255,7 @@ impl<'a> Job<'a> {
                 )));
             }
             regrouped
-        } else if groups.len() == hyper.len() {
+        } else if groups.len() == hyper.len() && !round_robin {
             groups
         } else {
             return Err(needs(format!(
@@ -271,6 +284,7 @@ impl<'a> Job<'a> {
             kind,
             sub_group_size,
             parameter_alignment,
+            round_robin,
             entries,
             hyper,
             wrapper,
@@ -597,6 +611,12 @@ struct Flat {
     len: u64,
     /// Stages 1 and 2: the group's layout.
     layout: Option<FlatGroup>,
+    /// Indices into `params` in the group's own order (the flattening order but under
+    /// `round_robin_gradients`).
+    mapping_order: Vec<usize>,
+    /// Stages 1 and 2: per parameter (flattening order), the runs `param_slice_mappings`
+    /// records, as DeepSpeed computes them ([`partition::recorded_slices`]).
+    recorded: Vec<Vec<Span>>,
 }
 
 struct Writer<'a> {
@@ -636,15 +656,26 @@ impl<'a> Writer<'a> {
                             at += chunks[i];
                         }
                         at_param += n;
+                        let mapping_order = (0..ps.len()).collect();
                         out.push(Flat {
                             group: g,
                             params: ps,
                             len: at,
                             layout: None,
+                            mapping_order,
+                            recorded: vec![],
                         });
                     }
                 }
                 Kind::Zero12(_) | Kind::Bf16 => {
+                    // round_robin_gradients flattens the group in DeepSpeed's order at M
+                    let own = if self.job.round_robin && self.job.kind != Kind::Bf16 {
+                        partition::round_robin(params.len(), self.m)
+                    } else {
+                        (0..params.len()).collect()
+                    };
+                    let params: Vec<&(String, Vec<u64>)> = own.iter().map(|&i| &params[i]).collect();
+                    let numels: Vec<u64> = own.iter().map(|&i| numels[i]).collect();
                     // DeepSpeed aligns each parameter but the last to 16 bytes of the model
                     // dtype when parameter_alignment is on (stage 1/2 optimizer only)
                     let align = if self.job.parameter_alignment && self.job.kind != Kind::Bf16 {
@@ -675,11 +706,19 @@ impl<'a> Writer<'a> {
                         .zip(layout.all_spans())
                         .map(|((n, s), spans)| (n.clone(), s.clone(), spans))
                         .collect();
+                    let recorded = partition::recorded_slices(&layout, &own);
+                    // the group's own order, in which DeepSpeed lists the slice mappings
+                    let mut mapping_order = vec![0; own.len()];
+                    for (j, &i) in own.iter().enumerate() {
+                        mapping_order[i] = j;
+                    }
                     out.push(Flat {
                         group: g,
                         params: ps,
                         len: layout.partition_size(),
                         layout: Some(layout),
+                        mapping_order,
+                        recorded,
                     });
                 }
             }
@@ -711,7 +750,13 @@ impl<'a> Writer<'a> {
         let mut flat_state: Vec<Vec<(String, StateKind, usize)>> = vec![];
         let mut flat_values: Vec<Vec<(String, PyValue)>> = vec![];
         for f in flats {
-            let first = state.get(&f.params[0].0).cloned().unwrap_or_default();
+            // (a group without trainable parameters has a flat tensor without state)
+            let first = f
+                .params
+                .first()
+                .and_then(|p| state.get(&p.0))
+                .cloned()
+                .unwrap_or_default();
             let mut keys = vec![];
             for (k, i) in &first.tensors {
                 let t = &target[*i];
@@ -972,8 +1017,13 @@ impl<'a> Writer<'a> {
                     }
                 }
                 let v = if stage3 && (trainable.contains(n) || frozen_names.contains(n)) {
-                    // partitioned: an empty placeholder
-                    self.tensor(file, job.model_dtype, vec![0]).0
+                    // partitioned: an empty placeholder of the parameter's dtype
+                    let dtype = if trainable.contains(n) {
+                        job.model_dtype
+                    } else {
+                        t.dtype
+                    };
+                    self.tensor(file, dtype, vec![0]).0
                 } else if trainable.contains(n) {
                     // stages 1 and 2: the model-dtype copy of the master weights
                     let (v, at) = self.tensor(file, job.model_dtype, t.shape.clone());
@@ -1189,9 +1239,10 @@ fn slice_mappings(flats: &[Flat], r: u64) -> PyValue {
             .iter()
             .map(|f| {
                 PyValue::OrderedDict(
-                    f.params
+                    f.mapping_order
                         .iter()
-                        .filter_map(|(n, _, spans)| {
+                        .map(|&i| (&f.params[i].0, &f.recorded[i]))
+                        .filter_map(|(n, spans)| {
                             let sp = spans.iter().find(|s| s.rank == r)?;
                             Some((
                                 s(n),
@@ -1224,4 +1275,91 @@ fn sorted<'s>(set: &HashSet<&'s str>) -> Vec<&'s str> {
     let mut v: Vec<&str> = set.iter().copied().collect();
     v.sort_unstable();
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::Region;
+
+    fn extra(name: &str, value: serde_json::Value) -> Extra {
+        Extra {
+            name: name.into(),
+            value,
+            pickle: None,
+            raw: None,
+            origin: "deepspeed",
+        }
+    }
+
+    /// The non-tensor entries of a stage-3 source with two groups, the second empty.
+    fn opts(config: serde_json::Value) -> WriteOptions {
+        WriteOptions {
+            extras: vec![
+                extra("param_shapes", serde_json::json!([{"w": [5, 3]}, {}])),
+                extra("ds_config", config),
+                extra("optimizer.param_groups.0.lr", serde_json::json!(0.1)),
+                extra("optimizer.param_groups.0.params", serde_json::json!(["w"])),
+                extra("optimizer.param_groups.1.lr", serde_json::json!(0.2)),
+                extra("optimizer.param_groups.1.params", serde_json::json!([])),
+            ],
+            ..Default::default()
+        }
+    }
+
+    fn target() -> Vec<TargetTensor> {
+        vec![TargetTensor {
+            name: "w".into(),
+            dtype: DType::F32,
+            shape: vec![5, 3],
+            ranks: vec![vec![Region::full(&[5, 3])]],
+        }]
+    }
+
+    #[test]
+    fn a_float_sub_group_size_counts() {
+        // JSON configs write `1e9`-style counts, which pickle as floats
+        let cfg = serde_json::json!({"zero_optimization": {"stage": 3, "sub_group_size": 4.0}});
+        let o = opts(cfg);
+        let job = Job::of(&o).unwrap();
+        assert_eq!(job.sub_group_size, 4);
+        assert_eq!(job.kind, Kind::Zero3);
+        let cfg = serde_json::json!({"zero_optimization": {"stage": 3, "sub_group_size": 4.5}});
+        assert_eq!(Job::of(&opts(cfg)).unwrap().sub_group_size, 1_000_000_000);
+    }
+
+    #[test]
+    fn a_group_without_trainable_parameters_is_written() {
+        for stage in [1, 2, 3] {
+            let cfg = serde_json::json!({"zero_optimization": {"stage": stage}});
+            let out = write(&target(), 2, &opts(cfg)).unwrap();
+            // `latest`, one model states file (three at stage 3: one a rank), two optim files
+            let files = if stage == 3 { 5 } else { 4 };
+            assert_eq!(out.files.len(), files, "stage {stage}");
+            let w = out.tensors.iter().find(|t| t.name == "w").unwrap();
+            let covered: u64 = w.pieces.iter().map(|p| p.region.volume()).sum();
+            assert_eq!(covered, 15);
+        }
+    }
+
+    #[test]
+    fn batch_sizes_follow_the_degree_when_they_divide() {
+        let cfg = |tbs: i64, mb: i64| {
+            PyValue::Dict(vec![
+                (s("train_batch_size"), PyValue::Int(tbs)),
+                (s("train_micro_batch_size_per_gpu"), PyValue::Int(mb)),
+                (s("gradient_accumulation_steps"), PyValue::Int(1)),
+            ])
+        };
+        let out = config_for(cfg(12, 6), 4, 2);
+        assert_eq!(get_int(&out, "train_micro_batch_size_per_gpu"), Some(3));
+        // 12 over 5 ranks does not divide: left as it was
+        let out = config_for(cfg(12, 6), 5, 2);
+        assert_eq!(get_int(&out, "train_micro_batch_size_per_gpu"), Some(6));
+        // an absurd accumulation count does not overflow
+        let mut big = cfg(12, 6);
+        set_in(&mut big, &["gradient_accumulation_steps"], PyValue::Int(i64::MAX));
+        let out = config_for(big, 4, 3);
+        assert_eq!(get_int(&out, "train_micro_batch_size_per_gpu"), Some(6));
+    }
 }
