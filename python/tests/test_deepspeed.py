@@ -260,3 +260,22 @@ def test_zero_to_fsdp2_through_dcp_with_torchs_own_loader(tmp_path):
     for bad, lrs in results:
         assert not bad, bad
         assert lrs == [0.01, 0.02]
+
+
+@pytest.mark.parametrize("case", ["zero1_dp3_f32_g2", "zero3_dp2_bf16_g2"])
+def test_zero_to_one_pt_file_for_torch_load_weights_only(case, tmp_path):
+    """What zero_to_fp32 gives, as one .pt file: torch.load(weights_only=True) opens it."""
+    out = tmp_path / "model.pt"
+    reshard.convert(FIX / case / "checkpoint", out, world_size=1)
+    sd = torch.load(out, weights_only=True)
+    want = load_file(str(FIX / case / "oracle" / "engine.safetensors"))
+    for k, v in want.items():
+        if k.startswith("optimizer.state."):
+            name, key = k[len("optimizer.state."):].rsplit(".", 1)
+            got = sd["optimizer"]["state"][name][key]
+        else:
+            got = sd[k]
+        assert same(got, v), k
+    assert sd["global_steps"] == 2 and sd["epoch"] == 3
+    assert sd["optimizer"]["param_groups"][0]["lr"] == 0.01
+    assert sd["ds_config"]["train_batch_size"] == 6

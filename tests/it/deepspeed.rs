@@ -98,7 +98,7 @@ fn every_fixture_consolidates_to_deepspeeds_own_result() {
 #[test]
 fn zero_through_dcp_to_pt_is_exact() {
     let d = tempfile::tempdir().unwrap();
-    for (name, dir, _) in cases().into_iter().step_by(3) {
+    for (name, dir, _) in cases() {
         let dcp = d.path().join(format!("{name}-dcp"));
         let pt = d.path().join(format!("{name}.pt"));
         let out = convert(
