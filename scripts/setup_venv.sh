@@ -11,6 +11,8 @@
 #                                          (fixture case fabric_fsdp1_w4_f32_torch21)
 #   scripts/setup_venv.sh --deepspeed     ... plus DeepSpeed and ninja (scripts/gen_deepspeed.py,
 #                                          the DeepSpeed interop tests, which CI runs)
+#   scripts/setup_venv.sh --transformers  ... plus Hugging Face transformers (the from_pretrained
+#                                          tests, which CI runs)
 #
 # Locations: ${RESHARD_VENV:-$HOME/.cache/reshard/venv} and
 #            ${RESHARD_VENV21:-$HOME/.cache/reshard/venv-torch21}.
@@ -29,13 +31,15 @@ want_torch21=0
 want_lightning=0
 want_bench=0
 want_deepspeed=0
+want_transformers=0
 for arg in "$@"; do
   case "$arg" in
     --torch21) want_torch21=1 ;;
     --lightning) want_lightning=1 ;;
     --bench) want_lightning=1; want_bench=1 ;;
     --deepspeed) want_deepspeed=1 ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    --transformers) want_transformers=1 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "setup_venv.sh: unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -74,6 +78,9 @@ fi
 if [ "$want_deepspeed" = 1 ]; then
   # DeepSpeed builds from source (~40 s); ninja JIT-compiles its CPU shm op on first use.
   ensure_venv "$VENV" 'import deepspeed, ninja; print("deepspeed", deepspeed.__version__)' "${RESHARD_DEEPSPEED_SPEC:-deepspeed==0.19.8}" ninja
+fi
+if [ "$want_transformers" = 1 ]; then
+  ensure_venv "$VENV" 'import transformers; print("transformers", transformers.__version__)' "${RESHARD_TRANSFORMERS_SPEC:-transformers==5.25.0}"
 fi
 
 # <repo>/.venv -> main venv

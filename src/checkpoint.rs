@@ -98,7 +98,7 @@ impl std::str::FromStr for Weights {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct OpenOptions {
     /// A checkpoint in a sub-folder of the path given (`PATH/<tag>`: a DeepSpeed tag such as
-    /// `global_step100`).
+    /// `global_step100`, a torchtitan step folder such as `step-1000`).
     pub tag: Option<String>,
     /// Where parameter values come from; `None`: the format's default (master weights).
     pub weights: Option<Weights>,
@@ -106,10 +106,15 @@ pub struct OpenOptions {
 
 impl OpenOptions {
     /// The path to open for `path` under these options: `path/<tag>` when a tag is given
-    /// (checked to be one folder name, and a folder).
+    /// (checked to be one folder name, and a folder); without one, the newest step folder
+    /// (`step-<n>`) of a folder of them, else `path` itself.
     pub fn resolve(&self, path: &Path) -> Result<PathBuf> {
         let Some(tag) = &self.tag else {
-            return Ok(path.to_path_buf());
+            // a folder of step folders (torchtitan): the newest
+            return Ok(match formats::latest_step(path) {
+                Some(step) => path.join(step),
+                None => path.to_path_buf(),
+            });
         };
         let plain = !tag.is_empty()
             && tag != "."
@@ -160,10 +165,15 @@ pub struct Checkpoint {
     /// What wrote the checkpoint, where that can be told (e.g. `torch >= 2.4 (DCP 1.0.0)`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub producer: Option<String>,
-    /// The checkpoint's name inside its folder, for formats that keep several (the DeepSpeed
-    /// tag read: `global_step100`).
+    /// The checkpoint's name inside its folder of several: the DeepSpeed tag read
+    /// (`global_step100`), or the sub-folder opened (`--tag`, a torchtitan `step-1000`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tag: Option<String>,
+    /// Small files that come with the checkpoint and go with an output that keeps them (a
+    /// Hugging Face model's `config.json` and `generation_config.json`): name and bytes, found
+    /// beside the checkpoint's files or in the folder given.
+    #[serde(skip)]
+    pub companions: Vec<(String, Vec<u8>)>,
     /// Scratch files the reader created (e.g. decompressed zstd items listed in `files`);
     /// they are deleted when the last clone of the checkpoint is dropped.
     #[serde(skip)]
@@ -207,9 +217,9 @@ pub struct RecordCrc {
 
 impl Checkpoint {
     /// Open a checkpoint of any supported format, detected from `path`, and validate it.
+    /// A folder of torchtitan step folders opens its newest step (see [`OpenOptions`]).
     pub fn open(path: impl AsRef<Path>) -> Result<Checkpoint> {
-        let path = path.as_ref();
-        Checkpoint::open_as(path, formats::detect(path)?)
+        Checkpoint::open_with(path, None, &OpenOptions::default())
     }
 
     /// Open `path` as a checkpoint of `format` (no detection), and validate it.
@@ -254,12 +264,20 @@ impl Checkpoint {
         opts: &OpenOptions,
         lazy: bool,
     ) -> Result<Checkpoint> {
-        let path = opts.resolve(path)?;
+        let resolved = opts.resolve(path)?;
         let format = match format {
             Some(f) => f,
-            None => formats::detect(&path)?,
+            None => formats::detect(&resolved)?,
         };
-        Self::opened(&path, format, lazy, opts.weights)
+        let mut ck = Self::opened(&resolved, format, lazy, opts.weights)?;
+        if ck.tag.is_none() && resolved != path {
+            ck.tag = resolved
+                .file_name()
+                .and_then(|n| n.to_str())
+                .map(str::to_string);
+        }
+        ck.companions = companions(&[&resolved, path])?;
+        Ok(ck)
     }
 
     fn opened(
@@ -301,6 +319,7 @@ impl Checkpoint {
             paths: BTreeMap::new(),
             producer: None,
             tag: None,
+            companions: vec![],
             scratch: vec![],
             checksums: vec![],
             locator: None,
@@ -491,6 +510,47 @@ impl Checkpoint {
     /// Total bytes of all tensors (each counted once).
     pub fn nbytes(&self) -> u64 {
         self.tensors.iter().map(|t| t.nbytes()).sum()
+    }
+}
+
+/// The companion files a checkpoint may come with ([`Checkpoint::companions`]).
+pub const COMPANIONS: &[&str] = &["config.json", "generation_config.json"];
+
+/// Largest companion file read (a model config is a few KB).
+const MAX_COMPANION: u64 = 16 << 20;
+
+/// The [`COMPANIONS`] found in the first of `dirs` (folders; files are skipped) that holds
+/// each, checked to be JSON objects.
+pub(crate) fn companions(dirs: &[&Path]) -> Result<Vec<(String, Vec<u8>)>> {
+    let mut out = vec![];
+    for name in COMPANIONS {
+        let Some(p) = dirs
+            .iter()
+            .filter(|d| d.is_dir())
+            .map(|d| d.join(name))
+            .find(|p| p.is_file())
+        else {
+            continue;
+        };
+        out.push((name.to_string(), read_companion(&p)?));
+    }
+    Ok(out)
+}
+
+/// The bytes of the JSON file at `p` (a model's `config.json`), checked to hold an object.
+pub fn read_companion(p: &Path) -> Result<Vec<u8>> {
+    let len = std::fs::metadata(p).at(p)?.len();
+    if len > MAX_COMPANION {
+        return Err(Error::format(
+            p,
+            format!("is {len} bytes, too large for a model config"),
+        ));
+    }
+    let bytes = std::fs::read(p).at(p)?;
+    match serde_json::from_slice::<serde_json::Value>(&bytes) {
+        Ok(serde_json::Value::Object(_)) => Ok(bytes),
+        Ok(_) => Err(Error::format(p, "does not hold a JSON object")),
+        Err(e) => Err(Error::format(p, format!("is not valid JSON: {e}"))),
     }
 }
 

@@ -281,6 +281,11 @@ fn write_options(
     if wopts.tag.is_none() {
         wopts.tag = source.tag.clone();
     }
+    for (name, bytes) in &source.companions {
+        if !wopts.companions.iter().any(|(n, _)| n == name) {
+            wopts.companions.push((name.clone(), bytes.clone()));
+        }
+    }
     for (k, v) in &source.metadata {
         wopts.metadata.entry(k.clone()).or_insert_with(|| v.clone());
     }

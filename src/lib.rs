@@ -68,7 +68,10 @@ internal! {
 }
 
 pub use array::Element;
-pub use checkpoint::{Checkpoint, Extra, KeyPart, OpenOptions, RecordCrc, Weights};
+pub use checkpoint::{
+    read_companion as read_model_config, Checkpoint, Extra, KeyPart, OpenOptions, RecordCrc,
+    Weights,
+};
 pub use convert::{ConvertOptions, Job};
 pub use error::{Error, Hint, Result};
 pub use exec::{ExecOptions, ExecStats, Progress};

@@ -338,6 +338,7 @@ def open(
     framework: str = "pt",
     tag: Optional[str] = None,
     weights: Optional[str] = None,
+    step: Optional[int] = None,
 ) -> Checkpoint:
     """Open a checkpoint of any format reshard reads (detected from ``path``, or ``format``
     by name) and validate it: every tensor covered exactly, every item inside its file. The
@@ -345,12 +346,24 @@ def open(
     loading its shards touches the ``.metadata`` and its own items. Tensors come back as ``torch.Tensor`` (``framework="numpy"``: numpy arrays).
 
     ``tag``: the checkpoint in that sub-folder of ``path`` (a DeepSpeed tag such as
-    ``"global_step100"``; default: the one DeepSpeed's ``latest`` names). ``weights``
-    (DeepSpeed): ``"master"`` (the fp32 master weights, the default) or ``"model"`` (the
-    model-dtype weights of ZeRO stages 1 and 2)."""
+    ``"global_step100"``; default: the one DeepSpeed's ``latest`` names, or the newest step
+    folder of a torchtitan ``checkpoint/`` folder); ``step=N`` is ``tag="step-N"``.
+    ``weights`` (DeepSpeed): ``"master"`` (the fp32 master weights, the default) or
+    ``"model"`` (the model-dtype weights of ZeRO stages 1 and 2)."""
     if framework not in ("pt", "torch", "np", "numpy"):
         raise RequestError(f'framework must be "pt" or "numpy", not "{framework}"')
-    return Checkpoint(_reshard.open(_os.fspath(path), format, tag, weights), framework)
+    return Checkpoint(_reshard.open(_os.fspath(path), format, _tag(tag, step), weights), framework)
+
+
+def _tag(tag: Optional[str], step: Optional[int]) -> Optional[str]:
+    """The sub-folder to open: ``tag``, or ``step-N`` for ``step=N``."""
+    if step is None:
+        return tag
+    if tag is not None:
+        raise RequestError("give tag or step, not both")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise RequestError(f"step must be a non-negative int, not {step!r}")
+    return f"step-{step}"
 
 
 def _progress(progress: Any) -> Optional[Callable[[int, int], None]]:
@@ -406,12 +419,17 @@ def convert(
     tag: Optional[str] = None,
     weights: Optional[str] = None,
     zero_stage: Optional[int] = None,
+    step: Optional[int] = None,
+    config: Optional[PathLike] = None,
 ) -> Dict[str, Any]:
     """Convert checkpoint ``src`` into ``dst`` for ``world_size`` ranks, as ``reshard
     convert`` does: the output format from ``format`` or from ``dst``, the world size and
     the source; the output appears atomically, or not at all. ``progress``: a callable
     ``(done_bytes, total_bytes)``, a tqdm bar, or ``True``. ``dry_run``: plan only.
-    ``tag`` and ``weights`` choose the source as :func:`open` does; ``zero_stage`` the ZeRO
+    ``tag`` (or ``step``) and ``weights`` choose the source as :func:`open` does;
+    ``config``: a ``config.json`` for an ``hf`` output (default: the source's own, which an
+    ``hf`` output carries, with ``generation_config.json``, so that ``from_pretrained``
+    loads it); ``zero_stage`` the ZeRO
     stage of a ``format="deepspeed"`` output (default: the source's).
     Returns a summary: the format chosen (and why), files and bytes written, entries
     dropped, tied tensors."""
@@ -434,9 +452,10 @@ def convert(
         verify,
         _progress(progress),
         dry_run,
-        tag,
+        _tag(tag, step),
         weights,
         zero_stage,
+        None if config is None else _os.fspath(config),
     )
     return _json.loads(out)
 

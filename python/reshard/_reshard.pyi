@@ -97,6 +97,7 @@ def convert(
     tag: Optional[str] = None,
     weights: Optional[str] = None,
     zero_stage: Optional[int] = None,
+    config: Optional[str] = None,
 ) -> str:
     """Convert a checkpoint; a JSON summary."""
 

@@ -338,10 +338,11 @@ def load_model(
     (``torch.distributed.checkpoint.state_dict.get_model_state_dict``: DTensors for FSDP2,
     ShardedTensors or DTensors for FSDP1, plain tensors otherwise) is filled by
     :func:`load` from the checkpoint entries named ``prefix`` + key, then set back with
-    ``set_model_state_dict``. ``prefix`` defaults to what Fabric and most trainers write
-    (``{"model": ...}``), and to none for a DeepSpeed ZeRO checkpoint (whose parameters are
-    named as the module names them, the fp32 master weights); pass ``""`` for a bare model
-    state dict."""
+    ``set_model_state_dict``. By default the prefix is the one under which the checkpoint
+    holds the model's keys: ``"model."`` where Fabric and most trainers put them
+    (``{"model": ...}``), none for a bare model state dict, a DeepSpeed ZeRO checkpoint (its
+    fp32 master weights under the module's names) or torchtitan's step folders; pass
+    ``prefix`` to choose."""
     sdapi = _state_dict_api("load_model")
     StateDictOptions, get_model_state_dict, set_model_state_dict = (
         sdapi.StateDictOptions,
@@ -350,9 +351,12 @@ def load_model(
     )
 
     ck = _checkpoint(path)
-    if prefix is None:
-        prefix = "" if ck.format == "deepspeed" else "model."
     sd = get_model_state_dict(model)
+    if prefix is None:
+        names = set(ck.keys())
+        under = sum(("model." + k) in names for k in sd)
+        bare = sum(k in names for k in sd)
+        prefix = "" if bare > under else "model."
     res = load(sd, ck, strict=strict, rename=_prefixed(prefix))
     set_model_state_dict(model, sd, options=StateDictOptions(strict=strict))
     return res

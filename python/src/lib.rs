@@ -488,7 +488,7 @@ impl reshard::Progress for Callback {
 #[pyo3(signature = (src, dst, world_size, format=None, layout=None, include=None, exclude=None,
     strip_prefix=None, add_prefix=None, dtype=None, max_shard_size=None, threads=None,
     per_rank_state=None, untie=false, overwrite=false, verify=true, progress=None, dry_run=false,
-    tag=None, weights=None, zero_stage=None))]
+    tag=None, weights=None, zero_stage=None, config=None))]
 #[allow(clippy::too_many_arguments)]
 fn convert(
     py: Python<'_>,
@@ -513,6 +513,7 @@ fn convert(
     tag: Option<String>,
     weights: Option<&str>,
     zero_stage: Option<u8>,
+    config: Option<PathBuf>,
 ) -> PyResult<String> {
     let mut opts = ConvertOptions::to(1);
     opts.open = open_options(tag, weights)?;
@@ -521,6 +522,10 @@ fn convert(
             return Err(request(format!("zero_stage must be 1, 2 or 3, not {s}")));
         }
         opts.write.zero_stage = Some(s);
+    }
+    if let Some(p) = config {
+        let bytes = reshard::read_model_config(&p).map_err(py_err)?;
+        opts.write.companions = vec![("config.json".into(), bytes)];
     }
     opts.layout = layout_spec(world_size, layout)?;
     opts.format = format.map(format_named).transpose()?;

@@ -109,9 +109,12 @@ pub enum Cmd {
 #[derive(Args)]
 pub struct SourceArgs {
     /// The checkpoint in this sub-folder of the path (a DeepSpeed tag such as global_step100;
-    /// default: the one DeepSpeed's `latest` file names).
-    #[arg(long, value_name = "TAG")]
+    /// default: the one DeepSpeed's `latest` file names, the newest step folder).
+    #[arg(long, value_name = "TAG", conflicts_with = "step")]
     tag: Option<String>,
+    /// The step folder `step-N` of a folder of them (torchtitan; default: the newest).
+    #[arg(long, value_name = "N")]
+    step: Option<u64>,
     /// DeepSpeed: where parameter values come from: the fp32 master weights of the optim
     /// files (master, the default, as zero_to_fp32) or the model-dtype weights of the model
     /// states file (model; ZeRO stages 1 and 2).
@@ -123,7 +126,10 @@ impl SourceArgs {
     /// The library's open options.
     pub fn options(&self) -> crate::OpenOptions {
         crate::OpenOptions {
-            tag: self.tag.clone(),
+            tag: self
+                .step
+                .map(|n| format!("step-{n}"))
+                .or_else(|| self.tag.clone()),
             weights: self.weights,
         }
     }
@@ -203,6 +209,10 @@ pub struct TargetArgs {
     /// ZeRO stage of a deepspeed output (1, 2 or 3; default: the source's).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(1..=3))]
     zero_stage: Option<u8>,
+    /// The model config (`config.json`) an hf output carries, so that transformers'
+    /// `from_pretrained` loads it (default: the source's own, when it has one).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
 }
 
 /// A size such as `5GB`, `500MiB` or `1024` (bytes): decimal (KB, MB, GB, TB) and binary
@@ -236,6 +246,10 @@ impl TargetArgs {
             write: WriteOptions {
                 max_shard_size: self.max_shard_size,
                 zero_stage: self.zero_stage,
+                companions: match &self.config {
+                    Some(p) => vec![("config.json".into(), crate::checkpoint::read_companion(p)?)],
+                    None => vec![],
+                },
                 ..Default::default()
             },
             exec: ExecOptions {

@@ -15,6 +15,8 @@ struct Findings<'a> {
     ties: Vec<Vec<String>>,
     /// The per-rank entries (tensors and non-tensor), by name.
     per_rank: BTreeMap<&'a str, PerRank>,
+    /// The checkpoints of the folder given, when it holds several (step folders, tags).
+    siblings: Vec<String>,
 }
 
 /// Open `path` and print what it holds to `out`.
@@ -28,11 +30,13 @@ pub fn run(
     let found = Findings {
         ties: ck.tied_names()?,
         per_rank: per_rank_entries(&ck),
+        siblings: crate::formats::checkpoints_in(path),
     };
     if as_json {
         let mut v = serde_json::to_value(&ck).map_err(|e| Error::usage(e.to_string()))?;
         v["per_rank"] = serde_json::json!(found.per_rank);
         v["tied"] = serde_json::json!(found.ties);
+        v["checkpoints_in_folder"] = serde_json::json!(found.siblings);
         shown(json(out, &v))?;
     } else {
         shown(print_table(out, &ck, &found))?;
@@ -76,6 +80,15 @@ fn print_table(out: &mut dyn Write, ck: &Checkpoint, found: &Findings) -> io::Re
     }
     if let Some(p) = &ck.producer {
         writeln!(out, "  written by {p}")?;
+    }
+    if !found.siblings.is_empty() {
+        writeln!(
+            out,
+            "  one of {} checkpoints in the folder: {} (read: {}; --step or --tag for another)",
+            found.siblings.len(),
+            clip(&found.siblings.join(", "), 200),
+            ck.tag.as_deref().unwrap_or("?")
+        )?;
     }
     print_tensors(out, ck)?;
     if !ck.extras.is_empty() {

@@ -1,6 +1,9 @@
 //! Hugging Face sharded safetensors: `model.safetensors.index.json` (`weight_map`: tensor →
 //! file, `metadata.total_size`) plus `model-0000i-of-0000N.safetensors` files, each holding
-//! whole tensors. A consolidated (one-rank) layout split across files.
+//! whole tensors. A consolidated (one-rank) layout split across files. A model folder that
+//! `save_pretrained` wrote in one file (`model.safetensors`, no index) is read as one too.
+//! `config.json` and `generation_config.json` come with the folder
+//! ([`Checkpoint::companions`]) and are written beside an output's weights.
 
 use super::safetensors::{
     align_order, full_layouts, output_file, read_header, recorded_crcs, Entry,
@@ -18,6 +21,9 @@ use std::path::{Path, PathBuf};
 
 /// The index file's name.
 pub const INDEX: &str = "model.safetensors.index.json";
+
+/// The weights file of a model folder saved in one file.
+pub const SINGLE: &str = "model.safetensors";
 
 /// The index file of a Hugging Face sharded checkpoint in `dir`, if there is one
 /// (`model.safetensors.index.json`, or a single other `*.safetensors.index.json`).
@@ -60,7 +66,9 @@ impl Codec for Hf {
         &CAPS
     }
     fn recognize(&self, probe: &Probe) -> Recognition {
-        Recognition::marker_if(index_name(&probe.files).is_some())
+        Recognition::marker_if(
+            index_name(&probe.files).is_some() || probe.files.iter().any(|n| n == SINGLE),
+        )
     }
     fn read(&self, path: &Path) -> Result<Checkpoint> {
         read(path)
@@ -72,7 +80,17 @@ impl Codec for Hf {
 
 /// Read a Hugging Face sharded checkpoint.
 pub fn read(dir: &Path) -> Result<Checkpoint> {
-    let index = index_path(dir).ok_or_else(|| Error::format(dir, format!("has no {INDEX}")))?;
+    let Some(index) = index_path(dir) else {
+        // a model folder saved in one file
+        let single = dir.join(SINGLE);
+        if !single.is_file() {
+            return Err(Error::format(dir, format!("has no {INDEX} and no {SINGLE}")));
+        }
+        let mut ck = super::safetensors::read(&single)?;
+        ck.format = Format::HF;
+        ck.path = dir.to_path_buf();
+        return Ok(ck);
+    };
     let text = std::fs::read_to_string(&index).at(&index)?;
     let json: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| Error::format(&index, format!("is not valid JSON: {e}")))?;
@@ -208,6 +226,15 @@ pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
         literals: vec![(0, bytes.into())],
         checksums: vec![],
     });
+    // config.json and friends: what `from_pretrained` reads beside the weights
+    for (name, content) in &opts.companions {
+        files.push(OutputFile {
+            path: PathBuf::from(name),
+            size: content.len() as u64,
+            literals: vec![(0, content.clone().into())],
+            checksums: vec![],
+        });
+    }
     Ok(Output {
         files,
         tensors,

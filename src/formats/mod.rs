@@ -405,6 +405,37 @@ fn candidates(path: &Path) -> Result<Vec<Format>> {
     })
 }
 
+/// The checkpoints a folder holds in sub-folders, when it is not a checkpoint itself: the
+/// names of the sub-folders a format recognizes, sorted (step folders `step-<n>` by `n`);
+/// empty when `dir` is a checkpoint (or no folder). At most the first 10,000 entries are
+/// looked at.
+pub fn checkpoints_in(dir: &Path) -> Vec<String> {
+    if !dir.is_dir() || candidates(dir).is_ok_and(|c| !c.is_empty()) {
+        return vec![];
+    }
+    let mut v = checkpoint_subdirs(dir);
+    v.sort_by_key(|n| (step_of(n), n.clone()));
+    v
+}
+
+/// The step number of a step folder's name (`step-1000`, torchtitan's layout).
+pub fn step_of(name: &str) -> Option<u64> {
+    let n = name.strip_prefix("step-")?;
+    (!n.is_empty() && n.len() <= 19 && n.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| n.parse().ok())
+        .flatten()
+}
+
+/// The newest checkpoint of a folder of step folders (`step-<n>`, the largest n), when
+/// `dir` is not a checkpoint itself and every checkpoint in it is a step folder.
+pub fn latest_step(dir: &Path) -> Option<String> {
+    let inner = checkpoints_in(dir);
+    if inner.is_empty() || !inner.iter().all(|n| step_of(n).is_some()) {
+        return None;
+    }
+    inner.into_iter().max_by_key(|n| step_of(n))
+}
+
 /// The names of the sub-folders of `dir` that a format recognizes (sorted; at most the first
 /// 10,000 entries of `dir` are looked at).
 fn checkpoint_subdirs(dir: &Path) -> Vec<String> {
@@ -510,6 +541,10 @@ pub struct WriteOptions {
     pub tag: Option<String>,
     /// The ZeRO stage of a DeepSpeed output (1, 2 or 3); `None`: the source's.
     pub zero_stage: Option<u8>,
+    /// Files to write beside the tensors where the format keeps them (a Hugging Face
+    /// folder's `config.json`): the source's [`Checkpoint::companions`], overridden by name
+    /// by those given here.
+    pub companions: Vec<(String, Vec<u8>)>,
 }
 
 impl Default for WriteOptions {
@@ -522,6 +557,7 @@ impl Default for WriteOptions {
             ties: vec![],
             tag: None,
             zero_stage: None,
+            companions: vec![],
         }
     }
 }

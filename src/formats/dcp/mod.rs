@@ -422,6 +422,7 @@ fn read_with(dir: &Path, lazy: bool) -> Result<Checkpoint> {
         paths: meta.planner.into_iter().collect(),
         producer,
         tag: None,
+        companions: vec![],
         scratch,
         checksums,
         locator,

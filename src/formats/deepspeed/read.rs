@@ -292,6 +292,7 @@ pub fn read(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
         paths: r.paths,
         producer: Some(producer),
         tag: dir.file_name().and_then(|n| n.to_str()).map(str::to_string),
+        companions: vec![],
         scratch: vec![],
         checksums: r.checksums,
         locator: None,

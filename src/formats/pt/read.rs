@@ -102,6 +102,7 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
         paths: w.paths,
         producer: Some(producer),
         tag: None,
+        companions: vec![],
         scratch: vec![],
         checksums: w.checksums,
         locator: None,
