@@ -13,6 +13,13 @@
 #                                          the DeepSpeed interop tests, which CI runs)
 #   scripts/setup_venv.sh --transformers  ... plus Hugging Face transformers (the from_pretrained
 #                                          tests, which CI runs)
+#   scripts/setup_venv.sh --torchtitan    ... plus torchtitan 0.3.0 (--no-deps) and the few of its
+#                                          dependencies its checkpoint, optimizer and dataloader
+#                                          components import: tyro, torchdata, spmd-types
+#                                          (scripts/gen_torchtitan.py, python/tests/test_torchtitan.py)
+#   scripts/setup_venv.sh --megatron      ... plus megatron-core 0.16.1 and psutil (the load-back
+#                                          tests of megatron outputs, which CI runs; the fixture
+#                                          generator scripts/gen_megatron.py has venvs of its own)
 #
 # Locations: ${RESHARD_VENV:-$HOME/.cache/reshard/venv} and
 #            ${RESHARD_VENV21:-$HOME/.cache/reshard/venv-torch21}.
@@ -32,6 +39,8 @@ want_lightning=0
 want_bench=0
 want_deepspeed=0
 want_transformers=0
+want_megatron=0
+want_torchtitan=0
 for arg in "$@"; do
   case "$arg" in
     --torch21) want_torch21=1 ;;
@@ -39,7 +48,9 @@ for arg in "$@"; do
     --bench) want_lightning=1; want_bench=1 ;;
     --deepspeed) want_deepspeed=1 ;;
     --transformers) want_transformers=1 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    --torchtitan) want_torchtitan=1 ;;
+    --megatron) want_megatron=1 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "setup_venv.sh: unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -81,6 +92,19 @@ if [ "$want_deepspeed" = 1 ]; then
 fi
 if [ "$want_transformers" = 1 ]; then
   ensure_venv "$VENV" 'import transformers; print("transformers", transformers.__version__)' "${RESHARD_TRANSFORMERS_SPEC:-transformers==5.25.0}"
+fi
+if [ "$want_megatron" = 1 ]; then
+  # megatron-core's async checkpoint writer needs psutil
+  ensure_venv "$VENV" 'import megatron.core, psutil; print("megatron-core", megatron.core.__version__)' "${RESHARD_MEGATRON_SPEC:-megatron-core==0.16.1}" psutil
+fi
+if [ "$want_torchtitan" = 1 ]; then
+  # torchtitan's own requirements pull datasets, wandb, tensorboard, ...: none of them is
+  # imported by the components reshard's tests drive, so it goes in without dependencies,
+  # with only what those imports need (tyro with its dependencies; torchdata's
+  # StatefulDataLoader and spmd-types, pinned as torchtitan 0.3.0 pins it, without theirs).
+  ensure_venv "$VENV" 'import tyro; print("tyro", tyro.__version__)' "${RESHARD_TYRO_SPEC:-tyro==1.0.17}"
+  ensure_venv "$VENV" 'import torchtitan.components.checkpoint, torchtitan.components.optimizer, torchtitan.components.dataloader; print("torchtitan ok")' \
+    --no-deps "${RESHARD_TORCHTITAN_SPEC:-torchtitan==0.3.0}" torchdata==0.11.0 spmd-types==0.2.3
 fi
 
 # <repo>/.venv -> main venv

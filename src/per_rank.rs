@@ -6,6 +6,8 @@
 //! - a name segment that carries a rank number — `rank_3`, `rank3`, `dp_rank_0`, `rank-1`, or
 //!   a number right after a `ranks` / `per_rank` segment (`sampler.per_rank.2`): the state of
 //!   that rank;
+//! - megatron-core's `ShardedObject` keys, `<key>/shard_<offsets>_<shape>`: the state of the
+//!   shard at that position (its row-major index in the grid of shards);
 //! - a segment naming random-number-generator or data-loader state — `rng`, `rng_state`,
 //!   `cuda_rng_state`, `random_state`, `dataloader`, `data_loader`, `sampler_state` — saved
 //!   under one key: one rank's copy (DCP keeps a single copy of a key every rank saved).
@@ -53,6 +55,23 @@ fn segment_rank(seg: &str) -> Option<u64> {
 }
 
 /// True when a segment names RNG or data-loader state.
+/// The shard a megatron-core `ShardedObject` key names, `<key>/shard_<offsets>_<shape>`
+/// (offsets and shape dot-separated: `rng_state/shard_0.1_1.2`): its row-major index in the
+/// grid of shards. Such objects are saved per process (RNG states, data-loader positions).
+fn sharded_object_rank(name: &str) -> Option<u64> {
+    let (_, rest) = name.rsplit_once("/shard_")?;
+    let (offsets, shape) = rest.split_once('_')?;
+    let dims = |s: &str| -> Option<Vec<u64>> { s.split('.').map(|d| d.parse().ok()).collect() };
+    let (offsets, shape) = (dims(offsets)?, dims(shape)?);
+    if offsets.len() != shape.len() || offsets.iter().zip(&shape).any(|(o, n)| o >= n) {
+        return None;
+    }
+    offsets
+        .iter()
+        .zip(&shape)
+        .try_fold(0u64, |a, (&o, &n)| a.checked_mul(n)?.checked_add(o))
+}
+
 fn segment_is_state(seg: &str) -> bool {
     let s = seg.to_ascii_lowercase();
     let words: Vec<&str> = s.split(['_', '-']).collect();
@@ -68,6 +87,9 @@ fn segment_is_state(seg: &str) -> bool {
 
 /// Whether the entry named `name` (a flat, dot-separated key) is per-rank state.
 pub fn classify(name: &str) -> Option<PerRank> {
+    if let Some(r) = sharded_object_rank(name) {
+        return Some(PerRank::Rank(r));
+    }
     let segs: Vec<&str> = name.split('.').collect();
     for (i, seg) in segs.iter().enumerate() {
         if let Some(r) = segment_rank(seg) {
@@ -168,6 +190,12 @@ mod tests {
         assert_eq!(r("cuda_rng_state"), Some(PerRank::Single));
         assert_eq!(r("rng_states.torch"), Some(PerRank::Single));
         assert_eq!(r("train_dataloader.epoch"), Some(PerRank::Single));
+        // megatron-core ShardedObjects: the shard's index in its grid
+        assert_eq!(r("rng_state/shard_0.1_1.2"), Some(PerRank::Rank(1)));
+        assert_eq!(r("dataloader_state/shard_3_4"), Some(PerRank::Rank(3)));
+        assert_eq!(r("x/shard_1.0_2.3"), Some(PerRank::Rank(3)));
+        assert_eq!(r("x/shard_4_4"), None);
+        assert_eq!(r("x/shard_a_4"), None);
         for plain in [
             "model.layers.0.weight",
             "optimizer.param_groups.0.lr",

@@ -11,6 +11,7 @@
 //! | `dcp/` | PyTorch Distributed Checkpoints (`.metadata` + `__R_I.distcp`): codec, reader, writer |
 //! | `pt/` | one `torch.save` file (`.pt`) holding a state dict: codec, reader, writer |
 //! | `deepspeed/` | DeepSpeed ZeRO checkpoints (stages 1-3): file records, partitions, reader, writer |
+//! | `megatron` | megatron-core `dist_checkpointing` (`torch_dist`): its files around a DCP checkpoint |
 //! | `torch/` | the torch.save machinery DCP and `.pt` share: pickle, zip records, dtypes |
 //!
 //! # Adding a format
@@ -27,6 +28,7 @@ crate::internal! {
     mod deepspeed;
     mod hf;
     mod hf_storage;
+    mod megatron;
     mod pt;
     mod safetensors;
     mod torch;
@@ -53,6 +55,7 @@ pub const REGISTRY: &[Format] = &[
     Format::DCP,
     Format::PT,
     Format::DEEPSPEED,
+    Format::MEGATRON,
 ];
 
 /// One checkpoint format: what it can hold, how to recognize it, its reader and its writer.
@@ -242,6 +245,9 @@ impl Format {
     /// A DeepSpeed ZeRO checkpoint folder (`latest` + a tag folder of model and optim
     /// states files).
     pub const DEEPSPEED: Format = Format(&deepspeed::DeepSpeed);
+    /// A megatron-core `dist_checkpointing` folder (`torch_dist`: `metadata.json`,
+    /// `common.pt` and a DCP checkpoint).
+    pub const MEGATRON: Format = Format(&megatron::Megatron);
 
     /// The name used on the command line.
     pub fn name(self) -> &'static str {

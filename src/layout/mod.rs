@@ -4,6 +4,7 @@
 //! as [`TensorLayout`]s, a target is a [`Sharding`] (or flat ranges) compiled to regions per
 //! rank, and the planner intersects the two.
 
+mod blocks;
 pub(crate) mod cast;
 mod dtype;
 mod placement;
@@ -11,6 +12,7 @@ mod region;
 mod summary;
 mod tensor;
 
+pub use blocks::BlockFlat;
 pub use dtype::DType;
 pub use placement::{
     chunk_range, even_range, flat_range_boxes, flat_ranges, FlatShare, Mesh, Placement, Sharding,

@@ -21,6 +21,7 @@ mod dcp_read;
 mod dcp_write;
 mod deepspeed;
 mod hf_storage;
+mod megatron;
 mod pt_read;
 mod pt_write;
 mod torch_save;

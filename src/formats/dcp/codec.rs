@@ -3,8 +3,8 @@
 
 use crate::error::Result;
 use crate::formats::{
-    dcp, Aliasing, Capabilities, Checkpoint, Codec, Container, Family, Output, Probe,
-    Recognition, TargetTensor, WriteOptions,
+    dcp, Aliasing, Capabilities, Checkpoint, Codec, Container, Family, Output, Probe, Recognition,
+    TargetTensor, WriteOptions,
 };
 use std::path::Path;
 
@@ -29,7 +29,11 @@ impl Codec for Dcp {
         &DCP_CAPS
     }
     fn recognize(&self, probe: &Probe) -> Recognition {
-        Recognition::marker_if(probe.files.iter().any(|n| dcp::is_metadata_name(n)))
+        // a megatron-core folder is a DCP checkpoint and more: it is that format's
+        Recognition::marker_if(
+            probe.files.iter().any(|n| dcp::is_metadata_name(n))
+                && !crate::formats::megatron::looks_like(probe),
+        )
     }
     fn read(&self, path: &Path) -> Result<Checkpoint> {
         dcp::read(path)

@@ -135,6 +135,9 @@ pub(super) struct Meta {
     /// Stream transform lists; index 0 is the empty list.
     pub(super) transforms: Vec<Vec<String>>,
     pub(super) version: Option<String>,
+    /// Tensors stored in a block-flattened view ([`crate::layout::BlockFlat`]), with their
+    /// real shapes: megatron-core's `mcore_data[key]["nd_reformulated_orig_global_shape"]`.
+    pub(super) reformulated: HashMap<String, Vec<u64>>,
 }
 
 impl Meta {
@@ -174,7 +177,11 @@ fn parse_metadata(path: &Path, bytes: &[u8], origin: usize) -> Result<Meta> {
     let graph = pickle::parse_graph(bytes, &pickle::dcp_metadata_globals())
         .map_err(|e| err(format!("cannot decode the metadata pickle: {e}")))?;
     let root = graph.root();
-    if root.class().map(|c| c.1) != Some("Metadata") {
+    // megatron-core's `MCoreMetadata` is a `Metadata` with `mcore_data`
+    if !matches!(
+        root.class().map(|c| c.1),
+        Some("Metadata" | "MCoreMetadata")
+    ) {
         return Err(err(format!(
             "does not hold a DCP Metadata object (found a {})",
             root.kind()
@@ -184,6 +191,7 @@ fn parse_metadata(path: &Path, bytes: &[u8], origin: usize) -> Result<Meta> {
     meta.entries = state_dict_metadata(root, origin).map_err(err)?;
     storage_data(root, &mut meta).map_err(err)?;
     meta.planner = planner_data(root).map_err(err)?;
+    meta.reformulated = mcore_data(root).map_err(err)?;
     meta.version = root
         .get("version")
         .and_then(Obj::as_str)
@@ -383,6 +391,38 @@ fn planner_data(root: Obj) -> Result<Vec<(String, Vec<KeyPart>)>, String> {
     Ok(planner)
 }
 
+/// megatron-core's `MCoreMetadata.mcore_data` (absent elsewhere): per key a dict, whose
+/// `nd_reformulated_orig_global_shape`, where present, is the real shape of a tensor stored
+/// block-flattened (its distributed optimizer's flattened ranges). Other entries are ignored.
+fn mcore_data(root: Obj) -> Result<HashMap<String, Vec<u64>>, String> {
+    let mut out = HashMap::new();
+    let pairs = match root.get("mcore_data") {
+        None => return Ok(out),
+        Some(p) if p.is_none() => return Ok(out),
+        Some(p) => p
+            .as_dict()
+            .ok_or_else(|| format!("mcore_data is a {}, not a dict", p.kind()))?,
+    };
+    for (k, v) in pairs {
+        let name = k.as_str().ok_or("mcore_data has a non-str key")?;
+        let Some(shape) = v.get("nd_reformulated_orig_global_shape") else {
+            continue;
+        };
+        if shape.is_none() {
+            continue;
+        }
+        let mut dims = vec![];
+        if !shape.dims_into(&mut dims) {
+            return Err(format!(
+                "mcore_data of `{}` has a bad nd_reformulated_orig_global_shape",
+                short(name)
+            ));
+        }
+        out.insert(name.to_string(), dims);
+    }
+    Ok(out)
+}
+
 fn tensor_metadata(name: &str, v: Obj) -> Result<Kind, String> {
     let name = short(name);
     let props = v
@@ -558,6 +598,9 @@ fn merge(paths: &[PathBuf], metas: Vec<Meta>) -> Result<Meta> {
                     ))
                 }
             }
+        }
+        for (k, shape) in m.reformulated {
+            out.reformulated.entry(k).or_insert(shape);
         }
         for (k, p) in m.planner {
             if planned.insert(k.clone()) {

@@ -29,13 +29,13 @@ mod codec;
 mod metadata;
 pub mod write;
 
-pub use codec::Dcp;
 use super::torch::pickle::Value;
 use super::torch::{save, short};
 use super::{Checkpoint, Extra, Format, RecordCrc};
 use crate::checkpoint::Locate;
 use crate::error::{Error, IoContext, Result};
-use crate::layout::{DType, Loc, Piece, TensorLayout};
+use crate::layout::{BlockFlat, DType, Loc, Piece, TensorLayout};
+pub use codec::Dcp;
 use memmap2::Mmap;
 use metadata::{load_metadata, Item, Kind, Meta};
 use rayon::prelude::*;
@@ -355,7 +355,13 @@ fn read_with(dir: &Path, lazy: bool) -> Result<Checkpoint> {
         scratch.push(Arc::new(path));
     }
     // Lazily, a plain chunk item is not looked at: its piece points at the item, pending.
-    let pending = |w: &Work| lazy && matches!(w.want, Want::Chunk { .. }) && w.transforms == 0;
+    // Block-flattened tensors are located now: their chunks are cut into pieces at offsets
+    // within the item.
+    let pending = |w: &Work| {
+        lazy && w.transforms == 0
+            && matches!(w.want, Want::Chunk { entry, .. }
+                if !meta.reformulated.contains_key(&meta.entries[entry].name))
+    };
     let first = batches(&works, |i| !pending(&works[i]));
     // Parse every item (batches in parallel) and check it against the metadata; the items
     // of safetensors blobs are only recognised (`Ok(None)`), then their shared headers
@@ -519,7 +525,10 @@ impl Locate for Items {
                 if file >= self.files.len() || p.loc.pending.is_none() {
                     return Err(Error::layout(
                         &t.name,
-                        format!("piece {} is not a pending piece of this checkpoint", p.region),
+                        format!(
+                            "piece {} is not a pending piece of this checkpoint",
+                            p.region
+                        ),
                     ));
                 }
                 Ok(Work {
@@ -579,7 +588,11 @@ fn locate_items(
     let mut rels: Vec<String> = vec![];
     // Per `Meta::files` entry, its index in `rels` once resolved.
     let mut rel_of: Vec<Option<usize>> = vec![None; meta.files.len()];
-    let total: usize = meta.entries.iter().map(|e| e.kind.chunk_count().max(1)).sum();
+    let total: usize = meta
+        .entries
+        .iter()
+        .map(|e| e.kind.chunk_count().max(1))
+        .sum();
     let mut items: Vec<(Want, usize, Item)> = Vec::with_capacity(total);
     for (ei, e) in meta.entries.iter().enumerate() {
         let meta_path = &meta_paths[e.origin];
@@ -828,12 +841,19 @@ fn assemble(
     for ((e, ps), x) in meta.entries.iter().zip(pieces).zip(extras_by_entry) {
         match &e.kind {
             Kind::Tensor { dtype, size, .. } => {
-                tensors.push(TensorLayout {
+                let t = TensorLayout {
                     name: e.name.clone(),
                     dtype: *dtype,
                     shape: size.clone(),
                     pieces: ps,
-                });
+                };
+                let t = match meta.reformulated.get(&e.name) {
+                    None => t,
+                    Some(real) => unflatten(t, real).map_err(|m| {
+                        Error::format(&meta_paths[e.origin], format!("`{}`: {m}", short(&e.name)))
+                    })?,
+                };
+                tensors.push(t);
                 origins.push(e.origin);
             }
             Kind::Bytes { .. } => extras.extend(x),
@@ -850,6 +870,50 @@ fn assemble(
         .collect();
     checked.into_iter().collect::<Result<()>>()?;
     Ok((tensors, extras, checksums))
+}
+
+/// A tensor stored block-flattened (megatron-core's flattened ranges, the real shape from
+/// `mcore_data`): its chunks of the view as pieces of the real tensor of `shape`
+/// ([`BlockFlat::to_real`]).
+fn unflatten(t: TensorLayout, shape: &[u64]) -> std::result::Result<TensorLayout, String> {
+    if shape.len() > crate::layout::MAX_DIMS {
+        return Err(format!("has {} dimensions", shape.len()));
+    }
+    let bf = BlockFlat::new(shape, &t.shape)?;
+    let elem = t.dtype.size() as u64;
+    let mut pieces = Vec::with_capacity(t.pieces.len());
+    for p in t.pieces {
+        let row_major = crate::layout::row_major_strides(&p.region.sizes);
+        let contiguous = p.loc.strides.as_ref().is_none_or(|st| {
+            st.iter()
+                .zip(row_major.iter())
+                .zip(p.region.sizes.iter())
+                .all(|((a, b), &n)| n <= 1 || a == b)
+        });
+        if !contiguous || p.loc.pending.is_some() {
+            return Err(format!(
+                "chunk at {:?} of a block-flattened tensor is not stored contiguously",
+                p.region.offsets.as_slice()
+            ));
+        }
+        for (region, at) in bf.to_real(&p.region)? {
+            pieces.push(Piece {
+                rank: p.rank,
+                region,
+                loc: Loc {
+                    file: p.loc.file,
+                    offset: p.loc.offset + at * elem,
+                    strides: None,
+                    pending: None,
+                },
+            });
+        }
+    }
+    Ok(TensorLayout {
+        shape: shape.to_vec(),
+        pieces,
+        ..t
+    })
 }
 
 /// The world size: one more than the highest rank of every `__R_*` data file and
@@ -1018,8 +1082,7 @@ fn read_item(
         _ => {
             // A BYTE_IO item: decode the value.
             let (si, off, len) = w.at;
-            let item =
-                save::parse(sources[si].slice(off, len)).map_err(|e| err(e.to_string()))?;
+            let item = save::parse(sources[si].slice(off, len)).map_err(|e| err(e.to_string()))?;
             return Ok(Got::Extra {
                 entry,
                 extra: Box::new(Extra {
@@ -1072,7 +1135,8 @@ struct Expected<'a> {
 impl Expected<'_> {
     /// The checksum label of the record `record` of this chunk's item.
     fn label(&self, record: &str, zst: &str) -> Arc<str> {
-        let make = || -> Arc<str> { format!("item `{}` record {record}{zst}", short(self.name)).into() };
+        let make =
+            || -> Arc<str> { format!("item `{}` record {record}{zst}", short(self.name)).into() };
         let (key, label) = self
             .label
             .get_or_init(|| (format!("{record}{zst}"), make()));
@@ -1170,6 +1234,12 @@ fn zip_chunk(
 
 /// The top-level keys of a Lightning `meta.pt` as extras.
 fn read_meta_pt(path: &Path) -> Result<Vec<Extra>> {
+    read_pickled_dict(path, "meta.pt")
+}
+
+/// The top-level keys of a `torch.save` file holding a dict of plain values (Lightning's
+/// `meta.pt`, megatron-core's `common.pt`) as extras of the given origin.
+pub(crate) fn read_pickled_dict(path: &Path, origin: &'static str) -> Result<Vec<Extra>> {
     let src = Source::open(path.to_path_buf(), None)?;
     let item = save::parse(src.bytes()).map_err(|e| Error::format(path, e.to_string()))?;
     let pairs = item.value.as_dict().ok_or_else(|| {
@@ -1199,7 +1269,7 @@ fn read_meta_pt(path: &Path) -> Result<Vec<Extra>> {
                 value: to_json(v),
                 pickle: Some(v.clone()),
                 raw: None,
-                origin: "meta.pt",
+                origin,
             })
         })
         .collect()

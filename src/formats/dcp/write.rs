@@ -97,7 +97,7 @@ struct ItemSpan {
 }
 
 /// A whole file holding `bytes`.
-fn literal_file(path: &str, bytes: Vec<u8>) -> OutputFile {
+pub(crate) fn literal_file(path: &str, bytes: Vec<u8>) -> OutputFile {
     blocks_file(path, vec![bytes.into()])
 }
 
@@ -122,13 +122,19 @@ fn blocks_file(path: &str, blocks: Vec<Literal>) -> OutputFile {
 
 /// Lightning's `meta.pt`: a `torch.save` of a dict of the `meta.pt` extras.
 fn meta_pt_file(extras: &[&Extra]) -> OutputFile {
+    pickled_dict_file("meta.pt", "meta", extras)
+}
+
+/// A file `name` holding a `torch.save` (archive folder `prefix`) of a dict of `extras` by
+/// name.
+pub(crate) fn pickled_dict_file(name: &str, prefix: &str, extras: &[&Extra]) -> OutputFile {
     let v = PyValue::Dict(
         extras
             .iter()
             .map(|e| (PyValue::Str(e.name.clone()), e.py_value()))
             .collect(),
     );
-    literal_file("meta.pt", save_to_vec("meta", &v, &[]))
+    literal_file(name, save_to_vec(prefix, &v, &[]))
 }
 
 /// A torch.save item of one dtype and shape, laid out once and placed at every chunk of that
@@ -461,8 +467,7 @@ impl Keys<'_> {
         // Memo slots of what every item repeats: the classes, the keys, each tensor's name
         // (kept while its items follow one another) and each rank's file name.
         let [mut index_cls, mut info_cls, mut size_cls] = [Slot::default(); 3];
-        let [mut fqn, mut offset, mut index, mut relative_path, mut length] =
-            [Slot::default(); 5];
+        let [mut fqn, mut offset, mut index, mut relative_path, mut length] = [Slot::default(); 5];
         let mut name: (usize, Slot) = (usize::MAX, Slot::default());
         let mut paths = vec![Slot::default(); self.world as usize];
         let mut path = String::new();

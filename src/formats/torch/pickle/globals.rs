@@ -64,6 +64,8 @@ impl Globals {
 pub fn dcp_metadata_globals() -> Globals {
     const CKPT_META: &str = "torch.distributed.checkpoint.metadata";
     const SHARDED_META: &str = "torch.distributed._shard.sharded_tensor.metadata";
+    const PLANNER: &str = "torch.distributed.checkpoint.planner";
+    const MCORE_TORCH: &str = "megatron.core.dist_checkpointing.strategies.torch";
     let mut g = Globals::from_pairs(&[
         (CKPT_META, "Metadata"),
         (CKPT_META, "TensorStorageMetadata"),
@@ -76,6 +78,14 @@ pub fn dcp_metadata_globals() -> Globals {
         (SHARDED_META, "TensorProperties"),
         (SHARDED_META, "MEM_FORMAT_ENCODING"),
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        // megatron-core's `torch_dist` metadata: its `Metadata` subclass (with `mcore_data`,
+        // 0.15) and the save plans it records in `all_local_plans` (0.16), read as values
+        (MCORE_TORCH, "MCoreMetadata"),
+        (MCORE_TORCH, "MCoreSavePlan"),
+        (PLANNER, "SavePlan"),
+        (PLANNER, "WriteItem"),
+        (PLANNER, "WriteItemType"),
+        (PLANNER, "TensorWriteData"),
         ("torch", "Size"),
         ("torch.serialization", "_get_layout"),
         ("pathlib", "PosixPath"),
