@@ -17,6 +17,7 @@ library from the tensor's mesh coordinate and placements.
 """
 
 import inspect
+import re
 from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -450,6 +451,43 @@ def _has_fsdp1(obj: Any) -> bool:
     return isinstance(obj, torch.nn.Module) and any(isinstance(m, FullyShardedDataParallel) for m in obj.modules())
 
 
+_GROUP_PARAMS = re.compile(r"param_groups\.\d+\.(params|param_names)")
+
+
+def _flat_param_groups(osd: Dict[str, Any], ck: Checkpoint, rename: Callable[[str], Optional[str]]) -> Optional[Callable[[str], Optional[str]]]:
+    """torchtitan's flat optimizer layout: each parameter group's hyperparameters saved per
+    parameter, as ``param_groups.<fqn>.<key>`` (torchtitan.components.optimizer.utils), not
+    as the list ``param_groups`` torch's ``get_optimizer_state_dict`` holds. Where the
+    checkpoint holds them so, a rename that reads group ``i``'s ``key`` from its first
+    parameter's entry (as torchtitan's ``load_flat_optim_state_dict`` does) and skips the
+    copies of the other parameters and keys the live group lacks; None otherwise."""
+    groups = osd.get("param_groups")
+    if not isinstance(groups, list) or not groups:
+        return None
+    where: Dict[str, Tuple[int, bool]] = {}
+    keys: List[set] = []
+    for i, g in enumerate(groups):
+        fqns = g.get("params") if isinstance(g, Mapping) else None
+        if not isinstance(fqns, list) or not all(isinstance(f, str) for f in fqns):
+            return None
+        for j, f in enumerate(fqns):
+            where[f] = (i, j == 0)
+        keys.append({k for k in g if k not in ("params", "param_names")})
+    table: Dict[str, Optional[str]] = {}
+    for name in ck.keys():
+        target = rename(name)
+        if target is None or not target.startswith("param_groups."):
+            continue
+        fqn, _, key = target[len("param_groups."):].rpartition(".")
+        if fqn not in where:
+            continue
+        i, first = where[fqn]
+        table[name] = f"param_groups.{i}.{key}" if first and key in keys[i] else None
+    if not table:
+        return None
+    return lambda n: table[n] if n in table else rename(n)
+
+
 def _load_optimizer_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -470,7 +508,22 @@ def _load_optimizer_state(
     try:
         fresh = {id(t) for p in made or () for t in optimizer.state[p].values()}
         osd = get_optimizer_state_dict(model, optimizer)
-        res = load(osd, ck, strict=strict, rename=rename)
+        flat_groups = _flat_param_groups(osd, ck, rename)
+        if flat_groups is None:
+            res = load(osd, ck, strict=strict, rename=rename)
+        else:
+            res = load(osd, ck, strict=False, rename=flat_groups)
+            # the groups' parameter lists are the live optimizer's, as torchtitan keeps them
+            missing = [m for m in res.missing_keys if not _GROUP_PARAMS.fullmatch(m)]
+            res = LoadResult(missing, res.unexpected_keys)
+            if strict and (missing or res.unexpected_keys):
+                parts = []
+                if missing:
+                    parts.append(f"{len(missing)} key(s) of the state dict are not in it: {_few(missing)}")
+                if res.unexpected_keys:
+                    parts.append(f"{len(res.unexpected_keys)} of its entries have no place in the state dict: "
+                                 f"{_few(res.unexpected_keys)}")
+                raise RequestError(f"{ck.path}: " + "; ".join(parts) + " (pass strict=False to load the rest)")
         if fresh and res.missing_keys:
             leaves: List[_Leaf] = []
             _walk(osd, (), leaves, {}, None, None)

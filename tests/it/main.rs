@@ -25,6 +25,7 @@ mod megatron;
 mod pt_read;
 mod pt_write;
 mod torch_save;
+mod torchtitan;
 
 // properties over random inputs
 mod format_chains;
