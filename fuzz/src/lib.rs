@@ -398,13 +398,16 @@ pub fn layout(data: &[u8]) {
 // whole checkpoints: DCP and DeepSpeed
 
 /// The small real DCP checkpoints `open_dcp` mutates, relative to the repository root:
-/// plain FSDP2, zstd-compressed items, safetensors-serialized items, and torch 2.1 Fabric
-/// (`meta.pt`, 2.1 metadata classes).
-pub const DCP_FIXTURES: [&str; 4] = [
+/// plain FSDP2, zstd-compressed items, safetensors-serialized items, torch 2.1 Fabric
+/// (`meta.pt`, 2.1 metadata classes), and megatron-core folders (0.16: save plans in the
+/// metadata, `common.pt`, `metadata.json`; 0.15: `MCoreMetadata` and flattened tensors).
+pub const DCP_FIXTURES: [&str; 6] = [
     "tests/fixtures/fsdp2_w2_f32/checkpoint",
     "tests/fixtures/fsdp2_w2_f32_zstd/checkpoint",
     "tests/fixtures/fmt_fs_safetensors_w2/checkpoint",
     "tests/fixtures/fabric_fsdp1_w4_f32_torch21/checkpoint",
+    "tests/fixtures/megatron/mcore016_tp2_dp2/checkpoint",
+    "tests/fixtures/megatron/mcore015_tp2_dp1_flat/checkpoint",
 ];
 
 /// The DeepSpeed tag folders `open_deepspeed` mutates: one per optimizer layout (stage 1

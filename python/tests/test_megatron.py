@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 import reshard
 
@@ -109,10 +110,17 @@ def test_common_state_reaches_megatron_core(tmp_path):
     """common.pt written by reshard is what megatron-core's load_common_state_dict reads."""
     from megatron.core import dist_checkpointing
 
-    src = FIXTURES / "mcore016_tp2_dp1" / "checkpoint"
+    import argparse
+    import shutil
+
+    # the fixture with Megatron-LM's `args` (an argparse.Namespace) in its common.pt
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "mcore016_tp2_dp1" / "checkpoint", src)
+    shutil.copy(FIXTURES / "common_with_args.pt", src / "common.pt")
     out = tmp_path / "out"
     reshard.convert(src, out, world_size=3, format="megatron", per_rank_state="keep")
     want = dist_checkpointing.load_common_state_dict(str(src))
     got = dist_checkpointing.load_common_state_dict(str(out))
     assert got == want
     assert got["iteration"] == 7
+    assert isinstance(got["args"], argparse.Namespace) and got["args"].params_dtype == torch.bfloat16

@@ -471,9 +471,9 @@ pub fn judge<S: AsRef<std::ffi::OsStr> + std::fmt::Debug>(py: &Path, args: &[S])
 }
 
 /// Every real checkpoint of `tests/fixtures`: the torch-written DCP and HF-storage
-/// directories, the `.pt` files, and the tag folders of four DeepSpeed checkpoints (one per
+/// directories, the `.pt` files, the tag folders of four DeepSpeed checkpoints (one per
 /// optimizer layout: stage 1 tied, stage 2 bf16 with a frozen parameter, BF16_Optimizer,
-/// stage 3 with frozen fragments), sorted.
+/// stage 3 with frozen fragments) and two megatron-core folders, sorted.
 pub fn fixture_checkpoints() -> Vec<PathBuf> {
     let root = fixture("");
     let mut v: Vec<PathBuf> = std::fs::read_dir(&root)
@@ -483,6 +483,11 @@ pub fn fixture_checkpoints() -> Vec<PathBuf> {
         .collect();
     for case in ["flat_dtypes", "training", "tied", "views", "ordered"] {
         v.push(root.join("pt").join(case).join("model.pt"));
+    }
+    // megatron-core folders: 0.16 (save plans, two writer threads, ShardedObjects) and 0.15
+    // (MCoreMetadata, flattened tensors)
+    for case in ["mcore016_tp2_dp2", "mcore015_tp2_dp1_flat"] {
+        v.push(root.join("megatron").join(case).join("checkpoint"));
     }
     for case in [
         "zero1_dp2_f32_g1",

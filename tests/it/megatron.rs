@@ -322,3 +322,44 @@ fn sharded_objects_are_per_rank_state_and_keys_select() {
     assert_eq!(want.len(), 3);
     assert_eq!(got, want);
 }
+
+#[test]
+fn megatron_lm_arguments_in_common_pt_come_back_as_a_namespace() {
+    // Megatron-LM saves its arguments as an argparse.Namespace in common.pt
+    let d = tempfile::tempdir().unwrap();
+    let src = d.path().join("src");
+    common::copy_dir(&fixture("megatron/mcore016_tp2_dp1/checkpoint"), &src);
+    std::fs::copy(
+        fixture("megatron/common_with_args.pt"),
+        src.join("common.pt"),
+    )
+    .unwrap();
+    let ck = Checkpoint::open(&src).unwrap();
+    let args = ck.extras.iter().find(|e| e.name == "args").unwrap();
+    assert_eq!(args.origin, "common.pt");
+    assert!(args.pickle.is_some());
+    let out = d.path().join("out");
+    convert(
+        &src,
+        &out,
+        &[
+            "--format",
+            "megatron",
+            "--to",
+            "3",
+            "--per-rank-state",
+            "keep",
+            "-q",
+        ],
+    );
+    let back = Checkpoint::open(&out).unwrap();
+    for e in ck.extras.iter().filter(|e| e.origin == "common.pt") {
+        let b = back.extras.iter().find(|x| x.name == e.name).unwrap();
+        assert_eq!((b.origin, &b.value), (e.origin, &e.value), "`{}`", e.name);
+        assert!(
+            b.pickle == e.pickle,
+            "`{}`: the decoded values differ",
+            e.name
+        );
+    }
+}

@@ -1240,8 +1240,11 @@ fn read_meta_pt(path: &Path) -> Result<Vec<Extra>> {
 /// The top-level keys of a `torch.save` file holding a dict of plain values (Lightning's
 /// `meta.pt`, megatron-core's `common.pt`) as extras of the given origin.
 pub(crate) fn read_pickled_dict(path: &Path, origin: &'static str) -> Result<Vec<Extra>> {
+    static GLOBALS: OnceLock<crate::formats::torch::pickle::Globals> = OnceLock::new();
+    let globals = GLOBALS.get_or_init(crate::formats::torch::pickle::pickled_dict_globals);
     let src = Source::open(path.to_path_buf(), None)?;
-    let item = save::parse(src.bytes()).map_err(|e| Error::format(path, e.to_string()))?;
+    let item = save::parse_with(src.bytes(), globals)
+        .map_err(|e| Error::format(path, e.to_string()))?;
     let pairs = item.value.as_dict().ok_or_else(|| {
         Error::format(
             path,

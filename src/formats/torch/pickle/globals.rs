@@ -96,6 +96,15 @@ pub fn dcp_metadata_globals() -> Globals {
     g
 }
 
+/// Allow-list for `torch.save` files of plain values beside a checkpoint (Lightning's
+/// `meta.pt`, megatron-core's `common.pt`): [`torch_save_globals`] plus `argparse.Namespace`,
+/// which Megatron-LM saves its arguments as (read as an object with its `__dict__`).
+pub fn pickled_dict_globals() -> Globals {
+    let mut g = torch_save_globals();
+    g.allow("argparse", "Namespace");
+    g
+}
+
 /// Allow-list for `data.pkl` of `torch.save` archives: what `torch.load(weights_only=True)`
 /// accepts (`docs/pytorch-formats.md` §8.1) plus torch dtypes and `_rebuild_parameter`.
 pub fn torch_save_globals() -> Globals {

@@ -56,7 +56,7 @@ pub mod read;
 mod value;
 pub mod write;
 
-pub use globals::{dcp_metadata_globals, torch_save_globals, Globals};
+pub use globals::{dcp_metadata_globals, pickled_dict_globals, torch_save_globals, Globals};
 pub use read::{parse, parse_graph, Obj, PickleError};
 pub use value::Value;
 pub use write::{pickle, Pickler, PyValue, Slot};

@@ -865,6 +865,18 @@ pub fn from_pickle(v: &Value) -> Option<PyValue> {
             },
             _ => return None,
         },
+        // Megatron-LM's `args`: made again as pickled, `argparse.Namespace.__new__()` and its
+        // `__dict__` set by BUILD
+        Value::Object {
+            module,
+            name,
+            args,
+            state: Some(state),
+        } if module == "argparse" && name == "Namespace" && args.is_empty() => PyValue::Object {
+            module: module.clone(),
+            name: name.clone(),
+            state: Some(Box::new(from_pickle(state)?)),
+        },
         _ => return None,
     })
 }
