@@ -54,6 +54,7 @@ mod error;
 pub mod formats;
 pub mod layout;
 pub mod load;
+pub mod parts;
 pub mod per_rank;
 pub mod plan;
 mod select;
