@@ -171,7 +171,8 @@ impl Span {
 /// Split the destination files (their sizes, `sizes[f]` for file `f`) written by `ops` (sorted
 /// by destination file and offset, as [`crate::plan::Plan::ops`] are) into `count` parts of
 /// about equal bytes: per part, its spans sorted by file and offset. Every byte of every file
-/// is in exactly one part; a copy never crosses a span's edge. Deterministic: the same inputs
+/// is in exactly one part; a strided copy (`count > 1`) never crosses a span's edge, a
+/// contiguous one may. Deterministic: the same inputs
 /// give the same parts on every worker. Parts may be empty when there are fewer spans than
 /// parts.
 pub fn split(sizes: &[u64], ops: &[CopyOp], count: u32) -> Result<Vec<Vec<Span>>> {
@@ -197,28 +198,30 @@ pub fn split(sizes: &[u64], ops: &[CopyOp], count: u32) -> Result<Vec<Vec<Span>>
             });
             continue;
         }
-        // cut points: offsets no copy crosses, the first at or after each multiple of the share
-        let clean = clean_points(file_ops);
+        // cut at each multiple of the share, or just past the strided copy it falls in
+        // (a contiguous copy can be cut anywhere; a strided one's rows interleave with others)
+        let blocked = strided_spans(file_ops);
         let mut start = 0;
-        let mut want = share;
-        let mut ci = 0;
-        while want < size {
-            while ci < clean.len() && clean[ci] < want {
-                ci += 1;
+        let mut bi = 0;
+        loop {
+            let mut cut = start + share;
+            while bi < blocked.len() && blocked[bi].1 <= cut {
+                bi += 1;
             }
-            let Some(&cut) = clean.get(ci) else { break };
+            if let Some(&(a, b)) = blocked.get(bi) {
+                if a < cut {
+                    cut = b;
+                }
+            }
             if cut >= size {
                 break;
             }
-            if cut > start {
-                spans.push(Span {
-                    file,
-                    start,
-                    end: cut,
-                });
-                start = cut;
-            }
-            want = start + share;
+            spans.push(Span {
+                file,
+                start,
+                end: cut,
+            });
+            start = cut;
         }
         spans.push(Span {
             file,
@@ -249,19 +252,17 @@ pub fn split(sizes: &[u64], ops: &[CopyOp], count: u32) -> Result<Vec<Vec<Span>>
     Ok(parts)
 }
 
-/// Offsets of a file at which no copy of `ops` (sorted by offset) is under way: each copy's
-/// first byte where every earlier copy has ended, and the end of the last.
-fn clean_points(ops: &[CopyOp]) -> Vec<u64> {
-    let mut v = Vec::with_capacity(ops.len() + 1);
-    let mut reach = 0u64;
-    for op in ops {
-        let (s, e) = op.dst_span();
-        if s >= reach {
-            v.push(s);
+/// The byte spans of a file's strided copies (`count > 1`; `ops` sorted by offset), merged
+/// where they overlap: a cut inside one would split rows that interleave with other copies.
+fn strided_spans(ops: &[CopyOp]) -> Vec<(u64, u64)> {
+    let mut v: Vec<(u64, u64)> = vec![];
+    for op in ops.iter().filter(|o| o.count > 1) {
+        let (a, b) = op.dst_span();
+        match v.last_mut() {
+            Some(last) if a < last.1 => last.1 = last.1.max(b),
+            _ => v.push((a, b)),
         }
-        reach = reach.max(e);
     }
-    v.push(reach);
     v
 }
 
@@ -352,7 +353,7 @@ mod tests {
         assert!(got(&[("RANK", "-1"), ("WORLD_SIZE", "4")]).is_err());
     }
 
-    /// Every byte once, spans never cut a copy, every part within one span of the mean.
+    /// Every byte once, spans never cut a strided copy, every part within one span of the mean.
     fn check(sizes: &[u64], ops: &[CopyOp], count: u32) -> Vec<Vec<Span>> {
         let parts = split(sizes, ops, count).unwrap();
         assert_eq!(parts.len(), count as usize);
@@ -365,7 +366,7 @@ mod tests {
             next[s.file as usize] = s.end;
         }
         assert_eq!(next, sizes.to_vec());
-        for o in ops {
+        for o in ops.iter().filter(|o| o.count > 1) {
             let (a, b) = o.dst_span();
             assert!(
                 all.iter()
@@ -402,7 +403,7 @@ mod tests {
     }
 
     #[test]
-    fn large_files_are_cut_where_no_copy_crosses() {
+    fn large_files_are_cut_outside_strided_copies() {
         // one 10 MB file: contiguous copies of 1 MB, then two strided copies interleaved
         // over 2 MB (no cut may fall inside them)
         let mut ops: Vec<CopyOp> = (0..8)

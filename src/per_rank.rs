@@ -6,8 +6,10 @@
 //! - a name segment that carries a rank number — `rank_3`, `rank3`, `dp_rank_0`, `rank-1`, or
 //!   a number right after a `ranks` / `per_rank` segment (`sampler.per_rank.2`): the state of
 //!   that rank;
-//! - megatron-core's `ShardedObject` keys, `<key>/shard_<offsets>_<shape>`: the state of the
-//!   shard at that position (its row-major index in the grid of shards);
+//! - megatron-core's `ShardedObject` keys of RNG or data-loader state,
+//!   `<key>/shard_<offsets>_<shape>`: the state of the shard at that position (its row-major
+//!   index in the grid of shards; other objects, such as TransformerEngine's `_extra_state`,
+//!   are not per-rank);
 //! - a segment naming random-number-generator or data-loader state — `rng`, `rng_state`,
 //!   `cuda_rng_state`, `random_state`, `dataloader`, `data_loader`, `sampler_state` — saved
 //!   under one key: one rank's copy (DCP keeps a single copy of a key every rank saved).
@@ -54,12 +56,21 @@ fn segment_rank(seg: &str) -> Option<u64> {
     digits.parse().ok()
 }
 
-/// True when a segment names RNG or data-loader state.
-/// The shard a megatron-core `ShardedObject` key names, `<key>/shard_<offsets>_<shape>`
-/// (offsets and shape dot-separated: `rng_state/shard_0.1_1.2`): its row-major index in the
-/// grid of shards. Such objects are saved per process (RNG states, data-loader positions).
+/// The shard a megatron-core `ShardedObject` key of RNG or data-loader state names,
+/// `<key>/shard_<offsets>_<shape>` (offsets and shape dot-separated:
+/// `rng_state/shard_0.1_1.2`): its row-major index in the grid of shards, which tells the
+/// shards apart (it is the rank of the saving process only where the grid is the ranks').
+/// Other objects (TransformerEngine's `_extra_state`, sharded by layer and the same at every
+/// split) are not per-rank.
 fn sharded_object_rank(name: &str) -> Option<u64> {
-    let (_, rest) = name.rsplit_once("/shard_")?;
+    let (base, rest) = name.rsplit_once("/shard_")?;
+    let last = base.rsplit('.').next().unwrap_or(base).to_ascii_lowercase();
+    if !(segment_is_state(&last)
+        || last.starts_with("dataloader")
+        || last.starts_with("data_loader"))
+    {
+        return None;
+    }
     let (offsets, shape) = rest.split_once('_')?;
     let dims = |s: &str| -> Option<Vec<u64>> { s.split('.').map(|d| d.parse().ok()).collect() };
     let (offsets, shape) = (dims(offsets)?, dims(shape)?);
@@ -72,6 +83,7 @@ fn sharded_object_rank(name: &str) -> Option<u64> {
         .try_fold(0u64, |a, (&o, &n)| a.checked_mul(n)?.checked_add(o))
 }
 
+/// True when a segment names RNG or data-loader state.
 fn segment_is_state(seg: &str) -> bool {
     let s = seg.to_ascii_lowercase();
     let words: Vec<&str> = s.split(['_', '-']).collect();
@@ -193,9 +205,14 @@ mod tests {
         // megatron-core ShardedObjects: the shard's index in its grid
         assert_eq!(r("rng_state/shard_0.1_1.2"), Some(PerRank::Rank(1)));
         assert_eq!(r("dataloader_state/shard_3_4"), Some(PerRank::Rank(3)));
-        assert_eq!(r("x/shard_1.0_2.3"), Some(PerRank::Rank(3)));
-        assert_eq!(r("x/shard_4_4"), None);
-        assert_eq!(r("x/shard_a_4"), None);
+        assert_eq!(r("model.rng_state/shard_1.0_2.3"), Some(PerRank::Rank(3)));
+        assert_eq!(r("rng_state/shard_4_4"), Some(PerRank::Single));
+        assert_eq!(r("x/shard_1_2"), None);
+        // TransformerEngine's extra state, sharded by layer: carried as it is
+        assert_eq!(
+            r("decoder.layers.self_attention.linear_proj._extra_state/shard_5_24"),
+            None
+        );
         for plain in [
             "model.layers.0.weight",
             "optimizer.param_groups.0.lr",

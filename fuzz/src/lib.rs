@@ -42,26 +42,32 @@ pub fn assert_one_line(what: &str, e: &dyn Display) {
 // ---------------------------------------------------------------------------------------------
 // pickle
 
-fn globals() -> &'static [pk::Globals; 3] {
-    static G: OnceLock<[pk::Globals; 3]> = OnceLock::new();
+fn globals() -> &'static [pk::Globals; 4] {
+    static G: OnceLock<[pk::Globals; 4]> = OnceLock::new();
     G.get_or_init(|| {
         [
             pk::dcp_metadata_globals(),
             pk::torch_save_globals(),
+            pk::pickled_dict_globals(),
             reshard::formats::deepspeed::records::globals().clone(),
         ]
     })
 }
 
 /// `pickle`: the pickle interpreter with each allow-list (DCP `.metadata`, torch.save
-/// `data.pkl`, DeepSpeed's files); a decoded value is also JSON-ified as `inspect` shows
-/// non-tensor entries, and made plain as the DeepSpeed reader makes it.
+/// `data.pkl`, `meta.pt` / `common.pt` with Megatron-LM's arguments, DeepSpeed's files); a decoded value is also JSON-ified as `inspect` shows
+/// non-tensor entries, made plain as the DeepSpeed reader makes it, and pickled again as the
+/// writers pickle non-tensor entries.
 pub fn pickle(data: &[u8]) {
     for g in globals() {
         match pk::parse(data, g) {
             Ok(v) => {
                 let _ = dcp::to_json(&v);
                 let _ = dcp::to_json(&reshard::formats::deepspeed::records::plain(&v));
+                // made again as the writers make non-tensor entries (common.pt, meta.pt)
+                if let Some(p) = pk::from_pickle(&v) {
+                    let _ = pk::pickle(&p);
+                }
             }
             Err(e) => assert_one_line("pickle", &e),
         }

@@ -52,11 +52,12 @@ static MEGATRON_CAPS: Capabilities = Capabilities {
     aliasing: Aliasing::CopyPerName,
 };
 
-/// True when a folder's files carry megatron-core's marker (`metadata.json` beside a DCP
-/// `.metadata`).
+/// True when a folder's files carry megatron-core's marker: `metadata.json` beside
+/// `common.pt` (also in a folder of another backend, which the reader then refuses by name;
+/// a DCP folder with an unrelated `metadata.json` stays DCP).
 pub(super) fn looks_like(probe: &Probe) -> bool {
     let has = |n: &str| probe.files.iter().any(|f| f == n);
-    has(METADATA_JSON) && probe.files.iter().any(|n| dcp::is_metadata_name(n))
+    has(METADATA_JSON) && has(COMMON_PT)
 }
 
 impl Codec for Megatron {

@@ -16,6 +16,7 @@ use super::{flat_range_boxes, row_major_strides, Region};
 pub struct BlockFlat {
     shape: Vec<u64>,
     block: Vec<u64>,
+    view: Vec<u64>,
 }
 
 impl BlockFlat {
@@ -45,6 +46,7 @@ impl BlockFlat {
         Ok(BlockFlat {
             shape: shape.to_vec(),
             block,
+            view: view.to_vec(),
         })
     }
 
@@ -60,14 +62,7 @@ impl BlockFlat {
 
     /// The view's shape: blocks per dimension, then the elements of a block.
     pub fn view_shape(&self) -> Vec<u64> {
-        let mut v: Vec<u64> = self
-            .shape
-            .iter()
-            .zip(&self.block)
-            .map(|(n, b)| n / b)
-            .collect();
-        v.push(self.block.iter().product());
-        v
+        self.view.clone()
     }
 
     /// The regions of the real tensor that the region `view` of the view holds, each with
@@ -84,11 +79,15 @@ impl BlockFlat {
         }
         let (a, len) = (view.offsets[n], view.sizes[n]);
         let cells: Vec<u64> = view.sizes[..n].to_vec();
-        let count: u64 = cells.iter().product();
         let mut out = vec![];
-        if len == 0 || count == 0 {
+        if len == 0 || cells.contains(&0) {
             return Ok(out);
         }
+        let count = cells
+            .iter()
+            .try_fold(1u64, |acc, &c| acc.checked_mul(c))
+            .filter(|c| c.checked_mul(len).is_some())
+            .ok_or_else(|| format!("region {view} is too large"))?;
         let strides = row_major_strides(&self.block);
         let mut cell = vec![0u64; n];
         for k in 0..count {
@@ -174,6 +173,24 @@ mod tests {
         assert!(BlockFlat::new(&[16, 8], &[3, 1, 40]).is_err());
         assert!(BlockFlat::new(&[16, 8], &[0, 1, 64]).is_err());
         assert!(BlockFlat::new(&[16, 8], &[16, 8]).is_err());
+        // an empty real tensor: no block to divide by
+        let empty = BlockFlat::new(&[0, 4], &[1, 1, 0]).unwrap();
+        assert_eq!(empty.view_shape(), vec![1, 1, 0]);
+        assert!(empty
+            .to_real(&Region::new(vec![0, 0, 0], vec![1, 1, 0]))
+            .unwrap()
+            .is_empty());
+        // hostile sizes: an error or nothing, no overflow
+        let big = 1u64 << 33;
+        let huge = BlockFlat::new(&[big, big], &[big, big, 1]).unwrap();
+        assert!(huge
+            .to_real(&Region::new(vec![0, 0, 0], vec![big, big, 0]))
+            .unwrap()
+            .is_empty());
+        let huge = BlockFlat::new(&[big << 20, big << 20], &[big, big, 1 << 40]).unwrap();
+        assert!(huge
+            .to_real(&Region::new(vec![0, 0, 0], vec![big, big, 1 << 40]))
+            .is_err());
         let bf = BlockFlat::new(&[16, 8], &[2, 1, 64]).unwrap();
         assert!(bf
             .to_real(&Region::new(vec![1, 0, 60], vec![1, 1, 5]))

@@ -255,14 +255,44 @@ fn a_megatron_folder_without_its_files_is_a_dcp_checkpoint_or_refused() {
     fails(&["inspect", s(&copy)], "metadata.json: is not valid JSON");
     std::fs::write(&meta, &json).unwrap();
     assert_eq!(Checkpoint::open(&copy).unwrap().format, Format::MEGATRON);
+    // without common.pt, megatron-core's marker is gone: the DCP part is read as DCP
     std::fs::rename(copy.join("common.pt"), d.path().join("common.pt")).unwrap();
-    fails(&["inspect", s(&copy)], "has no common.pt");
+    let ck = Checkpoint::open(&copy).unwrap();
+    assert_eq!(ck.format, Format::DCP);
+    assert!(ck.extras.iter().all(|e| e.origin != "common.pt"));
     std::fs::write(copy.join("common.pt"), b"not a zip").unwrap();
     fails(&["inspect", s(&copy)], "common.pt");
     std::fs::rename(d.path().join("common.pt"), copy.join("common.pt")).unwrap();
     // a truncated data file of the second writer thread
     common::set_len(&copy.join("__1_1.distcp"), 100);
     fails(&["inspect", s(&copy)], "__1_1.distcp: is truncated");
+}
+
+#[test]
+fn a_zarr_checkpoint_is_refused_by_name_and_a_stray_metadata_json_is_not_megatrons() {
+    let d = tempfile::tempdir().unwrap();
+    // megatron-core's older backend: metadata.json, common.pt and a folder per array
+    let zarr = d.path().join("zarr");
+    std::fs::create_dir_all(zarr.join("embedding.word_embeddings.weight")).unwrap();
+    std::fs::write(
+        zarr.join("metadata.json"),
+        br#"{"sharded_backend": "zarr", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}"#,
+    )
+    .unwrap();
+    std::fs::copy(
+        fixture("megatron/mcore016_tp2_dp1/checkpoint/common.pt"),
+        zarr.join("common.pt"),
+    )
+    .unwrap();
+    fails(
+        &["inspect", s(&zarr)],
+        "metadata.json: names the sharded backend `zarr`; reshard reads megatron-core's `torch_dist`",
+    );
+    // a DCP checkpoint with some other metadata.json beside it stays DCP
+    let dcp = d.path().join("dcp");
+    common::copy_dir(&fixture("fsdp2_w2_f32/checkpoint"), &dcp);
+    std::fs::write(dcp.join("metadata.json"), b"{\"run\": 3}").unwrap();
+    assert_eq!(Checkpoint::open(&dcp).unwrap().format, Format::DCP);
 }
 
 #[test]
@@ -362,4 +392,28 @@ fn megatron_lm_arguments_in_common_pt_come_back_as_a_namespace() {
             e.name
         );
     }
+}
+
+#[test]
+fn hostile_flattened_tensors_are_refused_or_read_whole() {
+    // tests/fixtures/megatron/hostile (mk.py, ov.py): chunks of the view that overlap (which
+    // cut into boxes of the real tensor would pass as replicas), a chunk over three blocks,
+    // an empty real tensor
+    let h = |c: &str| fixture(&format!("megatron/hostile/{c}"));
+    fails(
+        &["inspect", s(&h("overlap"))],
+        ".metadata: tensor `w`: pieces [0:1, 0:1, 3:6] and [0:1, 0:1, 1:6] overlap",
+    );
+    fails(
+        &["inspect", s(&h("zero3"))],
+        ".metadata: tensor `w`: chunk [0:3, 0:1, 0:0] of a block-flattened tensor spans more than one block",
+    );
+    let ck = Checkpoint::open(h("zero")).unwrap();
+    assert_eq!(ck.tensor("w").expect("w").shape, vec![0, 4]);
+    let d = tempfile::tempdir().unwrap();
+    convert(
+        &h("zero"),
+        &d.path().join("z.safetensors"),
+        &["--to", "1", "-q"],
+    );
 }

@@ -489,7 +489,7 @@ fn merge(paths: &[PathBuf], metas: Vec<Meta>) -> Result<Meta> {
     // Per merged tensor, its chunks (offsets and sizes) → chunk index.
     type ChunkIndex = HashMap<(Vec<u64>, Vec<u64>), usize>;
     let mut seen: HashMap<usize, ChunkIndex> = HashMap::new();
-    for m in metas {
+    for (mi, m) in metas.into_iter().enumerate() {
         // This file's data file and transform indices in the merged tables.
         let file_map = m
             .files
@@ -600,7 +600,22 @@ fn merge(paths: &[PathBuf], metas: Vec<Meta>) -> Result<Meta> {
             }
         }
         for (k, shape) in m.reformulated {
-            out.reformulated.entry(k).or_insert(shape);
+            match out.reformulated.get(&k) {
+                None => {
+                    out.reformulated.insert(k, shape);
+                }
+                Some(first) if *first != shape => {
+                    return Err(Error::format(
+                        &paths[mi],
+                        format!(
+                            "the real shape of `{}` is {shape:?} here but {first:?} in another \
+                             rank's metadata",
+                            short(&k)
+                        ),
+                    ))
+                }
+                Some(_) => {}
+            }
         }
         for (k, p) in m.planner {
             if planned.insert(k.clone()) {

@@ -336,9 +336,10 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
 }
 
 /// Read a DCP checkpoint directory for [`Checkpoint::open_lazy`]: the `.metadata`, the data
-/// files' sizes and the non-tensor (and zstd-compressed) items are read now; each
-/// `torch.save` or safetensors chunk item is left pending, its header parsed (with the same
-/// checks) when a read needs it.
+/// files' sizes and the non-tensor (and zstd-compressed) items are read now, and the items of
+/// block-flattened tensors (megatron-core's, cut into pieces at offsets inside them); every
+/// other `torch.save` or safetensors chunk item is left pending, its header parsed (with the
+/// same checks) when a read needs it.
 pub fn read_lazy(dir: &Path) -> Result<Checkpoint> {
     read_with(dir, true)
 }
@@ -849,9 +850,8 @@ fn assemble(
                 };
                 let t = match meta.reformulated.get(&e.name) {
                     None => t,
-                    Some(real) => unflatten(t, real).map_err(|m| {
-                        Error::format(&meta_paths[e.origin], format!("`{}`: {m}", short(&e.name)))
-                    })?,
+                    Some(real) => unflatten(t, real)
+                        .map_err(|m| Error::format(&meta_paths[e.origin], m))?,
                 };
                 tensors.push(t);
                 origins.push(e.origin);
@@ -876,13 +876,27 @@ fn assemble(
 /// `mcore_data`): its chunks of the view as pieces of the real tensor of `shape`
 /// ([`BlockFlat::to_real`]).
 fn unflatten(t: TensorLayout, shape: &[u64]) -> std::result::Result<TensorLayout, String> {
+    // the stored view first: its chunks in bounds, covering it once, not overlapping (boxes
+    // of the real tensor cut from overlapping ranges could look like replicas)
+    t.validate().map_err(|e| e.to_string())?;
+    let named = |m: String| format!("tensor `{}`: {m}", short(&t.name));
     if shape.len() > crate::layout::MAX_DIMS {
-        return Err(format!("has {} dimensions", shape.len()));
+        return Err(named(format!("has {} dimensions", shape.len())));
     }
-    let bf = BlockFlat::new(shape, &t.shape)?;
+    let bf = BlockFlat::new(shape, &t.shape).map_err(named)?;
     let elem = t.dtype.size() as u64;
     let mut pieces = Vec::with_capacity(t.pieces.len());
     for p in t.pieces {
+        let n = p.region.ndim();
+        if p.region.sizes[..n.saturating_sub(1)].iter().any(|&s| s != 1) {
+            return Err(named(format!(
+                "chunk {} of a block-flattened tensor spans more than one block",
+                p.region
+            )));
+        }
+        if p.region.is_empty() {
+            continue;
+        }
         let row_major = crate::layout::row_major_strides(&p.region.sizes);
         let contiguous = p.loc.strides.as_ref().is_none_or(|st| {
             st.iter()
@@ -891,18 +905,21 @@ fn unflatten(t: TensorLayout, shape: &[u64]) -> std::result::Result<TensorLayout
                 .all(|((a, b), &n)| n <= 1 || a == b)
         });
         if !contiguous || p.loc.pending.is_some() {
-            return Err(format!(
+            return Err(named(format!(
                 "chunk at {:?} of a block-flattened tensor is not stored contiguously",
                 p.region.offsets.as_slice()
-            ));
+            )));
         }
-        for (region, at) in bf.to_real(&p.region)? {
+        for (region, at) in bf.to_real(&p.region).map_err(named)? {
             pieces.push(Piece {
                 rank: p.rank,
                 region,
                 loc: Loc {
                     file: p.loc.file,
-                    offset: p.loc.offset + at * elem,
+                    offset: at
+                        .checked_mul(elem)
+                        .and_then(|b| b.checked_add(p.loc.offset))
+                        .ok_or_else(|| named("a chunk's offset overflows".into()))?,
                     strides: None,
                     pending: None,
                 },

@@ -32,7 +32,6 @@ impl Globals {
     }
 
     /// Allow every name of `module` (exact module name, not its submodules).
-    #[cfg(any(test, feature = "internals"))]
     pub fn allow_module(&mut self, module: &str) -> &mut Self {
         self.modules.insert(module.to_owned());
         self
@@ -98,10 +97,14 @@ pub fn dcp_metadata_globals() -> Globals {
 
 /// Allow-list for `torch.save` files of plain values beside a checkpoint (Lightning's
 /// `meta.pt`, megatron-core's `common.pt`): [`torch_save_globals`] plus `argparse.Namespace`,
-/// which Megatron-LM saves its arguments as (read as an object with its `__dict__`).
+/// which Megatron-LM saves its arguments as (read as an object with its `__dict__`), and the
+/// enums of megatron-core those arguments hold (`AttnBackend.auto`: a call of the class with
+/// its value, read as such, never made).
 pub fn pickled_dict_globals() -> Globals {
     let mut g = torch_save_globals();
     g.allow("argparse", "Namespace");
+    g.allow_module("megatron.core.enums");
+    g.allow_module("megatron.core.transformer.enums");
     g
 }
 

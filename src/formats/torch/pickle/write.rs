@@ -803,7 +803,8 @@ impl crate::checkpoint::Extra {
 /// [`crate::formats::pickle::torch_save_globals`]) into a [`PyValue`] that re-emits it:
 /// None, bools, ints, floats, str, bytes, lists, tuples, dicts (an `OrderedDict` decodes to a
 /// dict and comes back as a plain [`PyValue::Dict`]), sets, `complex`, `torch.device`,
-/// `torch.Size` (as a tuple) and canonical torch dtype globals. `None` for anything else
+/// `torch.Size` (as a tuple), canonical torch dtype globals, `argparse.Namespace` objects and
+/// megatron-core's enums (Megatron-LM's arguments in `common.pt`). `None` for anything else
 /// (tensors, whose storages live in another archive; arbitrary objects; over-long ints).
 pub fn from_pickle(v: &Value) -> Option<PyValue> {
     let all = |items: &[Value]| items.iter().map(from_pickle).collect::<Option<Vec<_>>>();
@@ -837,6 +838,37 @@ pub fn from_pickle(v: &Value) -> Option<PyValue> {
             module: module.clone(),
             name: name.clone(),
         },
+        // Megatron-LM's `args`: made again as pickled, `argparse.Namespace.__new__()` and its
+        // `__dict__` set by BUILD
+        Value::Object {
+            module,
+            name,
+            args,
+            state,
+        } if module == "argparse" && name == "Namespace" && args.is_empty() => PyValue::Object {
+            module: module.clone(),
+            name: name.clone(),
+            state: match state {
+                Some(s) => Some(Box::new(from_pickle(s)?)),
+                None => None,
+            },
+        },
+        // megatron-core's enums in those arguments: `AttnBackend(5)`, called again by the
+        // unpickler that reads the file (megatron-core's own, not torch's weights-only one)
+        Value::Object {
+            module,
+            name,
+            args,
+            state: None,
+        } if is_megatron_enum(module)
+            && matches!(args.as_slice(), [Value::Int(_) | Value::Str(_)]) =>
+        {
+            PyValue::Call {
+                module: module.clone(),
+                name: name.clone(),
+                args: vec![from_pickle(&args[0])?],
+            }
+        }
         Value::Object {
             module,
             name,
@@ -865,20 +897,14 @@ pub fn from_pickle(v: &Value) -> Option<PyValue> {
             },
             _ => return None,
         },
-        // Megatron-LM's `args`: made again as pickled, `argparse.Namespace.__new__()` and its
-        // `__dict__` set by BUILD
-        Value::Object {
-            module,
-            name,
-            args,
-            state: Some(state),
-        } if module == "argparse" && name == "Namespace" && args.is_empty() => PyValue::Object {
-            module: module.clone(),
-            name: name.clone(),
-            state: Some(Box::new(from_pickle(state)?)),
-        },
         _ => return None,
     })
+}
+
+/// The megatron-core modules whose enums a `common.pt` may hold
+/// ([`super::pickled_dict_globals`]).
+fn is_megatron_enum(module: &str) -> bool {
+    matches!(module, "megatron.core.enums" | "megatron.core.transformer.enums")
 }
 
 /// A JSON value as Python (null → None, numbers → int or float, arrays → lists, objects →
