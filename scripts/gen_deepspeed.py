@@ -40,11 +40,10 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from _torchrun import job
 
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
@@ -291,24 +290,11 @@ def worker(args):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(dp, argv):
-    env = dict(os.environ)
-    env.setdefault("DS_ACCELERATOR", "cpu")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/reshard/torch_extensions"))
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(dp),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), __file__, *argv]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.stderr.write(r.stdout[-4000:] + r.stderr[-8000:])
-        raise SystemExit(f"gen_deepspeed: job failed: {' '.join(argv)}")
+    env = {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                  str(Path.home() / ".cache/reshard/torch_extensions"))}
+    job("gen_deepspeed", Path(__file__), dp, argv, env=env)
 
 
 def generate(name, out):

@@ -55,13 +55,12 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from _torchrun import job
 
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
@@ -141,10 +140,9 @@ def flat_ranges(numel, dp, frac):
     return [(0, cut), (cut, numel)]
 
 
-def model_sharded_sd(tp, tp_rank, dp_rank, shapes_only=False, keys=None):
+def model_sharded_sd(tp, tp_rank, dp_rank, keys=None):
     """The model part of a rank's sharded state dict, as megatron-core's layers build it
     (`keys`: checkpoint key -> the MODEL key whose shape and sharding it has)."""
-    import torch
     from megatron.core.dist_checkpointing import ShardedTensor
 
     sd = {}
@@ -509,41 +507,13 @@ def setup():
         print(f"gen_megatron: {venv}: installed {want}, torch {TORCH}")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(version, nproc, argv):
     py = venv_python(version)
     if not py.exists():
         raise SystemExit(f"gen_megatron: no venv for megatron-core {version} at {py.parent.parent}; "
                          "run: python3 scripts/gen_megatron.py --setup")
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONWARNINGS"] = "ignore"
-    env.pop("PYTHONPATH", None)
-    cmd = [str(py), "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), __file__, *argv]
-    t0 = time.time()
-    # output to a file, not a pipe, and the job in a session of its own that is killed after
-    # it ends: megatron-core's writer leaves `spawn`ed helper processes that would hold a
-    # pipe open (and the job waiting) forever
-    with tempfile.TemporaryFile() as log:
-        p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = p.wait(timeout=600)
-        finally:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if rc != 0:
-            log.seek(0)
-            sys.stderr.write(log.read().decode(errors="replace")[-12000:])
-            raise SystemExit(f"gen_megatron: job failed: {' '.join(argv)}")
-    return round(time.time() - t0, 1)
+    return job("gen_megatron", Path(__file__), nproc, argv, python=py,
+               env={"PYTHONWARNINGS": "ignore", "PYTHONPATH": None})
 
 
 def run_steps(spec, nproc, mode):

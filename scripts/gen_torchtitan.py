@@ -64,12 +64,11 @@ import json
 import os
 import pickle
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _torchrun import job
 
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
@@ -344,23 +343,9 @@ def worker(args):
 
 # ---------------------------------------------------------------------------- the driver
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(n, argv):
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).resolve()), *argv]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.stderr.write(r.stdout[-4000:] + r.stderr[-8000:])
-        raise SystemExit(f"gen_torchtitan: job failed: {' '.join(argv)}")
+    job("gen_torchtitan", Path(__file__).resolve(), n, argv,
+        env={"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")})
 
 
 def load_with_torchtitan(folder, case, world, step, dump, with_dataloader=False):

@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ import reshard.torch as rt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _dist  # noqa: E402
+from _util import _quiet, same  # noqa: E402,F401  (_quiet: an autouse fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "tests" / "fixtures" / "deepspeed"
@@ -39,21 +39,6 @@ needs_deepspeed = pytest.mark.skipif(
     not HAVE_DEEPSPEED and os.environ.get("CI") != "true",
     reason="DeepSpeed is not installed (scripts/setup_venv.sh --deepspeed)",
 )
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal dtype, shape and bytes."""
-    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
-        return False
-    return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8),
-                       b.detach().contiguous().reshape(-1).view(torch.uint8))
 
 
 def info(case: str) -> dict:

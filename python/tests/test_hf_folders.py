@@ -7,7 +7,7 @@ other shard sizes and through DCP at 2 ranks and back — loads with
 import importlib.util
 import json
 import os
-import warnings
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,25 +15,14 @@ import torch
 
 import reshard
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _util import _quiet, same  # noqa: E402,F401  (_quiet: an autouse fixture)
+
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 pytestmark = pytest.mark.skipif(
     not HAVE_TRANSFORMERS and os.environ.get("CI") != "true",
     reason="transformers is not installed (scripts/setup_venv.sh --transformers)",
 )
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
-        return False
-    return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8),
-                       b.detach().contiguous().reshape(-1).view(torch.uint8))
 
 
 def tiny_llama(path: Path, shard: str = "50KB"):

@@ -16,11 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,13 +27,15 @@ import reshard
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "megatron"
 GEN = REPO / "scripts" / "gen_megatron.py"
+sys.path.insert(0, str(REPO / "scripts"))
+import _torchrun  # noqa: E402  (the generator's way of running its jobs)
 
 try:
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"
-        import megatron.core  # noqa: F401
+        import megatron.core  # noqa: F401  (importable: the tests can run)
 
     HAVE_MCORE = True
 except Exception:  # noqa: BLE001 (any import failure means: not usable here)
@@ -49,36 +47,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def megatron_reload(ckpt: Path, case: str, tp: int, nproc: int, unflattened: bool, tmp: Path) -> dict:
     """megatron-core's dist_checkpointing.load of `ckpt` by `nproc` processes at TP=`tp`."""
     out = tmp / f"reload_tp{tp}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(GEN),
-           "--worker", "reload", "--case", case, "--dir", str(ckpt), "--tp", str(tp), "--json", str(out)]
+    argv = ["--worker", "reload", "--case", case, "--dir", str(ckpt), "--tp", str(tp), "--json", str(out)]
     if unflattened:
-        cmd.append("--unflattened")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    # output to a file and the job in a session of its own, killed once it ends: megatron-core's
-    # writer machinery leaves helper processes behind
-    with tempfile.TemporaryFile() as log:
-        p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                             cwd=tmp)
-        try:
-            rc = p.wait(timeout=600)
-        finally:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        log.seek(0)
-        text = log.read().decode(errors="replace")
-    assert rc == 0, text[-6000:]
+        argv.append("--unflattened")
+    rc, log = _torchrun.run(GEN, nproc, argv, env={"PYTHONWARNINGS": "ignore"}, cwd=tmp)
+    assert rc == 0, log[-6000:]
     return json.loads(out.read_text())
 
 

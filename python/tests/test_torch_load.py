@@ -9,7 +9,6 @@ import os
 import shutil
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ import reshard.torch as rt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _dist  # noqa: E402
+from _util import _quiet, same  # noqa: E402,F401  (_quiet: an autouse fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "tests" / "fixtures"
@@ -29,22 +29,7 @@ sys.path.insert(0, str(SCRIPTS))
 import gen_fixtures as g  # noqa: E402  (the model, optimizer and data the fixtures were made with)
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
 # --- helpers (used in the test process and in the gloo processes) ----------------------------
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal dtype, shape and bytes (NaN-safe)."""
-    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
-        return False
-    return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8),
-                       b.detach().contiguous().reshape(-1).view(torch.uint8))
-
-
 def oracle(case: str) -> dict:
     return load_file(str(FIX / case / "oracle" / "full.safetensors"))
 

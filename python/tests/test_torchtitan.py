@@ -20,7 +20,6 @@ import os
 import json
 import re
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -32,6 +31,7 @@ import reshard.torch as rt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _dist  # noqa: E402
+from _util import _quiet, same  # noqa: E402,F401  (_quiet: an autouse fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "tests" / "fixtures" / "torchtitan"
@@ -59,21 +59,6 @@ needs_torchtitan = pytest.mark.skipif(
            "(scripts/setup_venv.sh --torchtitan)",
 )
 CASES = sorted(g.CASES)
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal dtype, shape and bytes."""
-    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
-        return False
-    return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8),
-                       b.detach().contiguous().reshape(-1).view(torch.uint8))
 
 
 def folder(case: str) -> Path:

@@ -144,17 +144,14 @@ fn check_metadata_json(path: &Path) -> Result<()> {
 /// `common.pt` as a `BYTE_IO` item), `common.pt` from the `common.pt` entries (an empty dict
 /// when the source had none), and `metadata.json`.
 fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
-    let (common, rest): (Vec<Extra>, Vec<Extra>) = opts
+    let common: Vec<&Extra> = opts
         .extras
         .iter()
-        .cloned()
-        .partition(|e| e.origin == COMMON_ORIGIN);
-    let inner = WriteOptions {
-        extras: rest,
-        ..opts.clone()
-    };
+        .filter(|e| e.origin == COMMON_ORIGIN)
+        .collect();
+    let mut inner = opts.clone();
+    inner.extras.retain(|e| e.origin != COMMON_ORIGIN);
     let mut out = dcp::write::write(target, world, &inner)?;
-    let common: Vec<&Extra> = common.iter().collect();
     out.files
         .push(dcp::write::pickled_dict_file(COMMON_PT, "common", &common));
     out.files.push(dcp::write::literal_file(

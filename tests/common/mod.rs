@@ -470,6 +470,28 @@ pub fn judge<S: AsRef<std::ffi::OsStr> + std::fmt::Debug>(py: &Path, args: &[S])
     );
 }
 
+/// The cases of a producer's fixture folder (`tests/fixtures/<folder>/<case>/case.json`):
+/// (name, case folder, case.json), sorted by name; at least `min` of them.
+pub fn cases(folder: &str, min: usize) -> Vec<(String, PathBuf, serde_json::Value)> {
+    let mut v: Vec<_> = std::fs::read_dir(fixture(folder))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("case.json").is_file())
+        .map(|p| {
+            let info: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(p.join("case.json")).unwrap()).unwrap();
+            (
+                p.file_name().unwrap().to_string_lossy().to_string(),
+                p,
+                info,
+            )
+        })
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    assert!(v.len() >= min, "{folder}: {v:?}");
+    v
+}
+
 /// Every real checkpoint of `tests/fixtures`: the torch-written DCP and HF-storage
 /// directories, the `.pt` files, the tag folders of four DeepSpeed checkpoints (one per
 /// optimizer layout: stage 1 tied, stage 2 bf16 with a frozen parameter, BF16_Optimizer,

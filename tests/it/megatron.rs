@@ -14,24 +14,7 @@ use std::path::{Path, PathBuf};
 
 /// The fixture cases: (name, case folder, case.json).
 fn cases() -> Vec<(String, PathBuf, serde_json::Value)> {
-    let root = fixture("megatron");
-    let mut v: Vec<_> = std::fs::read_dir(&root)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("case.json").is_file())
-        .map(|p| {
-            let info: serde_json::Value =
-                serde_json::from_slice(&std::fs::read(p.join("case.json")).unwrap()).unwrap();
-            (
-                p.file_name().unwrap().to_string_lossy().to_string(),
-                p,
-                info,
-            )
-        })
-        .collect();
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    assert!(v.len() >= 5, "{v:?}");
-    v
+    common::cases("megatron", 5)
 }
 
 fn oracle(dir: &Path) -> Tensors {
