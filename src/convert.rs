@@ -2,11 +2,14 @@
 //! the output, plan, execute and commit. The CLI and trainers call this.
 
 use crate::checkpoint::OpenOptions;
-use crate::commit::Staging;
+pub use crate::commit::parts::Committed;
+use crate::commit::parts::{Manifest, PartsArea, Record, SpanRecord};
+use crate::commit::{self, Staging};
 use crate::error::{Error, Result};
 use crate::exec::{self, ExecOptions, ExecStats, KnownCrc};
 use crate::formats::{self, Aliasing, Checkpoint, Choice, Format, Output, WriteOptions};
 use crate::layout::{DType, TensorLayout};
+use crate::parts::{split, Part, Span};
 use crate::per_rank::{classify, Policy};
 use crate::plan::{plan_named, Plan};
 pub use crate::select::Selection;
@@ -405,4 +408,218 @@ pub fn convert(
     let job = prepare(src, Some(dst), opts)?;
     let stats = run(&job, dst, opts)?;
     Ok((job, stats))
+}
+
+/// What one worker's part of a conversion did ([`run_part`]).
+#[derive(Clone, Debug)]
+pub struct PartRun {
+    /// The part.
+    pub part: Part,
+    /// The destination byte spans it owns.
+    pub spans: Vec<Span>,
+    /// What it wrote; `None` when an earlier run of the same part had already written it.
+    pub stats: Option<ExecStats>,
+    /// The parts with no record yet, after this one (empty once all are written).
+    pub missing: Vec<u32>,
+    /// The commit this worker ran, when it wrote the last part.
+    pub committed: Option<Committed>,
+}
+
+/// A fingerprint of what a job writes and from what: the plan, the output files (paths,
+/// sizes, literal bytes, checksums), the sources (paths, sizes, modification times), the
+/// reshard version and the number of parts. Workers of one conversion in parts compare it,
+/// so a part planned from another source, other options or another version is refused.
+pub fn fingerprint(job: &Job, parts: u32) -> Result<String> {
+    /// FNV-1a, 64 bits: stable across platforms and releases, which `std`'s hasher is not.
+    struct Fnv(u64);
+    impl Fnv {
+        fn bytes(&mut self, b: &[u8]) {
+            for &x in b {
+                self.0 = (self.0 ^ x as u64).wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+        fn num(&mut self, v: u64) {
+            self.bytes(&v.to_le_bytes());
+        }
+        fn text(&mut self, s: &str) {
+            self.num(s.len() as u64);
+            self.bytes(s.as_bytes());
+        }
+    }
+    let mut h = Fnv(0xcbf2_9ce4_8422_2325);
+    h.text(env!("CARGO_PKG_VERSION"));
+    h.num(parts as u64);
+    h.text(&job.format.to_string());
+    h.num(job.world as u64);
+    for p in &job.source.files {
+        let m = std::fs::metadata(p).map_err(|e| Error::usage(format!("{}: {e}", p.display())))?;
+        let canonical = std::fs::canonicalize(p).unwrap_or_else(|_| p.clone());
+        h.text(&canonical.to_string_lossy());
+        h.num(m.len());
+        let mtime = m
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_nanos() as u64);
+        h.num(mtime);
+    }
+    for o in &job.plan.ops {
+        for v in [
+            o.src as u64,
+            o.src_offset,
+            o.dst as u64,
+            o.dst_offset,
+            o.len,
+            o.count,
+            o.src_stride,
+            o.dst_stride,
+        ] {
+            h.num(v);
+        }
+        match o.cast {
+            Some(c) => h.text(&format!("{}>{}", c.from, c.to)),
+            None => h.num(0),
+        }
+    }
+    for f in &job.output.files {
+        h.text(&f.path.to_string_lossy());
+        h.num(f.size);
+        for (at, b) in &f.literals {
+            h.num(*at);
+            h.num(b.len() as u64);
+            h.bytes(b);
+        }
+        for c in &f.checksums {
+            h.num(c.range.0);
+            h.num(c.range.1);
+            h.num(c.hex as u64);
+            for &a in &c.at {
+                h.num(a);
+            }
+        }
+    }
+    Ok(format!("{:016x}", h.0))
+}
+
+/// Run part `part` of `job`'s conversion into `dst`, beside the workers running the other
+/// parts ([`crate::parts`]): only its share of the destination bytes is written, into the
+/// staging area they share ([`crate::commit::parts`]), then recorded. The worker that records
+/// the last part commits (unless another is already committing); until then `dst` does not
+/// exist. A part an earlier run recorded is not written again. Refused while another worker
+/// runs the same part, or when the staging area holds another conversion's parts.
+pub fn run_part(
+    job: &Job,
+    dst: impl AsRef<Path>,
+    opts: &ConvertOptions,
+    part: Part,
+) -> Result<PartRun> {
+    let dst = dst.as_ref();
+    check_paths(&job.source.path, dst)?;
+    let is_dir = job.format.is_dir();
+    if !is_dir && dst.is_dir() {
+        return Err(Error::usage(format!(
+            "{}: is a directory; give a file name for a {} output",
+            dst.display(),
+            job.format
+        )));
+    }
+    let sizes: Vec<u64> = job.output.files.iter().map(|f| f.size).collect();
+    let spans = split(&sizes, &job.plan.ops, part.count)?.swap_remove(part.index as usize);
+    let what = format!(
+        "{} ({}) to {} at {} rank(s)",
+        job.source.path.display(),
+        job.source.format,
+        job.format,
+        job.world
+    );
+    let manifest = Manifest::new(
+        fingerprint(job, part.count)?,
+        part.count,
+        what,
+        is_dir,
+        &job.output.files,
+    );
+    let area = PartsArea::join(dst, &manifest, opts.force)?;
+    let finish = |stats: Option<ExecStats>| -> Result<PartRun> {
+        let missing = area.missing();
+        let committed = if missing.is_empty() {
+            Some(commit::parts::commit(dst, opts.force, opts.verify, false)?)
+        } else {
+            None
+        };
+        Ok(PartRun {
+            part,
+            spans: spans.clone(),
+            stats,
+            missing,
+            committed,
+        })
+    };
+    if area.record(part)?.is_some() {
+        return finish(None);
+    }
+    let _claim = area.claim(part)?;
+    // the claim's previous holder may have finished between the look and the claim
+    if area.record(part)?.is_some() {
+        return finish(None);
+    }
+    let t0 = std::time::Instant::now();
+    let mut files: Vec<u32> = spans.iter().map(|s| s.file).collect();
+    files.dedup();
+    area.create(files)?;
+    let plan = Plan {
+        ops: exec::restrict(&job.plan.ops, &spans),
+        tensors: vec![],
+    };
+    let paths = area.paths();
+    let check_threads = rayon::current_num_threads().saturating_sub(1).max(1);
+    let (checked, written) = std::thread::scope(|s| {
+        let check = opts.verify.then(|| {
+            s.spawn(|| -> Result<crate::verify::Report> {
+                exec::thread_pool(check_threads)?
+                    .install(|| crate::verify::sources_of(&job.source, &plan))
+            })
+        });
+        let written = exec::execute_part(
+            &plan,
+            &job.source.files,
+            &job.output.files,
+            &paths,
+            &opts.exec,
+            &spans,
+        );
+        let checked = check.map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+        (checked, written)
+    });
+    if let Some(c) = checked {
+        c?;
+    }
+    let written = written?;
+    let record = Record {
+        fingerprint: manifest.fingerprint.clone(),
+        part,
+        spans: spans
+            .iter()
+            .zip(&written.span_crcs)
+            .map(|(s, &crc)| SpanRecord {
+                file: s.file,
+                start: s.start,
+                end: s.end,
+                crc,
+            })
+            .collect(),
+        shares: written.shares,
+        placeholders: area.placeholders(&spans)?,
+        worker: commit::parts::worker(),
+        bytes: spans.iter().map(|s| s.len()).sum(),
+        seconds: t0.elapsed().as_secs_f64(),
+    };
+    area.write_record(&record)?;
+    finish(Some(written.stats))
+}
+
+/// Commit a conversion run in parts into `dst` ([`commit::parts::commit`]): every part must be
+/// recorded; their bytes are checked against their CRC-32s unless `check` is false.
+pub fn commit_parts(dst: impl AsRef<Path>, force: bool, check: bool) -> Result<Committed> {
+    commit::parts::commit(dst.as_ref(), force, check, true)
 }

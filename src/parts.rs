@@ -128,6 +128,17 @@ impl Part {
     }
 }
 
+/// The part this process runs, from `given` (`--part`, `part=`) or else from a launcher's
+/// environment ([`Part::from_env`] over the process's variables), with where it came from;
+/// `None` for a whole conversion (neither, or a count of 1).
+pub fn choose(given: Option<Part>) -> Result<Option<(Part, &'static str)>> {
+    let found = match given {
+        Some(p) => Some((p, "given")),
+        None => Part::from_env(|k| std::env::var(k).ok()).map_err(Error::usage)?,
+    };
+    Ok(found.filter(|(p, _)| p.count > 1))
+}
+
 impl fmt::Display for Part {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.index, self.count)
@@ -171,7 +182,7 @@ impl Span {
 /// Split the destination files (their sizes, `sizes[f]` for file `f`) written by `ops` (sorted
 /// by destination file and offset, as [`crate::plan::Plan::ops`] are) into `count` parts of
 /// about equal bytes: per part, its spans sorted by file and offset. Every byte of every file
-/// is in exactly one part; a strided copy (`count > 1`) never crosses a span's edge, a
+/// is in exactly one part; cuts inside a file fall on multiples of [`CUT_ALIGN`]; a strided copy (`count > 1`) never crosses a span's edge, a
 /// contiguous one may. Deterministic: the same inputs
 /// give the same parts on every worker. Parts may be empty when there are fewer spans than
 /// parts.
@@ -199,12 +210,12 @@ pub fn split(sizes: &[u64], ops: &[CopyOp], count: u32) -> Result<Vec<Vec<Span>>
             continue;
         }
         // cut at each multiple of the share, or just past the strided copy it falls in
-        // (a contiguous copy can be cut anywhere; a strided one's rows interleave with others)
+        // (a contiguous copy can be cut at any page; a strided one's rows interleave with others)
         let blocked = strided_spans(file_ops);
         let mut start = 0;
         let mut bi = 0;
         loop {
-            let mut cut = start + share;
+            let mut cut = (start + share).next_multiple_of(CUT_ALIGN);
             while bi < blocked.len() && blocked[bi].1 <= cut {
                 bi += 1;
             }
@@ -251,6 +262,10 @@ pub fn split(sizes: &[u64], ops: &[CopyOp], count: u32) -> Result<Vec<Vec<Span>>
     }
     Ok(parts)
 }
+
+/// Cuts inside a file fall on multiples of this: whole pages, so no two parts write one page
+/// (which file systems shared between machines handle poorly), and never inside an element.
+pub const CUT_ALIGN: u64 = 4096;
 
 /// The byte spans of a file's strided copies (`count > 1`; `ops` sorted by offset), merged
 /// where they overlap: a cut inside one would split rows that interleave with other copies.

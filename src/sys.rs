@@ -168,11 +168,17 @@ pub fn copy_range(
 /// destinations checked this way still need). Returns whether blocks were allocated (false
 /// for a tmpfs check). Filesystems without `fallocate` are left to allocate as they write.
 pub fn preallocate(f: &File, size: u64, pending: u64) -> std::io::Result<bool> {
-    if size == 0 || i64::try_from(size).is_err() {
+    preallocate_range(f, 0, size, pending)
+}
+
+/// [`preallocate`] for bytes `offset..offset + len` of a destination (one part's share of a
+/// file other processes write too).
+pub fn preallocate_range(f: &File, offset: u64, len: u64, pending: u64) -> std::io::Result<bool> {
+    if len == 0 || i64::try_from(offset.saturating_add(len)).is_err() {
         return Ok(false);
     }
     if let Some(free) = tmpfs_free(f) {
-        return if free < size.saturating_add(pending) {
+        return if free < len.saturating_add(pending) {
             Err(Errno::NOSPC.into())
         } else {
             Ok(false)
@@ -180,7 +186,7 @@ pub fn preallocate(f: &File, size: u64, pending: u64) -> std::io::Result<bool> {
     }
     loop {
         // Mode 0 allocates and extends.
-        match rustix::fs::fallocate(f, rustix::fs::FallocateFlags::empty(), 0, size) {
+        match rustix::fs::fallocate(f, rustix::fs::FallocateFlags::empty(), offset, len) {
             Ok(()) => return Ok(true),
             Err(Errno::INTR) => continue,
             Err(Errno::OPNOTSUPP | Errno::NOSYS | Errno::INVAL) => return Ok(false),

@@ -32,6 +32,7 @@ __all__ = [
     "LocalShard",
     "Slice",
     "convert",
+    "commit",
     "verify",
     "diff",
     "formats",
@@ -421,10 +422,21 @@ def convert(
     zero_stage: Optional[int] = None,
     step: Optional[int] = None,
     config: Optional[PathLike] = None,
+    part: Any = None,
 ) -> Dict[str, Any]:
     """Convert checkpoint ``src`` into ``dst`` for ``world_size`` ranks, as ``reshard
     convert`` does: the output format from ``format`` or from ``dst``, the world size and
-    the source; the output appears atomically, or not at all. ``progress``: a callable
+    the source; the output appears atomically, or not at all.
+
+    ``part=(k, n)`` runs only part ``k`` of ``n`` of the conversion, beside workers running
+    the others (``reshard convert --part K/N``): the worker that finishes last makes ``dst``
+    appear (or :func:`commit`); ``part="env"`` takes ``k`` and ``n`` from the launcher's
+    environment (torchrun, Slurm, a Kubernetes indexed job), as the command does. The default,
+    ``None``, converts everything in this process even under torchrun, so that a training
+    script may call it on one rank. The result's ``"parts"`` says which part ran, which are
+    still missing and whether this call committed.
+
+    ``progress``: a callable
     ``(done_bytes, total_bytes)``, a tqdm bar, or ``True``. ``dry_run``: plan only.
     ``tag`` (or ``step``) and ``weights`` choose the source as :func:`open` does;
     ``config``: a ``config.json`` for an ``hf`` output (default: the source's own, which an
@@ -456,8 +468,33 @@ def convert(
         weights,
         zero_stage,
         None if config is None else _os.fspath(config),
+        _part(part),
     )
     return _json.loads(out)
+
+
+def _part(part: Any) -> Optional[str]:
+    """``part=`` as the native module takes it: None, "env" or "K/N"."""
+    if part is None or part == "env":
+        return part
+    if isinstance(part, (str, bytes)):
+        raise RequestError(f'part must be (k, n), "env" or None, not {part!r}')
+    try:
+        k, n = part
+        return f"{int(k)}/{int(n)}"
+    except (TypeError, ValueError):
+        raise RequestError(
+            f"part must be (k, n), \"env\" or None, not {part!r}"
+        ) from None
+
+
+def commit(dst: PathLike, *, overwrite: bool = False, verify: bool = True) -> int:
+    """Finish a conversion run in parts (``convert(..., part=(k, n))``) into ``dst``: check
+    that every part is written, by the same job, and (with ``verify``) that its bytes match
+    their CRC-32s, then make ``dst`` appear atomically (replacing it only with
+    ``overwrite``). The worker that finishes last does this itself. Raises, naming the
+    missing parts, when some are not written. Returns the bytes checked."""
+    return _reshard.commit(_os.fspath(dst), overwrite, verify)
 
 
 def verify(path: PathLike) -> Dict[str, Any]:

@@ -98,8 +98,12 @@ def convert(
     weights: Optional[str] = None,
     zero_stage: Optional[int] = None,
     config: Optional[str] = None,
+    part: Optional[str] = None,
 ) -> str:
-    """Convert a checkpoint; a JSON summary."""
+    """Convert a checkpoint (or one part of it: "K/N" or "env"); a JSON summary."""
+
+def commit(dst: str, overwrite: bool = False, verify: bool = True) -> int:
+    """Commit a conversion run in parts; the bytes checked."""
 
 def verify(path: str) -> str:
     """Check structure and recorded CRC-32s; a JSON report."""

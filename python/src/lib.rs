@@ -488,7 +488,7 @@ impl reshard::Progress for Callback {
 #[pyo3(signature = (src, dst, world_size, format=None, layout=None, include=None, exclude=None,
     strip_prefix=None, add_prefix=None, dtype=None, max_shard_size=None, threads=None,
     per_rank_state=None, untie=false, overwrite=false, verify=true, progress=None, dry_run=false,
-    tag=None, weights=None, zero_stage=None, config=None))]
+    tag=None, weights=None, zero_stage=None, config=None, part=None))]
 #[allow(clippy::too_many_arguments)]
 fn convert(
     py: Python<'_>,
@@ -514,7 +514,17 @@ fn convert(
     weights: Option<&str>,
     zero_stage: Option<u8>,
     config: Option<PathBuf>,
+    part: Option<&str>,
 ) -> PyResult<String> {
+    // "env": from the launcher's environment; "K/N": that part; None: the whole conversion
+    let part = match part {
+        None => None,
+        Some("env") => reshard::parts::choose(None).map_err(py_err)?,
+        Some(p) => {
+            let p: reshard::parts::Part = p.parse().map_err(request)?;
+            reshard::parts::choose(Some(p)).map_err(py_err)?
+        }
+    };
     let mut opts = ConvertOptions::to(1);
     opts.open = open_options(tag, weights)?;
     if let Some(s) = zero_stage {
@@ -561,10 +571,26 @@ fn convert(
     });
     py.detach(move || -> reshard::Result<String> {
         let job = reshard::convert::prepare(&src, Some(&dst), &opts)?;
-        let stats = if dry_run {
-            None
-        } else {
-            Some(reshard::convert::run(&job, &dst, &opts)?)
+        let mut in_parts = serde_json::Value::Null;
+        let stats = match (dry_run, part) {
+            (true, _) => None,
+            (false, None) => Some(reshard::convert::run(&job, &dst, &opts)?),
+            (false, Some((p, from))) => {
+                let run = reshard::convert::run_part(&job, &dst, &opts, p)?;
+                in_parts = serde_json::json!({
+                    "part": [p.index, p.count],
+                    "from": from,
+                    "spans": run.spans.len(),
+                    "written_before": run.stats.is_none(),
+                    "missing": run.missing,
+                    "committed": run.committed.as_ref().map(|c| match c {
+                        reshard::convert::Committed::Published { .. } => "published",
+                        reshard::convert::Committed::Already => "already",
+                        reshard::convert::Committed::Busy => "busy",
+                    }),
+                });
+                run.stats
+            }
         };
         let files = job.output_files();
         Ok(serde_json::json!({
@@ -582,10 +608,24 @@ fn convert(
             "files": files,
             "bytes_read": stats.as_ref().map(|s| s.bytes_read),
             "bytes_written": stats.as_ref().map(|s| s.bytes_written),
+            "parts": in_parts,
         })
         .to_string())
     })
     .map_err(py_err)
+}
+
+/// Commit a conversion run in parts: every part written and checked, then `dst` published.
+/// Returns the bytes checked against the parts' CRC-32s (0 when it was already committed).
+#[pyfunction]
+#[pyo3(signature = (dst, overwrite=false, verify=true))]
+fn commit(py: Python<'_>, dst: PathBuf, overwrite: bool, verify: bool) -> PyResult<u64> {
+    py.detach(move || reshard::convert::commit_parts(&dst, overwrite, verify))
+        .map(|c| match c {
+            reshard::convert::Committed::Published { checked } => checked,
+            _ => 0,
+        })
+        .map_err(py_err)
 }
 
 /// Check a checkpoint's structure and every CRC-32 its files record: a JSON report.
@@ -645,6 +685,7 @@ fn _reshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(open, m)?)?;
     m.add_function(wrap_pyfunction!(local_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(convert, m)?)?;
+    m.add_function(wrap_pyfunction!(commit, m)?)?;
     m.add_function(wrap_pyfunction!(verify, m)?)?;
     m.add_function(wrap_pyfunction!(diff, m)?)?;
     m.add_function(wrap_pyfunction!(formats, m)?)?;

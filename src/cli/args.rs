@@ -76,6 +76,26 @@ pub enum Cmd {
         #[command(flatten)]
         flags: ConvertFlags,
     },
+    /// Finish a conversion run in parts (`convert --part K/N`): check that every part is
+    /// written, by the same job, and that its bytes match their CRC-32s, then make DST appear
+    /// atomically. The worker that finishes last does this itself; run it when that worker
+    /// failed, or to learn which parts are missing.
+    #[command(
+        after_help = "Examples:\n  reshard commit out/\n  reshard commit model.safetensors --force"
+    )]
+    Commit {
+        /// The destination the parts were written for.
+        dst: PathBuf,
+        /// Replace DST if it exists.
+        #[arg(long)]
+        force: bool,
+        /// Skip reading the parts' bytes back to check their CRC-32s.
+        #[arg(long)]
+        no_verify: bool,
+        /// Print nothing but errors.
+        #[arg(short, long)]
+        quiet: bool,
+    },
     /// Check a checkpoint: structure (every tensor covered exactly, no conflicting overlaps,
     /// shapes and sizes agree with the files) and the CRC-32s its files record; exit status 1
     /// when a record is corrupt.
@@ -152,6 +172,14 @@ pub struct ConvertFlags {
     /// safetensors checksums) for the bytes the conversion reads.
     #[arg(long)]
     no_verify: bool,
+    /// Run only part K of N of the conversion (0 <= K < N, numbered as ranks are), beside
+    /// workers running the other parts of the same command; the last to finish makes DST
+    /// appear (or `reshard commit DST`). Default: from the launcher's environment — torchrun
+    /// (RANK, WORLD_SIZE), Slurm tasks (SLURM_PROCID, SLURM_NTASKS), Slurm array jobs
+    /// (SLURM_ARRAY_TASK_*), Kubernetes indexed jobs (JOB_COMPLETION_INDEX, with N in
+    /// RESHARD_PARTS). --part 0/1 runs the whole conversion in this process.
+    #[arg(long, value_name = "K/N")]
+    pub part: Option<crate::parts::Part>,
 }
 
 impl ConvertFlags {

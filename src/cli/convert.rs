@@ -3,7 +3,7 @@
 use super::args::{ConvertFlags, TargetArgs};
 use super::text::{clip, shown, size};
 use super::Outcome;
-use crate::convert::{self, Job};
+use crate::convert::{self, Committed, Job, PartRun};
 use crate::per_rank::Policy;
 use crate::ExecStats;
 use crate::Result;
@@ -23,10 +23,116 @@ pub fn run(
     let mut opts = flags.options(target)?;
     opts.open = source.clone();
     let t0 = Instant::now();
+    if let Some((part, from)) = crate::parts::choose(flags.part)? {
+        let job = convert::prepare(src, Some(dst), &opts)?;
+        let run = convert::run_part(&job, dst, &opts, part)?;
+        if !flags.quiet {
+            let secs = t0.elapsed().as_secs_f64();
+            shown(print_part(out, dst, &job, &run, from, secs))?;
+        }
+        return Ok(Outcome::Clean);
+    }
     let (job, stats) = convert::convert(src, dst, &opts)?;
     if !flags.quiet {
         let secs = t0.elapsed().as_secs_f64();
         shown(print(out, dst, &job, &stats, secs))?;
+    }
+    Ok(Outcome::Clean)
+}
+
+/// What one part wrote (or found written), and what became of the commit.
+fn print_part(
+    out: &mut dyn Write,
+    dst: &Path,
+    job: &Job,
+    run: &PartRun,
+    from: &str,
+    secs: f64,
+) -> io::Result<()> {
+    let from = match from {
+        "given" => String::new(),
+        who => format!(" (from {who}'s environment)"),
+    };
+    let n = run.part.count;
+    match &run.stats {
+        Some(stats) => writeln!(
+            out,
+            "wrote part {}{from} of {}: {} span(s), {} in {:.2} s ({}/s)",
+            run.part,
+            dst.display(),
+            run.spans.len(),
+            size(stats.bytes_written),
+            secs,
+            size((stats.bytes_written as f64 / secs.max(1e-9)) as u64)
+        )?,
+        None => writeln!(
+            out,
+            "part {}{from} of {} was written by an earlier run; nothing to do",
+            run.part,
+            dst.display()
+        )?,
+    }
+    match &run.committed {
+        Some(Committed::Published { checked }) => {
+            writeln!(
+                out,
+                "committed {}: {}, {} rank(s), {} file(s), {} tensor(s); all {n} parts, {} checked against their CRC-32s",
+                dst.display(),
+                job.format,
+                job.world,
+                job.output.files.len(),
+                job.plan.tensors.len(),
+                size(*checked)
+            )?;
+        }
+        Some(Committed::Already) => {
+            writeln!(out, "{} was committed by another worker", dst.display())?
+        }
+        Some(Committed::Busy) => writeln!(
+            out,
+            "every part is written; another worker is committing {}",
+            dst.display()
+        )?,
+        None => {
+            let list: Vec<String> = run.missing.iter().take(8).map(|k| k.to_string()).collect();
+            let more = run.missing.len().saturating_sub(8);
+            writeln!(
+                out,
+                "waiting for part(s) {}{} of {n}: the worker that finishes last commits {} (or run `reshard commit {}`)",
+                list.join(", "),
+                if more > 0 { format!(" and {more} more") } else { String::new() },
+                dst.display(),
+                dst.display()
+            )?;
+        }
+    }
+    if let Some(reason) = &job.format_reason {
+        writeln!(out, "output format {}: {reason}", job.format)?;
+    }
+    Ok(())
+}
+
+/// `reshard commit`: finish a conversion run in parts.
+pub fn commit(
+    dst: &Path,
+    force: bool,
+    check: bool,
+    quiet: bool,
+    out: &mut dyn Write,
+) -> Result<Outcome> {
+    let done = convert::commit_parts(dst, force, check)?;
+    if !quiet {
+        shown(match done {
+            Committed::Published { checked } => writeln!(
+                out,
+                "committed {}: {} checked against the parts' CRC-32s",
+                dst.display(),
+                size(checked)
+            ),
+            Committed::Already | Committed::Busy => {
+                writeln!(out, "{} was already committed", dst.display())
+            }
+        })?;
     }
     Ok(Outcome::Clean)
 }

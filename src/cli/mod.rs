@@ -53,6 +53,12 @@ fn run(cli: Cli, out: &mut dyn Write) -> Result<Outcome> {
             target,
             flags,
         } => convert::run(&src, &dst, &source.options(), &target, &flags, out),
+        Cmd::Commit {
+            dst,
+            force,
+            no_verify,
+            quiet,
+        } => convert::commit(&dst, force, !no_verify, quiet, out),
         Cmd::Verify { path, source, json } => verify::run(&path, &source.options(), json, out),
         Cmd::Diff { a, b, json } => diff::run(&a, &b, json, out),
     }

@@ -44,6 +44,10 @@ pub struct KnownCrc {
     pub crc: u32,
 }
 
+/// The checksum index of a window's hash of every byte it writes (the CRC-32 a part of a
+/// conversion records for each of its spans, [`crate::parts`]).
+pub(super) const WHOLE: u32 = u32::MAX;
+
 /// One window's share of a [`Checksum`]: the CRC-32 of destination bytes from `start` on.
 pub(super) struct CrcPart {
     /// Output file index.
@@ -171,7 +175,7 @@ pub(super) fn checked_ranges(outputs: &[OutputFile]) -> Result<Vec<Vec<CkRange>>
 
 /// Join the parts of one checksum over `(a, b)`, sorted by start: bytes no window wrote
 /// (file holes) are zeros.
-fn join_crc(parts: &[CrcPart], (a, b): (u64, u64)) -> u32 {
+pub(super) fn join_crc(parts: &[CrcPart], (a, b): (u64, u64)) -> u32 {
     fn zeros(h: &mut crc32fast::Hasher, mut n: u64) {
         static Z: [u8; 4096] = [0; 4096];
         while n > 0 {
@@ -196,7 +200,7 @@ fn join_crc(parts: &[CrcPart], (a, b): (u64, u64)) -> u32 {
 pub(super) fn write_checksums(
     outputs: &[OutputFile],
     mut parts: Vec<CrcPart>,
-    files: &[File],
+    files: &[Option<File>],
     dest_paths: &[PathBuf],
 ) -> Result<()> {
     parts.sort_by_key(|p| (p.file, p.ck, p.start));
@@ -214,8 +218,10 @@ pub(super) fn write_checksums(
             } else {
                 crc.to_le_bytes().to_vec()
             };
-            for &at in &c.at {
-                files[f].write_all_at(&bytes, at).at_write(&dest_paths[f])?;
+            if let (Some(file), false) = (&files[f], c.at.is_empty()) {
+                for &at in &c.at {
+                    file.write_all_at(&bytes, at).at_write(&dest_paths[f])?;
+                }
             }
         }
     }

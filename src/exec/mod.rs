@@ -23,18 +23,18 @@ mod window;
 
 pub use crc::{Checksum, KnownCrc};
 pub use read::{map_sources, read_into, read_many_into, read_regions, read_regions_into};
-pub use schedule::balance;
+pub use schedule::{balance, restrict};
 // Kept at its old path: page release is platform I/O, used by `verify` too.
 pub(crate) use crate::sys::release;
 
 use crate::error::{Error, IoContext, Result};
 use crate::plan::Plan;
-use crate::sys::{preallocate, WriteContext};
+use crate::sys::{preallocate, preallocate_range, WriteContext};
 use crc::{CkRange, CrcPart};
 use memmap2::Mmap;
 use rayon::prelude::*;
 use schedule::Window;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -228,6 +228,7 @@ pub fn execute_scheduled(
         dest_paths,
         ranges: &ranges,
         skip: &skip,
+        whole: false,
     };
     let mut parts = pool.install(|| run_windows(&wins, &shared, progress))?;
     parts.extend(given);
@@ -236,9 +237,7 @@ pub fn execute_scheduled(
         p.finish();
     }
     if opts.sync {
-        for (f, p) in files.iter().zip(dest_paths) {
-            f.sync_all().at_write(p)?;
-        }
+        sync_all(&files, dest_paths)?;
     }
     Ok(ExecStats {
         bytes_read: plan.bytes_read(),
@@ -251,6 +250,213 @@ pub fn execute_scheduled(
         windows: wins.len(),
         threads: pool.current_num_threads(),
     })
+}
+
+/// fsync every open output.
+fn sync_all(files: &[Option<File>], dest_paths: &[PathBuf]) -> Result<()> {
+    for (f, p) in files.iter().zip(dest_paths) {
+        if let Some(f) = f {
+            f.sync_all().at_write(p)?;
+        }
+    }
+    Ok(())
+}
+
+/// One part's share of an output checksum: the CRC-32 of bytes `start..start + len` of
+/// output file `file` that fall in checksum `ck`'s range ([`OutputFile::checksums`]). A part
+/// of a conversion records its shares; the commit joins every part's shares in order
+/// ([`write_checksum_shares`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChecksumShare {
+    /// Output file index.
+    pub file: u32,
+    /// Index of the checksum in that file's list.
+    pub ck: u32,
+    /// First byte hashed.
+    pub start: u64,
+    /// Bytes hashed.
+    pub len: u64,
+    /// Their CRC-32.
+    pub crc: u32,
+}
+
+/// What one part of a conversion wrote ([`execute_part`]).
+#[derive(Clone, Debug)]
+pub struct PartWritten {
+    /// What the run did.
+    pub stats: ExecStats,
+    /// The CRC-32 of each span's bytes as written (bytes no copy or literal writes count as
+    /// zeros), in the order of the spans given.
+    pub span_crcs: Vec<u32>,
+    /// The part's shares of the outputs' checksums, which only the commit can finish.
+    pub shares: Vec<ChecksumShare>,
+}
+
+/// Run one part of a conversion: write only the destination bytes of `spans` (sorted by file
+/// and start, disjoint, from [`crate::parts::split`]) of `outputs`, from `plan` (the whole
+/// plan or the part's own, [`schedule::restrict`]). `dest_paths` are every output's path;
+/// the files of the spans must exist (other processes may be writing other spans of them).
+/// Output checksums are not written: their shares are returned with a CRC-32 of each span,
+/// for the commit ([`write_checksum_shares`]).
+pub fn execute_part(
+    plan: &Plan,
+    sources: &[PathBuf],
+    outputs: &[OutputFile],
+    dest_paths: &[PathBuf],
+    opts: &ExecOptions,
+    spans: &[crate::parts::Span],
+) -> Result<PartWritten> {
+    check_ops(plan, outputs)?;
+    if spans
+        .windows(2)
+        .any(|w| (w[0].file, w[0].end) > (w[1].file, w[1].start))
+        || spans.iter().any(|s| {
+            outputs
+                .get(s.file as usize)
+                .is_none_or(|o| s.end > o.size || s.start > s.end)
+        })
+    {
+        return Err(Error::usage("a part's spans overlap or lie outside the output"));
+    }
+    let ranges = crc::checked_ranges(outputs)?;
+    let wins = schedule::windows_in(plan, outputs, opts.window, spans);
+    let skip: Vec<Vec<(u64, u64)>> = vec![vec![]; outputs.len()];
+    let threads = opts
+        .threads
+        .unwrap_or_else(|| schedule::default_threads(&wins, &ranges, &skip));
+    let maps = map_sources(sources)?;
+    let src_files: Vec<File> = sources
+        .iter()
+        .map(|p| File::open(p).at(p))
+        .collect::<Result<_>>()?;
+    check_sources(plan, sources, &maps)?;
+    // open the files of the spans, their sizes set and the spans' blocks allocated
+    let mut files: Vec<Option<File>> = (0..outputs.len()).map(|_| None).collect();
+    let mut pending = 0u64;
+    for s in spans {
+        let (f, p) = (s.file as usize, &dest_paths[s.file as usize]);
+        if files[f].is_none() {
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(p)
+                .at_write(p)?;
+            if file.metadata().at(p)?.len() != outputs[f].size {
+                file.set_len(outputs[f].size).at_write(p)?;
+            }
+            files[f] = Some(file);
+        }
+        if let Some(file) = &files[f] {
+            if !preallocate_range(file, s.start, s.len(), pending).at_write(p)? {
+                pending = pending.saturating_add(s.len());
+            }
+        }
+    }
+    let pool = thread_pool(threads)?;
+    let progress = opts.progress.as_deref();
+    if let Some(p) = progress {
+        p.start(spans.iter().map(|s| s.len()).sum());
+    }
+    let shared = Shared {
+        srcs: &maps,
+        src_files: &src_files,
+        src_paths: sources,
+        dsts: &files,
+        dest_paths,
+        ranges: &ranges,
+        skip: &skip,
+        whole: true,
+    };
+    let mut parts = pool.install(|| run_windows(&wins, &shared, progress))?;
+    if opts.sync {
+        sync_all(&files, dest_paths)?;
+    }
+    if let Some(p) = progress {
+        p.finish();
+    }
+    parts.sort_by_key(|p| (p.file, p.ck, p.start));
+    let (whole, cks): (Vec<CrcPart>, Vec<CrcPart>) =
+        parts.into_iter().partition(|p| p.ck == crc::WHOLE);
+    let span_crcs = spans
+        .iter()
+        .map(|s| {
+            let i = whole.partition_point(|p| (p.file, p.start) < (s.file, s.start));
+            let n = whole[i..]
+                .iter()
+                .take_while(|p| p.file == s.file && p.start < s.end)
+                .count();
+            crc::join_crc(&whole[i..i + n], (s.start, s.end))
+        })
+        .collect();
+    let shares = cks
+        .into_iter()
+        .map(|p| ChecksumShare {
+            file: p.file,
+            ck: p.ck,
+            start: p.start,
+            len: p.len,
+            crc: p.hash.finalize(),
+        })
+        .collect();
+    Ok(PartWritten {
+        stats: ExecStats {
+            bytes_read: plan.bytes_read(),
+            bytes_written: plan.bytes_written()
+                + outputs
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(f, o)| o.literals.iter().map(move |l| (f, l)))
+                    .map(|(f, (at, b))| {
+                        let (a, e) = (*at, at + b.len() as u64);
+                        spans
+                            .iter()
+                            .filter(|s| s.file as usize == f)
+                            .map(|s| e.min(s.end).saturating_sub(a.max(s.start)))
+                            .sum::<u64>()
+                    })
+                    .sum::<u64>(),
+            windows: wins.len(),
+            threads: pool.current_num_threads(),
+        },
+        span_crcs,
+        shares,
+    })
+}
+
+/// Join every part's [`ChecksumShare`]s into the outputs' checksums and write them in place
+/// in the finished files at `dest_paths` (the commit of a conversion run in parts). Bytes of
+/// a checksum range no share covers count as zeros.
+pub fn write_checksum_shares(
+    outputs: &[OutputFile],
+    shares: &[ChecksumShare],
+    dest_paths: &[PathBuf],
+) -> Result<()> {
+    let parts = shares
+        .iter()
+        .map(|s| CrcPart {
+            file: s.file,
+            ck: s.ck,
+            start: s.start,
+            len: s.len,
+            hash: crc32fast::Hasher::new_with_initial_len(s.crc, s.len),
+        })
+        .collect();
+    let files: Vec<Option<File>> = outputs
+        .iter()
+        .zip(dest_paths)
+        .map(|(o, p)| {
+            if o.checksums.iter().all(|c| c.at.is_empty()) {
+                return Ok(None);
+            }
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(p)
+                .at_write(p)
+                .map(Some)
+        })
+        .collect::<Result<_>>()?;
+    crc::write_checksums(outputs, parts, &files, dest_paths)?;
+    sync_all(&files, dest_paths)
 }
 
 /// A rayon pool of `threads` worker threads.
@@ -268,10 +474,12 @@ struct Shared<'a> {
     srcs: &'a [Mmap],
     src_files: &'a [File],
     src_paths: &'a [PathBuf],
-    dsts: &'a [File],
+    dsts: &'a [Option<File>],
     dest_paths: &'a [PathBuf],
     ranges: &'a [Vec<CkRange>],
     skip: &'a [Vec<(u64, u64)>],
+    /// Hash every byte each window writes ([`crc::WHOLE`]), for a part's records.
+    whole: bool,
 }
 
 /// Run `wins` in parallel on the current pool, telling `progress` as each is written;
@@ -284,14 +492,17 @@ fn run_windows(
     wins.par_iter()
         .map(|w| {
             let f = w.dst as usize;
+            let dst = io.dsts[f]
+                .as_ref()
+                .ok_or_else(|| Error::usage(format!("output file #{f} is not open")))?;
             let wio = WindowIo {
                 srcs: io.srcs,
                 src_files: io.src_files,
                 src_paths: io.src_paths,
-                dst: &io.dsts[f],
+                dst,
                 dst_path: &io.dest_paths[f],
             };
-            let parts = run_window(w, &wio, (&io.ranges[f], &io.skip[f]))?;
+            let parts = run_window(w, &wio, (&io.ranges[f], &io.skip[f]), io.whole)?;
             if let Some(p) = progress {
                 p.advance(w.size());
             }
@@ -306,7 +517,7 @@ fn run_windows(
 /// Open the (existing) destination files `dest_paths` for writing, their blocks allocated
 /// (or, on tmpfs, the free space for all of them checked) and their sizes set to those of
 /// `outputs`.
-fn open_outputs(outputs: &[OutputFile], dest_paths: &[PathBuf]) -> Result<Vec<File>> {
+fn open_outputs(outputs: &[OutputFile], dest_paths: &[PathBuf]) -> Result<Vec<Option<File>>> {
     let mut pending = 0u64;
     dest_paths
         .iter()
@@ -321,7 +532,7 @@ fn open_outputs(outputs: &[OutputFile], dest_paths: &[PathBuf]) -> Result<Vec<Fi
                 pending = pending.saturating_add(o.size);
             }
             f.set_len(o.size).at_write(p)?;
-            Ok(f)
+            Ok(Some(f))
         })
         .collect()
 }

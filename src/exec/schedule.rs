@@ -4,6 +4,7 @@
 
 use super::crc::CkRange;
 use super::OutputFile;
+use crate::parts::Span;
 use crate::plan::{CopyOp, Plan};
 
 /// A piece of one window: either literal bytes or (part of) a copy op.
@@ -141,52 +142,112 @@ fn clip(op: &CopyOp, w0: u64, w1: u64, out: &mut Vec<Frag>) {
     flush(full_start, i_hi, out);
 }
 
-/// Cut the plan into windows of `window` destination bytes.
+/// Cut the plan into windows of `window` destination bytes, over every byte of every output.
 pub(super) fn windows<'a>(plan: &Plan, outputs: &'a [OutputFile], window: u64) -> Vec<Window<'a>> {
-    let window = window.max(8) / 8 * 8;
-    let mut per_file: Vec<Vec<Window>> = outputs
+    let whole: Vec<Span> = outputs
         .iter()
         .enumerate()
-        .map(|(f, o)| {
-            (0..o.size.div_ceil(window))
-                .map(|k| Window {
-                    dst: f as u32,
-                    start: k * window,
-                    end: ((k + 1) * window).min(o.size),
-                    frags: vec![],
-                })
-                .collect()
+        .map(|(f, o)| Span {
+            file: f as u32,
+            start: 0,
+            end: o.size,
         })
         .collect();
+    windows_in(plan, outputs, window, &whole)
+}
+
+/// Cut the plan into windows of `window` destination bytes over `spans` only (sorted by file
+/// and start, disjoint, within their files): each span is cut from its start, and the
+/// literals and copies are clipped to the windows, so bytes outside the spans are not
+/// touched. Windows with nothing to write are left out.
+pub(super) fn windows_in<'a>(
+    plan: &Plan,
+    outputs: &'a [OutputFile],
+    window: u64,
+    spans: &[Span],
+) -> Vec<Window<'a>> {
+    let window = window.max(8) / 8 * 8;
+    let mut wins: Vec<Window> = vec![];
+    for s in spans {
+        let mut a = s.start;
+        while a < s.end {
+            let b = s.end.min(a.saturating_add(window));
+            wins.push(Window {
+                dst: s.file,
+                start: a,
+                end: b,
+                frags: vec![],
+            });
+            a = b;
+        }
+    }
+    // the windows of file f are wins[first[f]..first[f + 1]], sorted by start
+    let mut first = vec![0usize; outputs.len() + 1];
+    for w in &wins {
+        if let Some(n) = first.get_mut(w.dst as usize + 1) {
+            *n += 1;
+        }
+    }
+    for f in 0..outputs.len() {
+        first[f + 1] += first[f];
+    }
+    // the windows of file f overlapping bytes a..b
+    fn overlapping(wins: &[Window], first: &[usize], f: u32, a: u64, b: u64) -> std::ops::Range<usize> {
+        let (lo, hi) = (first[f as usize], first[f as usize + 1]);
+        let ws = &wins[lo..hi];
+        let i = ws.partition_point(|w| w.end <= a);
+        let j = ws.partition_point(|w| w.start < b);
+        lo + i..lo + j.max(i)
+    }
+    let mut lits: Vec<(usize, Frag)> = vec![];
     for (f, o) in outputs.iter().enumerate() {
         for (off, bytes) in &o.literals {
-            let mut a = *off;
             let end = off + bytes.len() as u64;
-            while a < end {
-                let k = (a / window) as usize;
-                let b = end.min((k as u64 + 1) * window);
+            for k in overlapping(&wins, &first, f as u32, *off, end) {
+                let w = &wins[k];
+                let (a, b) = ((*off).max(w.start), end.min(w.end));
                 let s = &bytes[(a - off) as usize..(b - off) as usize];
-                per_file[f][k].frags.push(Frag::Lit { dst: a, bytes: s });
-                a = b;
+                lits.push((k, Frag::Lit { dst: a, bytes: s }));
             }
         }
     }
+    for (k, frag) in lits {
+        wins[k].frags.push(frag);
+    }
     for op in &plan.ops {
         let (a, b) = op.dst_span();
-        if b <= a {
+        if b <= a || op.dst as usize >= outputs.len() {
             continue;
         }
-        let wins = &mut per_file[op.dst as usize];
-        for k in (a / window)..=((b - 1) / window) {
-            let w = &mut wins[k as usize];
+        for k in overlapping(&wins, &first, op.dst, a, b) {
+            let w = &mut wins[k];
             clip(op, w.start, w.end, &mut w.frags);
         }
     }
-    per_file
-        .into_iter()
-        .flatten()
-        .filter(|w| !w.frags.is_empty())
-        .collect()
+    wins.into_iter().filter(|w| !w.frags.is_empty()).collect()
+}
+
+/// The parts of `ops` (sorted by destination file and offset) that write into `spans`
+/// (sorted by file and start, disjoint), clipped to them: the plan of one part of a
+/// conversion ([`crate::parts`]).
+pub fn restrict(ops: &[CopyOp], spans: &[Span]) -> Vec<CopyOp> {
+    let mut out = vec![];
+    for s in spans {
+        // copies do not overlap, so only the last one starting before the span can reach in
+        let mut i = ops.partition_point(|o| (o.dst, o.dst_offset) < (s.file, s.start));
+        if i > 0 && ops[i - 1].dst == s.file && ops[i - 1].dst_span().1 > s.start {
+            i -= 1;
+        }
+        for o in ops[i..].iter().take_while(|o| o.dst == s.file && o.dst_offset < s.end) {
+            let mut frags = vec![];
+            clip(o, s.start, s.end, &mut frags);
+            out.extend(frags.into_iter().filter_map(|f| match f {
+                Frag::Op(o) => Some(o),
+                Frag::Lit { .. } => None,
+            }));
+        }
+    }
+    out
 }
 
 /// Worker threads when none are asked for: one per core when at least a tenth of the bytes

@@ -4,7 +4,7 @@
 //! window hashes its share of the output's checksums, and releases the source pages it
 //! read through the mapping.
 
-use super::crc::{unknown, CkRange, CrcPart};
+use super::crc::{unknown, CkRange, CrcPart, WHOLE};
 use super::read::{apply, apply_small, is_small};
 use super::schedule::{Frag, Window};
 use crate::error::Result;
@@ -55,10 +55,12 @@ struct Shares<'a> {
     hits: Vec<CkRange>,
     skip: &'a [(u64, u64)],
     parts: Vec<CrcPart>,
+    /// Also hash every byte written, as parts of checksum [`WHOLE`].
+    whole: bool,
 }
 
 impl<'a> Shares<'a> {
-    fn new(w: &Window, ranges: &[CkRange], skip: &'a [(u64, u64)]) -> Self {
+    fn new(w: &Window, ranges: &[CkRange], skip: &'a [(u64, u64)], whole: bool) -> Self {
         let first = ranges.partition_point(|r| r.2 <= w.start);
         let hits = ranges[first..]
             .iter()
@@ -70,6 +72,7 @@ impl<'a> Shares<'a> {
             hits,
             skip,
             parts: vec![],
+            whole,
         }
     }
 
@@ -105,13 +108,16 @@ impl<'a> Shares<'a> {
 
 /// Run one window; `ranges` are its destination file's checksum ranges (sorted, disjoint),
 /// and the window's share of each is hashed and returned, except for the destination ranges
-/// in `skip`, whose parts known source CRCs give ([`super::crc::known_parts`]).
+/// in `skip`, whose parts known source CRCs give ([`super::crc::known_parts`]). With `whole`,
+/// every byte the window writes is hashed too, as parts of checksum [`WHOLE`] (bytes it
+/// leaves alone are zeros).
 pub(super) fn run_window(
     w: &Window,
     io: &WindowIo,
     (ranges, skip): (&[CkRange], &[(u64, u64)]),
+    whole: bool,
 ) -> Result<Vec<CrcPart>> {
-    let mut shares = Shares::new(w, ranges, skip);
+    let mut shares = Shares::new(w, ranges, skip, whole);
     let mut mapped = vec![];
     for seg in segments(w, &shares.hits) {
         match seg {
@@ -252,6 +258,10 @@ fn copy_run(
         shares.hash(ck, x, &io.srcs[o.src as usize][s as usize..(s + (y - x)) as usize]);
         mapped.push((o.src, s, s + (y - x)));
     }
+    if shares.whole {
+        shares.hash(WHOLE, d0, io.row(o, 0));
+        mapped.push((o.src, o.src_offset, o.src_offset + o.len));
+    }
     let src = &io.src_files[o.src as usize];
     let kernel = kernel_copy_available()
         && copy_range(src, o.src_offset, io.dst, o.dst_offset, o.len).at_write(io.dst_path)?;
@@ -288,6 +298,9 @@ fn assemble(lo: u64, hi: u64, frags: &[&Frag], io: &WindowIo, shares: &mut Share
         }
         for (ck, x, y) in shares.to_hash(lo, hi) {
             shares.hash(ck, x, &buf[(x - lo) as usize..(y - lo) as usize]);
+        }
+        if shares.whole {
+            shares.hash(WHOLE, lo, &buf);
         }
         io.write(&buf, lo)
     })
@@ -429,6 +442,67 @@ mod tests {
             }
         }
         want
+    }
+
+    #[test]
+    fn parts_write_exactly_the_plan_together() {
+        // every random case split into 1..=5 parts, each part run on its own (its plan
+        // restricted to its spans) into one shared file, the checksum shares joined at the end
+        let d = tempfile::tempdir().unwrap();
+        let src_path = d.path().join("src");
+        let src: Vec<u8> = (0..(1u32 << 20)).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        std::fs::write(&src_path, &src).unwrap();
+        for seed in 0..40 {
+            let (plan, out, _) = case(seed, &src);
+            let want = expected(&plan, &out, &src);
+            for n in 1..=5u32 {
+                let parts = crate::parts::split(&[out.size], &plan.ops, n).unwrap();
+                let dst = d.path().join(format!("dst-{seed}-{n}"));
+                std::fs::File::create(&dst).unwrap();
+                let opts = ExecOptions {
+                    window: 4096 + 8 * seed,
+                    sync: false,
+                    ..Default::default()
+                };
+                let mut shares = vec![];
+                let mut crcs = vec![];
+                for spans in &parts {
+                    let sub = Plan {
+                        ops: super::super::restrict(&plan.ops, spans),
+                        tensors: vec![],
+                    };
+                    let w = super::super::execute_part(
+                        &sub,
+                        std::slice::from_ref(&src_path),
+                        std::slice::from_ref(&out),
+                        std::slice::from_ref(&dst),
+                        &opts,
+                        spans,
+                    )
+                    .unwrap();
+                    shares.extend(w.shares);
+                    crcs.extend(spans.iter().copied().zip(w.span_crcs));
+                }
+                // each span's CRC is that of its bytes before the checksums go in
+                let before = std::fs::read(&dst).unwrap();
+                for (sp, crc) in crcs {
+                    assert_eq!(
+                        crc32fast::hash(&before[sp.start as usize..sp.end as usize]),
+                        crc,
+                        "seed {seed}, {n} parts, span {sp:?}"
+                    );
+                }
+                super::super::write_checksum_shares(
+                    std::slice::from_ref(&out),
+                    &shares,
+                    std::slice::from_ref(&dst),
+                )
+                .unwrap();
+                let got = std::fs::read(&dst).unwrap();
+                assert!(got == want, "seed {seed}, {n} parts: output differs");
+                std::fs::remove_file(&dst).unwrap();
+            }
+        }
     }
 
     #[test]

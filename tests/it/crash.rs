@@ -431,7 +431,7 @@ fn sigkill_at_random_moments_leaves_the_destination_absent_or_complete() {
 }
 
 /// A small two-rank source of about `mb` MiB.
-fn source(dir: &Path, mb: usize) -> (PathBuf, BTreeMap<String, Full>) {
+pub(crate) fn source(dir: &Path, mb: usize) -> (PathBuf, BTreeMap<String, Full>) {
     let model = big_model(mb << 20);
     let src = dir.join("src");
     write_hf_storage(&src, &fsdp_shards(&model, 2));

@@ -15,6 +15,8 @@
 //! for the same destination (`.NAME.reshard-tmp-PID`, unless PID is a reshard process still
 //! running) and says so, one line each on stderr, before removing each.
 
+pub mod parts;
+
 use crate::error::{Error, Hint, IoContext, Result};
 use crate::sys::{exchange, try_lock};
 use std::fs;
@@ -45,13 +47,13 @@ pub struct Staging {
     _lock: Lock,
 }
 
-fn parent_of(dest: &Path) -> &Path {
+pub(crate) fn parent_of(dest: &Path) -> &Path {
     dest.parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."))
 }
 
-fn file_name(dest: &Path) -> Result<&std::ffi::OsStr> {
+pub(crate) fn file_name(dest: &Path) -> Result<&std::ffi::OsStr> {
     dest.file_name()
         .ok_or_else(|| Error::usage(format!("{}: not a file or directory name", dest.display())))
 }
@@ -292,45 +294,52 @@ impl Staging {
 
     /// Move the staged output into place. Files must already be fsynced.
     pub fn commit(mut self) -> Result<()> {
-        let parent = parent_of(&self.dest).to_path_buf();
-        if self.is_dir {
-            fsync_dir(&self.tmp)?;
-        }
-        let exists = fs::symlink_metadata(&self.dest).is_ok();
-        if exists && !self.force {
-            return Err(Error::refused(
-                format!("{}: appeared while writing; not replaced", self.dest.display()),
-                Hint::Force,
-            ));
-        }
-        let replace_dir = exists && (self.is_dir || self.dest.is_dir());
-        if replace_dir {
-            // rename() cannot replace a directory: swap the two names atomically, then remove
-            // the old output, now under the staging name (a kill before that leaves it as a
-            // leftover the next run removes).
-            if exchange(&self.tmp, &self.dest).at_write(&self.dest)? {
-                self.committed = true;
-                fsync_dir(&parent)?;
-                remove_any(&self.tmp);
-                return Ok(());
-            }
-            // No atomic swap on this filesystem: move the old one aside first.
-            let old = sibling(&self.dest, OLD_MARK)?;
-            fs::rename(&self.dest, &old).at_write(&self.dest)?;
-            fs::rename(&self.tmp, &self.dest).at_write(&self.dest)?;
-            self.committed = true;
-            remove_any(&old);
-        } else {
-            fs::rename(&self.tmp, &self.dest).at_write(&self.dest)?;
-            self.committed = true;
-        }
-        fsync_dir(&parent)
+        publish(&self.tmp, &self.dest, self.is_dir, self.force)?;
+        self.committed = true;
+        Ok(())
     }
+}
+
+/// Move the staged output `tmp` (a file, or a directory when `is_dir`, its files fsynced) to
+/// `dest` atomically: renamed into place, or, when `dest` exists and `force` allows replacing
+/// it, swapped with it in one step where the file system can (the old output then removed).
+/// If this fails before the rename, `tmp` is left for the caller to remove.
+pub(crate) fn publish(tmp: &Path, dest: &Path, is_dir: bool, force: bool) -> Result<()> {
+    let parent = parent_of(dest).to_path_buf();
+    if is_dir {
+        fsync_dir(tmp)?;
+    }
+    let exists = fs::symlink_metadata(dest).is_ok();
+    if exists && !force {
+        return Err(Error::refused(
+            format!("{}: appeared while writing; not replaced", dest.display()),
+            Hint::Force,
+        ));
+    }
+    let replace_dir = exists && (is_dir || dest.is_dir());
+    if replace_dir {
+        // rename() cannot replace a directory: swap the two names atomically, then remove
+        // the old output, now under the staging name (a kill before that leaves it as a
+        // leftover the next run removes).
+        if exchange(tmp, dest).at_write(dest)? {
+            fsync_dir(&parent)?;
+            remove_any(tmp);
+            return Ok(());
+        }
+        // No atomic swap on this filesystem: move the old one aside first.
+        let old = sibling(dest, OLD_MARK)?;
+        fs::rename(dest, &old).at_write(dest)?;
+        fs::rename(tmp, dest).at_write(dest)?;
+        remove_any(&old);
+    } else {
+        fs::rename(tmp, dest).at_write(dest)?;
+    }
+    fsync_dir(&parent)
 }
 
 /// Remove a file or a directory tree, ignoring errors (best effort: what remains is a
 /// recognisable leftover the next run removes).
-fn remove_any(p: &Path) {
+pub(crate) fn remove_any(p: &Path) {
     match fs::symlink_metadata(p) {
         Ok(m) if m.is_dir() => {
             let _ = fs::remove_dir_all(p);
@@ -350,7 +359,7 @@ impl Drop for Staging {
     }
 }
 
-fn fsync_dir(dir: &Path) -> Result<()> {
+pub(crate) fn fsync_dir(dir: &Path) -> Result<()> {
     fs::File::open(dir).and_then(|f| f.sync_all()).at_write(dir)
 }
 
