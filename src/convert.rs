@@ -333,9 +333,9 @@ fn check_paths(src: &Path, dst: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Write `job`'s output to `dst` atomically.
-pub fn run(job: &Job, dst: impl AsRef<Path>, opts: &ConvertOptions) -> Result<ExecStats> {
-    let dst = dst.as_ref();
+/// Check `dst` can take `job`'s output (not the source, not a directory for a one-file
+/// output); returns whether the output is a directory.
+fn check_destination(job: &Job, dst: &Path) -> Result<bool> {
     check_paths(&job.source.path, dst)?;
     let is_dir = job.format.is_dir();
     if !is_dir && dst.is_dir() {
@@ -345,6 +345,13 @@ pub fn run(job: &Job, dst: impl AsRef<Path>, opts: &ConvertOptions) -> Result<Ex
             job.format
         )));
     }
+    Ok(is_dir)
+}
+
+/// Write `job`'s output to `dst` atomically.
+pub fn run(job: &Job, dst: impl AsRef<Path>, opts: &ConvertOptions) -> Result<ExecStats> {
+    let dst = dst.as_ref();
+    let is_dir = check_destination(job, dst)?;
     let staging = Staging::new(dst, is_dir, opts.force)?;
     let dest_paths: Vec<PathBuf> = job
         .output
@@ -514,15 +521,7 @@ pub fn run_part(
     part: Part,
 ) -> Result<PartRun> {
     let dst = dst.as_ref();
-    check_paths(&job.source.path, dst)?;
-    let is_dir = job.format.is_dir();
-    if !is_dir && dst.is_dir() {
-        return Err(Error::usage(format!(
-            "{}: is a directory; give a file name for a {} output",
-            dst.display(),
-            job.format
-        )));
-    }
+    let is_dir = check_destination(job, dst)?;
     let sizes: Vec<u64> = job.output.files.iter().map(|f| f.size).collect();
     let spans = split(&sizes, &job.plan.ops, part.count)?.swap_remove(part.index as usize);
     let what = format!(

@@ -88,26 +88,20 @@ impl Lock {
     pub fn acquire(dest: &Path) -> Result<Lock> {
         let path = Self::path_of(dest)?;
         loop {
-            let mut file = fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .open(&path)
-                .at_write(&path)?;
-            if !try_lock(&file).at(&path)? {
-                let mut text = String::new();
-                let _ = file.read_to_string(&mut text);
-                let who = match text.trim().parse::<u32>() {
-                    Ok(pid) => format!("another reshard run (pid {pid})"),
-                    Err(_) => "another reshard run".to_string(),
-                };
-                return Err(Error::usage(format!(
-                    "{who} is writing {}; wait for it to finish or stop it (lock {})",
-                    dest.display(),
-                    path.display()
-                )));
-            }
+            let mut file = match hold(&path)? {
+                Ok(file) => file,
+                Err(text) => {
+                    let who = match text.trim().parse::<u32>() {
+                        Ok(pid) => format!("another reshard run (pid {pid})"),
+                        Err(_) => "another reshard run".to_string(),
+                    };
+                    return Err(Error::usage(format!(
+                        "{who} is writing {}; wait for it to finish or stop it (lock {})",
+                        dest.display(),
+                        path.display()
+                    )));
+                }
+            };
             // The previous owner may have removed the file between our open and our flock:
             // then we locked a file nobody else will see. Retry on the current one.
             let same = match (fs::symlink_metadata(&path), file.metadata()) {
@@ -124,6 +118,25 @@ impl Lock {
             return Ok(Lock { path, _file: file });
         }
     }
+}
+
+/// Open (or create) `path` and take an exclusive `flock` on it without waiting: the open file
+/// (the lock lives as long as it), or, when another process holds it, what the file says
+/// (its holder writes who it is there).
+pub(crate) fn hold(path: &Path) -> Result<std::result::Result<fs::File, String>> {
+    let mut file = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .at_write(path)?;
+    if try_lock(&file).at(path)? {
+        return Ok(Ok(file));
+    }
+    let mut text = String::new();
+    let _ = file.read_to_string(&mut text);
+    Ok(Err(text))
 }
 
 impl Drop for Lock {

@@ -20,8 +20,9 @@
 use super::{file_name, fsync_dir, parent_of, publish, remove_any, Lock};
 use crate::error::{Error, Hint, IoContext, Result};
 use crate::exec::{ChecksumShare, OutputFile};
+use crate::formats::safetensors::{from_hex, to_hex};
 use crate::parts::{Part, Span};
-use crate::sys::{try_lock, WriteContext};
+use crate::sys::WriteContext;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::fs;
@@ -193,20 +194,6 @@ pub fn worker() -> String {
         .map(|h| h.trim().to_string())
         .unwrap_or_else(|_| "?".into());
     format!("{host} pid {}", std::process::id())
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
-        return None;
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect()
 }
 
 /// Read a JSON file of reshard's own, bounded in size, with errors naming it.
@@ -404,24 +391,18 @@ impl PartsArea {
     /// the holder, while another process holds it.
     pub fn claim(&self, part: Part) -> Result<Claim> {
         let path = self.name(part, "claim");
-        let mut file = fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .at_write(&path)?;
-        if !try_lock(&file).at(&path)? {
-            let mut who = String::new();
-            let _ = file.read_to_string(&mut who);
-            return Err(Error::usage(format!(
-                "{}: part {part} is being written by another worker ({}); each part runs once \
-                 (claim {})",
-                self.dest.display(),
-                who.trim(),
-                path.display()
-            )));
-        }
+        let file = match super::hold(&path)? {
+            Ok(file) => file,
+            Err(who) => {
+                return Err(Error::usage(format!(
+                    "{}: part {part} is being written by another worker ({}); each part runs \
+                     once (claim {})",
+                    self.dest.display(),
+                    who.trim(),
+                    path.display()
+                )))
+            }
+        };
         file.set_len(0).at_write(&path)?;
         file.write_all_at(format!("{}\n", worker()).as_bytes(), 0)
             .at_write(&path)?;
@@ -468,7 +449,7 @@ impl PartsArea {
                     out.push(Placeholder {
                         file: f as u32,
                         at,
-                        bytes: hex(&b),
+                        bytes: to_hex(&b),
                     });
                 }
             }
@@ -553,7 +534,7 @@ pub fn commit(dest: &Path, force: bool, check: bool, wait: bool) -> Result<Commi
             let p = paths.get(ph.file as usize).ok_or_else(|| {
                 Error::format(area.name(r.part, "json"), "names an output file the job does not have")
             })?;
-            let bytes = unhex(&ph.bytes).ok_or_else(|| {
+            let bytes = from_hex(&ph.bytes).ok_or_else(|| {
                 Error::format(area.name(r.part, "json"), "has a malformed placeholder")
             })?;
             fs::OpenOptions::new()

@@ -379,12 +379,12 @@ pub fn extras_from_metadata(
 pub const EXTRAS_PICKLE_KEY: &str = "reshard.extras.pickle";
 
 /// Lower-case hex of `bytes`.
-fn to_hex(bytes: &[u8]) -> String {
+pub(crate) fn to_hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Bytes of a hex string, `None` when it is not one.
-fn from_hex(s: &str) -> Option<Vec<u8>> {
+pub(crate) fn from_hex(s: &str) -> Option<Vec<u8>> {
     if s.len() % 2 != 0 {
         return None;
     }
