@@ -201,12 +201,7 @@ pub fn execute_scheduled(
     opts: &ExecOptions,
     sched: Schedule,
 ) -> Result<ExecStats> {
-    let maps = map_sources(sources)?;
-    let src_files: Vec<File> = sources
-        .iter()
-        .map(|p| File::open(p).at(p))
-        .collect::<Result<_>>()?;
-    check_sources(plan, sources, &maps)?;
+    let (maps, src_files) = open_sources(plan, sources)?;
     let files = open_outputs(outputs, dest_paths)?;
     let Schedule {
         wins,
@@ -215,11 +210,6 @@ pub fn execute_scheduled(
         skip,
         threads,
     } = sched;
-    let pool = thread_pool(threads)?;
-    let progress = opts.progress.as_deref();
-    if let Some(p) = progress {
-        p.start(wins.iter().map(Window::size).sum());
-    }
     let shared = Shared {
         srcs: &maps,
         src_files: &src_files,
@@ -230,10 +220,11 @@ pub fn execute_scheduled(
         skip: &skip,
         whole: false,
     };
-    let mut parts = pool.install(|| run_windows(&wins, &shared, progress))?;
+    let total = wins.iter().map(Window::size).sum();
+    let (mut parts, threads) = run_on_pool(threads, &wins, &shared, opts, total)?;
     parts.extend(given);
     crc::write_checksums(outputs, parts, &files, dest_paths)?;
-    if let Some(p) = progress {
+    if let Some(p) = opts.progress.as_deref() {
         p.finish();
     }
     if opts.sync {
@@ -248,7 +239,7 @@ pub fn execute_scheduled(
                 .map(|(_, b)| b.len() as u64)
                 .sum::<u64>(),
         windows: wins.len(),
-        threads: pool.current_num_threads(),
+        threads,
     })
 }
 
@@ -324,12 +315,7 @@ pub fn execute_part(
     let threads = opts
         .threads
         .unwrap_or_else(|| schedule::default_threads(&wins, &ranges, &skip));
-    let maps = map_sources(sources)?;
-    let src_files: Vec<File> = sources
-        .iter()
-        .map(|p| File::open(p).at(p))
-        .collect::<Result<_>>()?;
-    check_sources(plan, sources, &maps)?;
+    let (maps, src_files) = open_sources(plan, sources)?;
     // open the files of the spans, their sizes set and the spans' blocks allocated
     let mut files: Vec<Option<File>> = (0..outputs.len()).map(|_| None).collect();
     let mut pending = 0u64;
@@ -352,11 +338,6 @@ pub fn execute_part(
             }
         }
     }
-    let pool = thread_pool(threads)?;
-    let progress = opts.progress.as_deref();
-    if let Some(p) = progress {
-        p.start(spans.iter().map(|s| s.len()).sum());
-    }
     let shared = Shared {
         srcs: &maps,
         src_files: &src_files,
@@ -367,7 +348,9 @@ pub fn execute_part(
         skip: &skip,
         whole: true,
     };
-    let mut parts = pool.install(|| run_windows(&wins, &shared, progress))?;
+    let total = spans.iter().map(|s| s.len()).sum();
+    let (mut parts, threads) = run_on_pool(threads, &wins, &shared, opts, total)?;
+    let progress = opts.progress.as_deref();
     if opts.sync {
         sync_all(&files, dest_paths)?;
     }
@@ -416,7 +399,7 @@ pub fn execute_part(
                     })
                     .sum::<u64>(),
             windows: wins.len(),
-            threads: pool.current_num_threads(),
+            threads,
         },
         span_crcs,
         shares,
@@ -457,6 +440,35 @@ pub fn write_checksum_shares(
         .collect::<Result<_>>()?;
     crc::write_checksums(outputs, parts, &files, dest_paths)?;
     sync_all(&files, dest_paths)
+}
+
+/// Map and open `sources`, checking every op of `plan` stays within them.
+fn open_sources(plan: &Plan, sources: &[PathBuf]) -> Result<(Vec<Mmap>, Vec<File>)> {
+    let maps = map_sources(sources)?;
+    let files: Vec<File> = sources
+        .iter()
+        .map(|p| File::open(p).at(p))
+        .collect::<Result<_>>()?;
+    check_sources(plan, sources, &maps)?;
+    Ok((maps, files))
+}
+
+/// Run `wins` on a pool of `threads` threads, telling `opts.progress` of `total` bytes; the
+/// checksum parts they hashed and the threads used.
+fn run_on_pool(
+    threads: usize,
+    wins: &[Window],
+    shared: &Shared,
+    opts: &ExecOptions,
+    total: u64,
+) -> Result<(Vec<CrcPart>, usize)> {
+    let pool = thread_pool(threads)?;
+    let progress = opts.progress.as_deref();
+    if let Some(p) = progress {
+        p.start(total);
+    }
+    let parts = pool.install(|| run_windows(wins, shared, progress))?;
+    Ok((parts, pool.current_num_threads()))
 }
 
 /// A rayon pool of `threads` worker threads.
