@@ -86,21 +86,30 @@ impl Lock {
 
     /// Take the lock of `dest`, or fail at once with a message naming the run holding it.
     pub fn acquire(dest: &Path) -> Result<Lock> {
+        match Self::try_acquire(dest)? {
+            Ok(lock) => Ok(lock),
+            Err(text) => {
+                let who = match text.trim().parse::<u32>() {
+                    Ok(pid) => format!("another reshard run (pid {pid})"),
+                    Err(_) => "another reshard run".to_string(),
+                };
+                Err(Error::usage(format!(
+                    "{who} is writing {}; wait for it to finish or stop it (lock {})",
+                    dest.display(),
+                    Self::path_of(dest)?.display()
+                )))
+            }
+        }
+    }
+
+    /// Take the lock of `dest` if no other process holds it; otherwise what its lock file
+    /// says (the holder's pid). Other failures (no such directory, no permission) are errors.
+    pub fn try_acquire(dest: &Path) -> Result<std::result::Result<Lock, String>> {
         let path = Self::path_of(dest)?;
         loop {
             let mut file = match hold(&path)? {
                 Ok(file) => file,
-                Err(text) => {
-                    let who = match text.trim().parse::<u32>() {
-                        Ok(pid) => format!("another reshard run (pid {pid})"),
-                        Err(_) => "another reshard run".to_string(),
-                    };
-                    return Err(Error::usage(format!(
-                        "{who} is writing {}; wait for it to finish or stop it (lock {})",
-                        dest.display(),
-                        path.display()
-                    )));
-                }
+                Err(text) => return Ok(Err(text)),
             };
             // The previous owner may have removed the file between our open and our flock:
             // then we locked a file nobody else will see. Retry on the current one.
@@ -115,7 +124,7 @@ impl Lock {
             file.rewind().at(&path)?;
             file.write_all(format!("{}\n", std::process::id()).as_bytes())
                 .at_write(&path)?;
-            return Ok(Lock { path, _file: file });
+            return Ok(Ok(Lock { path, _file: file }));
         }
     }
 }

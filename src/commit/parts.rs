@@ -205,6 +205,35 @@ fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
         .map_err(|e| Error::format(path, format!("is not a reshard part record ({e})")))
 }
 
+/// Read a `job.json` and check it: a number of parts reshard accepts, relative file paths
+/// that stay inside the output, checksums inside their files.
+fn read_manifest(path: &Path) -> Result<Manifest> {
+    let m: Manifest = read_json(path)?;
+    let bad = |what: String| Err(Error::format(path, format!("is damaged: {what}")));
+    if m.parts == 0 || m.parts > crate::parts::MAX_PARTS {
+        return bad(format!("{} parts", m.parts));
+    }
+    for f in &m.files {
+        let inside = f
+            .path
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)));
+        if !inside {
+            return bad(format!("output file {} is not inside the output", f.path.display()));
+        }
+        for c in &f.checksums {
+            let within = |a: u64, n: u64| a.checked_add(n).is_some_and(|e| e <= f.size);
+            if c.range.0 > c.range.1
+                || c.range.1 > f.size
+                || !c.at.iter().all(|&a| within(a, if c.hex { 8 } else { 4 }))
+            {
+                return bad(format!("a checksum outside {}", f.path.display()));
+            }
+        }
+    }
+    Ok(m)
+}
+
 /// Write `bytes` to `path` atomically: a temporary file beside it, fsynced, renamed.
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
@@ -249,7 +278,13 @@ impl PartsArea {
             .map_err(|e| Error::usage(format!("cannot encode the job: {e}")))?;
         if !path.exists() {
             // written beside, then linked: of two workers starting at once, one links first
-            let tmp = dir.join(format!("job.json.tmp-{}", std::process::id()));
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            let tmp = dir.join(format!(
+                "job.json.tmp-{}-{nanos}",
+                worker().replace([' ', '/'], "-")
+            ));
             fs::write(&tmp, &mine).at_write(&tmp)?;
             fs::File::open(&tmp)
                 .and_then(|f| f.sync_all())
@@ -262,7 +297,7 @@ impl PartsArea {
                 Err(e) => return Err(e).at_write(&path),
             }
         }
-        let theirs: Manifest = read_json(&path)?;
+        let theirs: Manifest = read_manifest(&path)?;
         if theirs.parts != manifest.parts {
             return Err(Error::usage(format!(
                 "{}: the staging area {} holds a conversion in {} parts, not {}; run every \
@@ -310,7 +345,7 @@ impl PartsArea {
         }
         Ok(PartsArea {
             dest: dest.to_path_buf(),
-            manifest: read_json(&path)?,
+            manifest: read_manifest(&path)?,
             dir,
         })
     }
@@ -435,22 +470,23 @@ impl PartsArea {
             for c in &file.checksums {
                 let n = if c.hex { 8 } else { 4 };
                 for &at in &c.at {
-                    let inside = spans
-                        .iter()
-                        .any(|s| s.file as usize == f && s.start <= at && at < s.end);
-                    if !inside {
-                        continue;
+                    // the bytes of at..at + n inside this part's spans (a cut may fall inside)
+                    for s in spans.iter().filter(|s| s.file as usize == f) {
+                        let (a, b) = (at.max(s.start), (at + n as u64).min(s.end));
+                        if a >= b {
+                            continue;
+                        }
+                        let p = &paths[f];
+                        let mut bytes = vec![0u8; (b - a) as usize];
+                        fs::File::open(p)
+                            .and_then(|h| h.read_exact_at(&mut bytes, a))
+                            .at(p)?;
+                        out.push(Placeholder {
+                            file: f as u32,
+                            at: a,
+                            bytes: to_hex(&bytes),
+                        });
                     }
-                    let p = &paths[f];
-                    let mut b = vec![0u8; n];
-                    fs::File::open(p)
-                        .and_then(|h| h.read_exact_at(&mut b, at))
-                        .at(p)?;
-                    out.push(Placeholder {
-                        file: f as u32,
-                        at,
-                        bytes: to_hex(&b),
-                    });
                 }
             }
         }
@@ -488,10 +524,13 @@ pub enum Committed {
 /// false, returns [`Committed::Busy`] at once if another process holds the destination's
 /// lock; otherwise that is an error naming it.
 pub fn commit(dest: &Path, force: bool, check: bool, wait: bool) -> Result<Committed> {
-    let lock = match Lock::acquire(dest) {
-        Ok(l) => l,
-        Err(_) if !wait => return Ok(Committed::Busy),
-        Err(e) => return Err(e),
+    let lock = if wait {
+        Lock::acquire(dest)?
+    } else {
+        match Lock::try_acquire(dest)? {
+            Ok(l) => l,
+            Err(_) => return Ok(Committed::Busy),
+        }
     };
     let dir = PartsArea::dir_of(dest)?;
     if !dir.exists() && fs::symlink_metadata(dest).is_ok() && !wait {
@@ -500,9 +539,16 @@ pub fn commit(dest: &Path, force: bool, check: bool, wait: bool) -> Result<Commi
     }
     let area = PartsArea::open(dest)?;
     let out = area.out();
-    if !out.exists() && fs::symlink_metadata(dest).is_ok() {
-        remove_any(&area.dir);
-        return Ok(Committed::Already);
+    // a commit stopped after it started publishing: `publishing` names the staged output
+    let marker = area.dir.join("publishing");
+    if let Ok(text) = fs::read_to_string(&marker) {
+        let ours = identity(dest).is_some_and(|id| id == text.trim());
+        let staged = identity(&out).is_some_and(|id| id == text.trim());
+        if ours || !staged {
+            // published (what `out` holds now, if anything, is the output it replaced)
+            remove_any(&area.dir);
+            return Ok(Committed::Already);
+        }
     }
     let missing = area.missing();
     if !missing.is_empty() {
@@ -526,6 +572,7 @@ pub fn commit(dest: &Path, force: bool, check: bool, wait: bool) -> Result<Commi
         })
         .collect::<Result<_>>()?;
     check_cover(&area, &records)?;
+    check_shares(&area, &records)?;
     let paths = area.paths();
     area.create(0..area.manifest.files.len() as u32)?;
     // put back what the parts left where checksums go (a commit stopped after writing them)
@@ -554,12 +601,14 @@ pub fn commit(dest: &Path, force: bool, check: bool, wait: bool) -> Result<Commi
             let p = &paths[s.file as usize];
             let crc = crc_of(p, s.start, s.end)?;
             if crc != s.crc {
+                // its record goes, so that running the part again rewrites it
+                let _ = fs::remove_file(area.name(r.part, "json"));
                 return Err(Error::format(
                     p,
                     format!(
                         "bytes {}..{} (part {}, written by {}) do not match their CRC-32 \
                          ({crc:08x}, recorded {:08x}): they changed after the part was written; \
-                         run that part again",
+                         its record is removed: run that part again",
                         s.start, s.end, r.part, r.worker, s.crc
                     ),
                 ));
@@ -574,10 +623,18 @@ pub fn commit(dest: &Path, force: bool, check: bool, wait: bool) -> Result<Commi
     for p in &paths {
         fs::File::open(p).and_then(|f| f.sync_all()).at_write(p)?;
     }
+    let id = identity(&out).ok_or_else(|| Error::usage(format!("{}: vanished", out.display())))?;
+    write_atomic(&marker, id.as_bytes())?;
     publish(&out, dest, area.manifest.is_dir, force)?;
     remove_any(&area.dir);
     drop(lock);
     Ok(Committed::Published { checked })
+}
+
+/// A file's identity (`dev:ino`), or `None` when it does not exist.
+fn identity(p: &Path) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    fs::symlink_metadata(p).ok().map(|m| format!("{}:{}", m.dev(), m.ino()))
 }
 
 /// `items` joined by commas, the first `max` of them and a count of the rest.
@@ -626,6 +683,38 @@ fn check_cover(area: &PartsArea, records: &[Record]) -> Result<()> {
             "no part has file #{} from byte {}",
             next.0, next.1
         )));
+    }
+    Ok(())
+}
+
+/// Check every checksum share lies in its checksum's range and in its part's spans.
+fn check_shares(area: &PartsArea, records: &[Record]) -> Result<()> {
+    for r in records {
+        for sh in &r.shares {
+            let end = sh.start.checked_add(sh.len);
+            let range = area
+                .manifest
+                .files
+                .get(sh.file as usize)
+                .and_then(|f| f.checksums.get(sh.ck as usize))
+                .map(|c| c.range);
+            let ok = match (end, range) {
+                (Some(e), Some((a, b))) => {
+                    a <= sh.start
+                        && e <= b
+                        && r.spans
+                            .iter()
+                            .any(|s| s.file == sh.file && s.start <= sh.start && e <= s.end)
+                }
+                _ => false,
+            };
+            if !ok {
+                return Err(Error::format(
+                    area.name(r.part, "json"),
+                    "is damaged: a checksum share outside its checksum or its part",
+                ));
+            }
+        }
     }
     Ok(())
 }

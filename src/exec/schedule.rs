@@ -171,7 +171,9 @@ pub(super) fn windows_in<'a>(
     for s in spans {
         let mut a = s.start;
         while a < s.end {
-            let b = s.end.min(a.saturating_add(window));
+            // edges on the whole run's grid (multiples of `window`), so a cut never falls
+            // inside an element even where a span starts off it
+            let b = s.end.min((a / window + 1).saturating_mul(window));
             wins.push(Window {
                 dst: s.file,
                 start: a,

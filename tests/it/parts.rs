@@ -204,8 +204,42 @@ fn a_missing_part_is_named_and_running_it_again_completes_the_output() {
         "{again}"
     );
     assert!(again.contains("waiting for part(s) 2 of 4"), "{again}");
+    let area = PartsArea::dir_of(&dst).unwrap();
+    let job = std::fs::read(area.join("job.json")).unwrap();
+    // `reshard commit --force` over an existing destination before the parts are done: it
+    // names the missing part and leaves the staging area alone
+    std::fs::write(&dst, b"old").unwrap();
+    fails(
+        &["commit", s(&dst), "--force"],
+        "1 of 4 part(s) not written: 2/4",
+    );
+    assert!(area.join("job.json").exists());
+    std::fs::remove_file(&dst).unwrap();
     let last = part(&src, &dst, &["--to", "1"], 2, 4);
     assert!(last.contains("committed "), "{last}");
+    assert_eq!(std::fs::read(&dst).unwrap(), std::fs::read(&whole).unwrap());
+    // a commit stopped after publishing, before it removed the staging area: the next commit
+    // sees the output is the one it published and only cleans up
+    std::fs::create_dir(&area).unwrap();
+    std::fs::write(area.join("job.json"), &job).unwrap();
+    let id = {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(&dst).unwrap();
+        format!("{}:{}", m.dev(), m.ino())
+    };
+    std::fs::write(area.join("publishing"), id).unwrap();
+    assert!(ok(&["commit", s(&dst)]).contains("already committed"));
+    assert!(!area.exists());
+    // a damaged job.json is refused by name
+    std::fs::create_dir(&area).unwrap();
+    let text = String::from_utf8(job.clone()).unwrap();
+    std::fs::write(
+        area.join("job.json"),
+        text.replace("\"parts\": 4", "\"parts\": 0"),
+    )
+    .unwrap();
+    common::fails_all(&["commit", s(&dst)], &["job.json", "is damaged: 0 parts"]);
+    std::fs::remove_dir_all(&area).unwrap();
     assert_eq!(std::fs::read(&dst).unwrap(), std::fs::read(&whole).unwrap());
     // the output exists now: another run of the job is refused without --force
     fails(
@@ -304,13 +338,16 @@ fn foreign_duplicate_and_damaged_parts_are_refused() {
         &[
             "do not match their CRC-32",
             &format!("part {owner}/3"),
-            "run that part again",
+            "its record is removed: run that part again",
         ],
     );
     assert!(err.contains(s(&staged)), "{err}");
     assert!(!dst.exists());
-    // the record of that part removed (as if never written): running it again repairs it
-    std::fs::remove_file(area.dir().join(format!("part-{owner:06}-of-000003.json"))).unwrap();
+    // the commit removed that part's record: running it again rewrites it and commits
+    assert!(!area
+        .dir()
+        .join(format!("part-{owner:06}-of-000003.json"))
+        .exists());
     part(&src, &dst, &["--to", "1", "-q"], owner, 3);
     let whole = d.path().join("whole.safetensors");
     common::convert(&src, &whole, &["--to", "1", "-q"]);
