@@ -250,7 +250,9 @@ def job_oracle_busy(world: int, out: str, stop: str, beat: str) -> None:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         n += 1
         if fabric.global_rank == 0 and n % 20 == 0:
-            Path(beat).write_text(str(n))
+            # Written whole and renamed, so the test never reads a half-written count.
+            Path(beat + ".tmp").write_text(str(n))
+            os.replace(beat + ".tmp", beat)
         if float(flag[0]) > 0:
             break
         time.sleep(0.005)
