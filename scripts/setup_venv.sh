@@ -20,6 +20,8 @@
 #   scripts/setup_venv.sh --megatron      ... plus megatron-core 0.16.1 and psutil (the load-back
 #                                          tests of megatron outputs, which CI runs; the fixture
 #                                          generator scripts/gen_megatron.py has venvs of its own)
+#   scripts/setup_venv.sh --s3            ... plus moto's S3 server and boto3 (the object-storage
+#                                          tests start a server on 127.0.0.1: test_remote.py)
 #
 # Locations: ${RESHARD_VENV:-$HOME/.cache/reshard/venv} and
 #            ${RESHARD_VENV21:-$HOME/.cache/reshard/venv-torch21}.
@@ -41,6 +43,7 @@ want_deepspeed=0
 want_transformers=0
 want_megatron=0
 want_torchtitan=0
+want_s3=0
 for arg in "$@"; do
   case "$arg" in
     --torch21) want_torch21=1 ;;
@@ -50,7 +53,8 @@ for arg in "$@"; do
     --transformers) want_transformers=1 ;;
     --torchtitan) want_torchtitan=1 ;;
     --megatron) want_megatron=1 ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    --s3) want_s3=1 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "setup_venv.sh: unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -105,6 +109,9 @@ if [ "$want_torchtitan" = 1 ]; then
   ensure_venv "$VENV" 'import tyro; print("tyro", tyro.__version__)' "${RESHARD_TYRO_SPEC:-tyro==1.0.17}"
   ensure_venv "$VENV" 'import torchtitan.components.checkpoint, torchtitan.components.optimizer, torchtitan.components.dataloader; print("torchtitan ok")' \
     --no-deps "${RESHARD_TORCHTITAN_SPEC:-torchtitan==0.3.0}" torchdata==0.11.0 spmd-types==0.2.3
+fi
+if [ "$want_s3" = 1 ]; then
+  ensure_venv "$VENV" 'import moto, boto3, flask; print("moto", moto.__version__, "boto3", boto3.__version__)' "${RESHARD_MOTO_SPEC:-moto[server]==5.2.6}" "${RESHARD_BOTO3_SPEC:-boto3==1.44.18}"
 fi
 
 # <repo>/.venv -> main venv

@@ -186,6 +186,10 @@ pub struct Checkpoint {
     /// piece is located.
     #[serde(skip)]
     pub(crate) locator: Option<Arc<dyn Locate>>,
+    /// The local mirror of a checkpoint read from object storage (its files are the
+    /// mirror's); kept as long as the checkpoint is.
+    #[serde(skip)]
+    pub(crate) remote: Option<Arc<crate::remote::mirror::Mirror>>,
 }
 
 /// Finds where the pieces a lazy reader left pending ([`Loc::pending`]) really are: the
@@ -224,7 +228,11 @@ impl Checkpoint {
 
     /// Open `path` as a checkpoint of `format` (no detection), and validate it.
     pub fn open_as(path: impl AsRef<Path>, format: Format) -> Result<Checkpoint> {
-        Self::opened(path.as_ref(), format, false, None)
+        let path = path.as_ref();
+        if crate::remote::is_url(path) {
+            return Self::open_with(path, Some(format), &OpenOptions::default());
+        }
+        Self::opened(&crate::remote::local_path(path), format, false, None)
     }
 
     /// [`Checkpoint::open`] under `opts`: the checkpoint tagged `opts.tag` inside `path`, with
@@ -257,14 +265,42 @@ impl Checkpoint {
         Self::resolved(path.as_ref(), format, opts, true)
     }
 
-    /// `path` resolved under `opts` (its tag), the format detected unless given, opened.
+    /// `path` resolved under `opts` (its tag), the format detected unless given, opened. An
+    /// object-store URL is opened through a local mirror, fetching what opening reads.
     fn resolved(
         path: &Path,
         format: Option<Format>,
         opts: &OpenOptions,
         lazy: bool,
     ) -> Result<Checkpoint> {
+        if !crate::remote::is_url(path) {
+            return Self::resolved_in(&crate::remote::local_path(path), format, opts, lazy, None);
+        }
+        let mirror = crate::remote::mirror::Mirror::open(path)?;
+        let mut ck = Self::resolved_in(mirror.root(), format, opts, lazy, Some(&mirror))
+            .map_err(|e| mirror.rename(e))?;
+        ck.path = PathBuf::from(mirror.url());
+        ck.remote = Some(mirror);
+        Ok(ck)
+    }
+
+    /// [`Checkpoint::resolved`] of a local path; `mirror` when it is a remote checkpoint's.
+    fn resolved_in(
+        path: &Path,
+        format: Option<Format>,
+        opts: &OpenOptions,
+        lazy: bool,
+        mirror: Option<&crate::remote::mirror::Mirror>,
+    ) -> Result<Checkpoint> {
         let resolved = opts.resolve(path)?;
+        if let Some(m) = mirror {
+            let files: Vec<(PathBuf, u64)> = m
+                .files()
+                .into_iter()
+                .filter(|(p, _)| p.starts_with(&resolved))
+                .collect();
+            formats::index::prefetch(&files, &|p, spans| m.fetch(p, spans))?;
+        }
         let format = match format {
             Some(f) => f,
             None => formats::detect(&resolved)?,
@@ -323,6 +359,7 @@ impl Checkpoint {
             scratch: vec![],
             checksums: vec![],
             locator: None,
+            remote: None,
         }
     }
 
@@ -510,6 +547,44 @@ impl Checkpoint {
     /// Total bytes of all tensors (each counted once).
     pub fn nbytes(&self) -> u64 {
         self.tensors.iter().map(|t| t.nbytes()).sum()
+    }
+
+    /// The checkpoint's files as its user names them: their URLs when it is in object
+    /// storage (where [`Checkpoint::files`] are the local copies fetched into), else the paths.
+    pub fn file_names(&self) -> Vec<PathBuf> {
+        match &self.remote {
+            Some(m) => self
+                .files
+                .iter()
+                .map(|f| m.shown(f).map(PathBuf::from).unwrap_or_else(|| f.clone()))
+                .collect(),
+            None => self.files.clone(),
+        }
+    }
+
+    /// `len` bytes at `offset` of the checkpoint's file number `file` (a non-tensor item's
+    /// bytes), fetched first when the checkpoint is in object storage.
+    pub fn read_bytes(&self, file: usize, offset: u64, len: u64) -> Result<Vec<u8>> {
+        use std::io::{Read, Seek, SeekFrom};
+        let path = self.files.get(file).ok_or_else(|| {
+            Error::format(&self.path, format!("an item names file {file}, which it does not have"))
+        })?;
+        let mut f = std::fs::File::open(path).at(path)?;
+        let size = f.metadata().at(path)?.len();
+        let end = offset.saturating_add(len);
+        if end > size {
+            return Err(Error::format(
+                path,
+                format!("is truncated: an item needs bytes up to {end}, the file has {size}"),
+            ));
+        }
+        if self.remote.is_some() {
+            crate::remote::mirror::ensure(path, &[(offset, len)])?;
+        }
+        f.seek(SeekFrom::Start(offset)).at(path)?;
+        let mut buf = vec![0u8; len as usize];
+        f.read_exact(&mut buf).at(path)?;
+        Ok(buf)
     }
 }
 

@@ -1,6 +1,7 @@
 //! The end-to-end job: open a checkpoint, select tensors, compile the target layout, lay out
 //! the output, plan, execute and commit. The CLI and trainers call this.
 
+use crate::remote;
 use crate::checkpoint::OpenOptions;
 pub use crate::commit::parts::Committed;
 use crate::commit::parts::{Manifest, PartsArea, Record, SpanRecord};
@@ -314,6 +315,18 @@ fn write_options(
 
 /// Refuse destinations that are, contain, or lie inside the source.
 fn check_paths(src: &Path, dst: &Path) -> Result<()> {
+    if remote::is_url(src) || remote::is_url(dst) {
+        let (s, d) = (url_text(src), url_text(dst));
+        let inside = |a: &str, b: &str| a == b || a.starts_with(&format!("{b}/"));
+        if inside(&s, &d) || inside(&d, &s) {
+            return Err(Error::usage(format!(
+                "{}: the destination overlaps the source {}; sources are never written to",
+                dst.display(),
+                src.display()
+            )));
+        }
+        return Ok(());
+    }
     let s =
         std::fs::canonicalize(src).map_err(|e| Error::usage(format!("{}: {e}", src.display())))?;
     let parent = dst
@@ -333,12 +346,17 @@ fn check_paths(src: &Path, dst: &Path) -> Result<()> {
     Ok(())
 }
 
+/// `p` as text without a trailing `/`, for comparing URLs.
+fn url_text(p: &Path) -> String {
+    p.display().to_string().trim_end_matches('/').to_string()
+}
+
 /// Check `dst` can take `job`'s output (not the source, not a directory for a one-file
 /// output); returns whether the output is a directory.
 fn check_destination(job: &Job, dst: &Path) -> Result<bool> {
     check_paths(&job.source.path, dst)?;
     let is_dir = job.format.is_dir();
-    if !is_dir && dst.is_dir() {
+    if !is_dir && !remote::is_url(dst) && dst.is_dir() {
         return Err(Error::usage(format!(
             "{}: is a directory; give a file name for a {} output",
             dst.display(),
@@ -348,9 +366,28 @@ fn check_destination(job: &Job, dst: &Path) -> Result<bool> {
     Ok(is_dir)
 }
 
-/// Write `job`'s output to `dst` atomically.
+/// Write `job`'s output to `dst` atomically. An object-store URL `dst` gets the output
+/// built in a local scratch folder, then uploaded, the objects that make it loadable last.
 pub fn run(job: &Job, dst: impl AsRef<Path>, opts: &ConvertOptions) -> Result<ExecStats> {
     let dst = dst.as_ref();
+    if remote::is_url(dst) {
+        check_destination(job, dst)?;
+        remote::upload::check_destination(dst, opts.force)?;
+        let scratch = remote::mirror::scratch("upload")?;
+        let name = dst
+            .file_name()
+            .filter(|n| !n.is_empty())
+            .unwrap_or(std::ffi::OsStr::new("checkpoint"));
+        let local = scratch.path().join(name);
+        let mut stats = run_local(job, &local, opts)?;
+        stats.aborted_uploads = remote::upload::upload(&local, dst, opts.force)?.reclaimed;
+        return Ok(stats);
+    }
+    run_local(job, &remote::local_path(dst), opts)
+}
+
+/// [`run`] into a local `dst`.
+fn run_local(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats> {
     let is_dir = check_destination(job, dst)?;
     let staging = Staging::new(dst, is_dir, opts.force)?;
     let dest_paths: Vec<PathBuf> = job
@@ -459,6 +496,12 @@ pub fn fingerprint(job: &Job, parts: u32) -> Result<String> {
     h.text(&job.format.to_string());
     h.num(job.world as u64);
     for p in &job.source.files {
+        if let Some((url, size, e_tag)) = job.source.remote.as_ref().and_then(|m| m.identity(p)) {
+            h.text(&url);
+            h.num(size);
+            h.text(&e_tag);
+            continue;
+        }
         let m = std::fs::metadata(p).map_err(|e| Error::usage(format!("{}: {e}", p.display())))?;
         let canonical = std::fs::canonicalize(p).unwrap_or_else(|_| p.clone());
         h.text(&canonical.to_string_lossy());
@@ -521,6 +564,13 @@ pub fn run_part(
     part: Part,
 ) -> Result<PartRun> {
     let dst = dst.as_ref();
+    if remote::is_url(dst) {
+        return Err(Error::usage(format!(
+            "{}: parts of a conversion meet in a staging folder on a shared file system, not in object storage: give a folder (and upload it), or convert without parts",
+            dst.display()
+        )));
+    }
+    let dst = &remote::local_path(dst);
     let is_dir = check_destination(job, dst)?;
     let sizes: Vec<u64> = job.output.files.iter().map(|f| f.size).collect();
     let spans = split(&sizes, &job.plan.ops, part.count)?.swap_remove(part.index as usize);

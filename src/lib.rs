@@ -57,6 +57,7 @@ pub mod load;
 pub mod parts;
 pub mod per_rank;
 pub mod plan;
+pub mod remote;
 mod select;
 mod sys;
 pub mod target;

@@ -36,6 +36,7 @@ __all__ = [
     "verify",
     "diff",
     "formats",
+    "fetch_stats",
     "ReshardError",
     "CheckpointError",
     "RequestError",
@@ -517,3 +518,10 @@ def diff(a: PathLike, b: PathLike) -> Dict[str, Any]:
 def formats() -> List[Tuple[str, str]]:
     """The formats reshard reads and writes: ``(name, summary)``."""
     return list(_reshard.formats())
+
+
+def fetch_stats() -> Dict[str, int]:
+    """What this process has fetched from object stores so far: ``{"requests": ranged GETs
+    sent, "bytes": bytes they returned}`` (compare two calls around a load)."""
+    requests, nbytes = _reshard.fetch_stats()
+    return {"requests": requests, "bytes": nbytes}

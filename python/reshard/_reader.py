@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader as _TorchStorageReader
 from torch.futures import Future
 
-from . import Checkpoint, CheckpointError, RequestError, _dtypes, _values
+from . import Checkpoint, CheckpointError, RequestError, _dtypes, _reshard, _values
 from . import open as _open
 
 try:  # torch >= 2.4
@@ -230,9 +230,10 @@ class StorageReader(_TorchStorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, "os.PathLike[str]"]) -> bool:
-        """Whether ``checkpoint_id`` is a path that exists (reshard detects its format when
-        it opens it)."""
+        """Whether ``checkpoint_id`` is a path that exists or an object-store URL (reshard
+        detects its format when it opens it)."""
         try:
-            return os.path.exists(os.fspath(checkpoint_id))
+            text = os.fspath(checkpoint_id)
+            return _reshard.is_url(text) or os.path.exists(text)
         except TypeError:
             return False

@@ -114,5 +114,11 @@ def diff(a: str, b: str) -> str:
 def formats() -> List[Tuple[str, str]]:
     """The formats reshard reads and writes."""
 
+def fetch_stats() -> Tuple[int, int]:
+    """Ranged GETs sent to object stores by this process, and the bytes they returned."""
+
+def is_url(path: str) -> bool:
+    """Whether ``path`` is an object-store URL."""
+
 def cli_main(argv: List[str]) -> int:
     """Run the command line and return its exit status."""

@@ -153,14 +153,19 @@ impl PyCheckpoint {
 
     /// The path it was opened from.
     #[getter]
-    fn path(&self) -> PathBuf {
-        self.ck.path.clone()
+    fn path(&self) -> String {
+        // Text, not a path object: pathlib would fold an object-store URL's `//`.
+        self.ck.path.to_string_lossy().into_owned()
     }
 
     /// The data files it reads.
     #[getter]
-    fn files(&self) -> Vec<PathBuf> {
-        self.ck.files.clone()
+    fn files(&self) -> Vec<String> {
+        self.ck
+            .file_names()
+            .iter()
+            .map(|p| p.to_string_lossy().into_owned())
+            .collect()
     }
 
     /// The world size it was saved at.
@@ -369,32 +374,7 @@ impl PyCheckpoint {
 
 /// Read `len` bytes at `offset` of the checkpoint's file `file` (a non-tensor item).
 fn read_raw(ck: &Checkpoint, file: u32, offset: u64, len: u64) -> PyResult<Vec<u8>> {
-    use std::io::{Read, Seek, SeekFrom};
-    let path = ck
-        .files
-        .get(file as usize)
-        .ok_or_else(|| CheckpointError::new_err("a non-tensor item names an unknown file"))?;
-    let io = |e: std::io::Error| {
-        py_err(Error::Io {
-            path: path.clone(),
-            source: e,
-        })
-    };
-    let mut f = std::fs::File::open(path).map_err(io)?;
-    let size = f.metadata().map_err(io)?.len();
-    if offset.saturating_add(len) > size {
-        return Err(py_err(Error::format(
-            path,
-            format!(
-                "is truncated: a non-tensor item needs bytes up to {}, the file has {size}",
-                offset.saturating_add(len)
-            ),
-        )));
-    }
-    f.seek(SeekFrom::Start(offset)).map_err(io)?;
-    let mut buf = vec![0u8; len as usize];
-    f.read_exact(&mut buf).map_err(io)?;
-    Ok(buf)
+    ck.read_bytes(file as usize, offset, len).map_err(py_err)
 }
 
 /// Open a checkpoint of any supported format (detected, or `format` by name) for reading: the
@@ -669,6 +649,20 @@ fn formats() -> Vec<(&'static str, &'static str)> {
 }
 
 /// Run the `reshard` command line (`argv[0]` the program name) and return its exit status.
+/// `(requests, bytes)`: the ranged GETs this process has sent to object stores so far, and
+/// the bytes they returned.
+#[pyfunction]
+fn fetch_stats() -> (u64, u64) {
+    let s = reshard::remote::fetch_stats();
+    (s.requests, s.bytes)
+}
+
+/// Whether `path` is an object-store URL reshard reads and writes (`s3://`, `gs://`, ...).
+#[pyfunction]
+fn is_url(path: PathBuf) -> bool {
+    reshard::remote::is_url(&path)
+}
+
 #[pyfunction]
 fn cli_main(py: Python<'_>, argv: Vec<String>) -> u8 {
     py.detach(move || reshard::cli::main(argv))
@@ -689,6 +683,8 @@ fn _reshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(verify, m)?)?;
     m.add_function(wrap_pyfunction!(diff, m)?)?;
     m.add_function(wrap_pyfunction!(formats, m)?)?;
+    m.add_function(wrap_pyfunction!(fetch_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(is_url, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

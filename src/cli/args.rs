@@ -18,12 +18,16 @@ use std::path::PathBuf;
     name = "reshard",
     version,
     about = "Move distributed-training checkpoints between world sizes: offline, in bounded memory, at the speed of the disk.",
-    after_help = "Exit status: 0 when all is well, 1 when `diff` finds a difference or `verify` a corrupt record, 2 on any error."
+    after_help = "Checkpoints may be object-store URLs (s3://bucket/prefix, gs://, az://, https://), read with ranged requests and written with multipart uploads; credentials come from the usual environment variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL, ...).\n\nExit status: 0 when all is well, 1 when `diff` finds a difference or `verify` a corrupt record, 2 on any error."
 )]
 pub struct Cli {
     /// The command to run.
     #[command(subcommand)]
     pub cmd: Cmd,
+    /// Send `s3://` requests to this S3-compatible server (MinIO, Ceph, a local test server)
+    /// instead of AWS; default: the `AWS_ENDPOINT_URL` environment variable.
+    #[arg(long, global = true, value_name = "URL")]
+    pub endpoint_url: Option<String>,
 }
 
 /// The subcommands; each variant's doc comment is its `--help` summary.

@@ -160,6 +160,13 @@ fn print(
     if let Some(reason) = &job.format_reason {
         writeln!(out, "output format {}: {reason}", job.format)?;
     }
+    if !stats.aborted_uploads.is_empty() {
+        writeln!(
+            out,
+            "aborted the incomplete multipart upload(s) an earlier, killed run left: {}",
+            clip(&stats.aborted_uploads.join(", "), 200)
+        )?;
+    }
     if !job.dropped.is_empty() {
         writeln!(
             out,

@@ -86,6 +86,9 @@ where
     // disposition is sound with other threads running (the Python command calls this too).
     unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
     let cli = Cli::parse_from(args);
+    if let Some(url) = &cli.endpoint_url {
+        crate::remote::set_endpoint_url(url);
+    }
     std::panic::set_hook(Box::new(|_| {}));
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<Outcome> {
         // Not locked: a line printed from another thread must not wait for the command to end.

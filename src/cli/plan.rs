@@ -36,7 +36,7 @@ fn print(
     let load = job.thread_balance(threads, opts.exec.window);
     if as_json {
         let v = serde_json::json!({
-            "source": {"path": job.source.path, "format": job.source.format, "ranks": job.source.ranks, "files": job.source.files},
+            "source": {"path": job.source.path, "format": job.source.format, "ranks": job.source.ranks, "files": job.source.file_names()},
             "target": {"format": job.format, "format_reason": job.format_reason, "ranks": job.world,
                        "files": job.output.files.iter().map(|f| serde_json::json!({"path": f.path, "size": f.size})).collect::<Vec<_>>()},
             "bytes_read": job.plan.bytes_read(),
@@ -127,11 +127,12 @@ fn print_ops(out: &mut dyn Write, job: &Job) -> io::Result<()> {
         out,
         "OPS (src file:offset -> dst file:offset, bytes x rows, strides)"
     )?;
+    let names = job.source.file_names();
     for o in &job.plan.ops {
         writeln!(
             out,
             "  {}:{} -> {}:{}  {} x {}  ({}, {}){}",
-            job.source.files[o.src as usize].display(),
+            names[o.src as usize].display(),
             o.src_offset,
             job.output.files[o.dst as usize].path.display(),
             o.dst_offset,

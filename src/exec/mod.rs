@@ -117,6 +117,10 @@ pub struct ExecStats {
     pub windows: usize,
     /// Threads used.
     pub threads: usize,
+    /// Objects whose incomplete multipart uploads, left by an earlier run that was killed
+    /// while writing to the same object-store destination, were aborted.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub aborted_uploads: Vec<String>,
 }
 
 /// Run `plan`, reading `sources` and writing each of `outputs` to `dest_paths` (same order),
@@ -219,6 +223,7 @@ pub fn execute_scheduled(
         ranges: &ranges,
         skip: &skip,
         whole: false,
+        remote: crate::remote::mirror::any_mirrored(sources),
     };
     let total = wins.iter().map(Window::size).sum();
     let (mut parts, threads) = run_on_pool(threads, &wins, &shared, opts, total)?;
@@ -240,6 +245,7 @@ pub fn execute_scheduled(
                 .sum::<u64>(),
         windows: wins.len(),
         threads,
+        aborted_uploads: vec![],
     })
 }
 
@@ -347,6 +353,7 @@ pub fn execute_part(
         ranges: &ranges,
         skip: &skip,
         whole: true,
+        remote: crate::remote::mirror::any_mirrored(sources),
     };
     let total = spans.iter().map(|s| s.len()).sum();
     let (mut parts, threads) = run_on_pool(threads, &wins, &shared, opts, total)?;
@@ -400,6 +407,7 @@ pub fn execute_part(
                     .sum::<u64>(),
             windows: wins.len(),
             threads,
+            aborted_uploads: vec![],
         },
         span_crcs,
         shares,
@@ -462,6 +470,12 @@ fn run_on_pool(
     opts: &ExecOptions,
     total: u64,
 ) -> Result<(Vec<CrcPart>, usize)> {
+    // Windows reading remote sources wait on the network more than on the cores.
+    let threads = if shared.remote {
+        threads.max(REMOTE_THREADS)
+    } else {
+        threads
+    };
     let pool = thread_pool(threads)?;
     let progress = opts.progress.as_deref();
     if let Some(p) = progress {
@@ -470,6 +484,9 @@ fn run_on_pool(
     let parts = pool.install(|| run_windows(wins, shared, progress))?;
     Ok((parts, pool.current_num_threads()))
 }
+
+/// Windows run at once when sources are remote (each keeps its own ranged GETs in flight).
+const REMOTE_THREADS: usize = 8;
 
 /// A rayon pool of `threads` worker threads.
 pub(crate) fn thread_pool(threads: usize) -> Result<rayon::ThreadPool> {
@@ -492,6 +509,9 @@ struct Shared<'a> {
     skip: &'a [Vec<(u64, u64)>],
     /// Hash every byte each window writes ([`crc::WHOLE`]), for a part's records.
     whole: bool,
+    /// Some sources are mirrors of remote objects: each window fetches its source bytes
+    /// before reading them.
+    remote: bool,
 }
 
 /// Run `wins` in parallel on the current pool, telling `progress` as each is written;
@@ -514,6 +534,13 @@ fn run_windows(
                 dst,
                 dst_path: &io.dest_paths[f],
             };
+            if io.remote {
+                let ops = w.frags.iter().filter_map(|f| match f {
+                    schedule::Frag::Op(o) => Some(o),
+                    schedule::Frag::Lit { .. } => None,
+                });
+                crate::remote::mirror::ensure_ops(io.src_paths, ops)?;
+            }
             let parts = run_window(w, &wio, (&io.ranges[f], &io.skip[f]), io.whole)?;
             if let Some(p) = progress {
                 p.advance(w.size());

@@ -63,6 +63,7 @@ pub fn read_many_into(
     if jobs.len() != outs.len() {
         return Err(Error::usage("copy jobs and buffers differ in number"));
     }
+    crate::remote::mirror::ensure_ops(sources, jobs.iter().flatten())?;
     let maps = map_sources_with(sources, memmap2::Advice::Random)?;
     for (ops, out) in jobs.iter().zip(outs.iter()) {
         check_ops(ops, sources, &maps, out.len() as u64)?;

@@ -13,6 +13,7 @@
 //! | `deepspeed/` | DeepSpeed ZeRO checkpoints (stages 1-3): file records, partitions, reader, writer |
 //! | `megatron` | megatron-core `dist_checkpointing` (`torch_dist`): its files around a DCP checkpoint |
 //! | `torch/` | the torch.save machinery DCP and `.pt` share: pickle, zip records, dtypes |
+//! | `index` | which bytes opening a checkpoint reads, for checkpoints read from object storage |
 //!
 //! # Adding a format
 //! 1. Write a module with a unit struct implementing [`Codec`]: its [`Capabilities`], how it
@@ -33,6 +34,7 @@ crate::internal! {
     mod safetensors;
     mod torch;
 }
+pub(crate) mod index;
 
 pub use self::safetensors::{EXTRAS_KEY, EXTRAS_PICKLE_KEY, PATHS_KEY};
 pub use crate::checkpoint::{Checkpoint, Extra, KeyPart, RecordCrc};
@@ -599,4 +601,18 @@ pub fn write(
         });
     }
     format.codec().write(target, world, opts)
+}
+
+/// Whether `rel` (a `/`-separated path inside a destination; `""` for a single-file one) is
+/// an object that makes a checkpoint loadable — `.metadata` (or `__<R>.metadata`), a
+/// Hugging Face `*.index.json`, DeepSpeed's `latest`, megatron's `metadata.json`, or the
+/// one file — and so is written after every other object when uploading.
+pub(crate) fn loadable_last(rel: &str) -> bool {
+    let name = rel.rsplit('/').next().unwrap_or(rel);
+    rel.is_empty()
+        || name == ".metadata"
+        || (name.starts_with("__") && name.ends_with(".metadata"))
+        || name.ends_with(".index.json")
+        || name == "latest"
+        || name == "metadata.json"
 }

@@ -433,6 +433,7 @@ fn read_with(dir: &Path, lazy: bool) -> Result<Checkpoint> {
         scratch,
         checksums,
         locator,
+        remote: None,
     })
 }
 
@@ -1384,6 +1385,63 @@ fn big_int(b: &[u8]) -> serde_json::Value {
     } else {
         v.to_string().into()
     }
+}
+
+/// A data file and byte ranges `(start, end)` of it.
+pub(crate) type FileRanges = (PathBuf, Vec<(u64, u64)>);
+
+/// The bytes of the data files of the DCP checkpoint in `dir` that opening it reads, per
+/// file: each item's `torch.save` records around its tensor data (the bytes before and
+/// after it, at most the item's length less the tensor's bytes at either end), and whole
+/// items that are not plain tensors (pickled values, stream-transformed items). The
+/// metadata file(s) must be readable.
+pub(crate) fn index_ranges(dir: &Path) -> Result<Vec<FileRanges>> {
+    let (_, meta) = load_metadata(dir)?;
+    let mut out: Vec<Vec<(u64, u64)>> = vec![vec![]; meta.files.len()];
+    let mut add = |item: &Item, data: Option<u64>| {
+        let Some(spans) = out.get_mut(item.file as usize) else {
+            return;
+        };
+        let (a, len) = (item.offset, item.length);
+        let end = a.saturating_add(len);
+        match data.and_then(|d| len.checked_sub(d)) {
+            Some(around) if item.transforms == 0 => {
+                let around = around.min(len);
+                spans.push((a, a + around));
+                spans.push((end - around, end));
+            }
+            _ => spans.push((a, end)),
+        }
+    };
+    for e in &meta.entries {
+        match &e.kind {
+            Kind::Tensor {
+                dtype,
+                chunks,
+                items,
+                ..
+            } => {
+                for (i, item) in items.iter().enumerate() {
+                    if let Some(item) = item {
+                        let elems = chunks
+                            .sizes(i)
+                            .iter()
+                            .try_fold(1u64, |n, &s| n.checked_mul(s));
+                        add(item, elems.and_then(|n| n.checked_mul(dtype.size() as u64)));
+                    }
+                }
+            }
+            Kind::Bytes { item: Some(item) } => add(item, None),
+            Kind::Bytes { item: None } => {}
+        }
+    }
+    Ok(meta
+        .files
+        .iter()
+        .zip(out)
+        .filter(|(_, s)| !s.is_empty())
+        .map(|(f, s)| (dir.join(f), s))
+        .collect())
 }
 
 #[cfg(test)]

@@ -296,6 +296,7 @@ pub fn read(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
         scratch: vec![],
         checksums: r.checksums,
         locator: None,
+        remote: None,
     })
 }
 

@@ -106,6 +106,7 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
         scratch: vec![],
         checksums: w.checksums,
         locator: None,
+        remote: None,
     })
 }
 

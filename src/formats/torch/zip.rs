@@ -649,6 +649,14 @@ pub struct Archive {
     cd_offset: u64,
 }
 
+/// Where the central directory of the archive in `bytes` lies (offset, length), read from
+/// its end records alone: what a reader fetching an archive piecewise reads second.
+pub fn directory_span(bytes: &[u8]) -> Result<(u64, u64)> {
+    let (eocd, end) = find_end(bytes)?;
+    let dir = directory(bytes, eocd, &end)?;
+    Ok((dir.offset, dir.size))
+}
+
 /// Where the central directory lies, per the end records.
 struct Directory {
     count: u64,
