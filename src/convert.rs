@@ -16,6 +16,7 @@ use crate::plan::{plan_named, Plan};
 pub use crate::select::Selection;
 use crate::target::LayoutSpec;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Everything a conversion needs besides the paths.
 #[derive(Clone, Debug)]
@@ -48,6 +49,9 @@ pub struct ConvertOptions {
     /// How to open the source: which checkpoint of a folder of several (a DeepSpeed tag),
     /// which copy of the weights.
     pub open: OpenOptions,
+    /// Where the parts of a conversion to an object-store URL meet: a folder every worker
+    /// sees (`None`: the `RESHARD_STAGING` environment variable).
+    pub staging: Option<PathBuf>,
 }
 
 impl ConvertOptions {
@@ -65,6 +69,7 @@ impl ConvertOptions {
             untie: false,
             verify: true,
             open: OpenOptions::default(),
+            staging: None,
         }
     }
 }
@@ -371,19 +376,153 @@ fn check_destination(job: &Job, dst: &Path) -> Result<bool> {
 pub fn run(job: &Job, dst: impl AsRef<Path>, opts: &ConvertOptions) -> Result<ExecStats> {
     let dst = dst.as_ref();
     if remote::is_url(dst) {
-        check_destination(job, dst)?;
-        remote::upload::check_destination(dst, opts.force)?;
-        let scratch = remote::mirror::scratch("upload")?;
-        let name = dst
-            .file_name()
-            .filter(|n| !n.is_empty())
-            .unwrap_or(std::ffi::OsStr::new("checkpoint"));
-        let local = scratch.path().join(name);
-        let mut stats = run_local(job, &local, opts)?;
-        stats.aborted_uploads = remote::upload::upload(&local, dst, opts.force)?.reclaimed;
-        return Ok(stats);
+        return run_remote(job, dst, opts);
     }
     run_local(job, &remote::local_path(dst), opts)
+}
+
+/// Destination bytes written between two sends of an upload's chunks (more when the output
+/// is so large that this would mean many thousands of executor runs).
+const UPLOAD_BATCH: u64 = 128 << 20;
+
+/// [`run`] into an object-store URL `dst`: each output file is written into a sparse scratch
+/// file a batch of chunks at a time ([`exec::execute_part`] over the batch's spans), and its
+/// chunks are sent as parts of a multipart upload while the next batch is written (then
+/// their blocks are freed). Chunks holding an output checksum (a `.pt`'s zip CRCs) wait for
+/// the file's last batch. The source checksums are checked beside the copy, and the objects
+/// that make the output loadable are sent last, after that check.
+fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats> {
+    check_destination(job, dst)?;
+    remote::upload::check_destination(dst, opts.force)?;
+    let scratch = remote::mirror::scratch("upload")?;
+    let name = dst
+        .file_name()
+        .filter(|n| !n.is_empty())
+        .unwrap_or(std::ffi::OsStr::new("checkpoint"));
+    let root = scratch.path().join(name);
+    let outputs = &job.output.files;
+    let single = !job.format.is_dir();
+    let mut dest_paths = Vec::with_capacity(outputs.len());
+    for o in outputs {
+        let p = if single { root.clone() } else { root.join(&o.path) };
+        if let Some(parent) = p.parent() {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| Error::format(parent, format!("cannot make a scratch folder: {e}")))?;
+        }
+        let f = std::fs::File::create(&p).map_err(|e| crate::sys::write_error(&p, e))?;
+        f.set_len(o.size).map_err(|e| crate::sys::write_error(&p, e))?;
+        dest_paths.push(p);
+    }
+    let total: u64 = outputs.iter().map(|o| o.size).sum();
+    let batch = UPLOAD_BATCH.max(total.div_ceil(2_000));
+    let progress = opts.exec.progress.clone();
+    let exec_opts = ExecOptions {
+        progress: progress.clone().map(|p| Arc::new(Advance(p)) as Arc<dyn exec::Progress>),
+        sync: false,
+        ..opts.exec.clone()
+    };
+    // the loadable objects last, each kind in output order
+    let mut order: Vec<usize> = (0..outputs.len()).collect();
+    order.sort_by_key(|&f| {
+        let rel = if single { String::new() } else { outputs[f].path.to_string_lossy().replace('\\', "/") };
+        formats::loadable_last(&rel)
+    });
+    let check_threads = rayon::current_num_threads().saturating_sub(1).max(1);
+    let mut upload = remote::upload::Upload::start(dst, opts.force)?;
+    if let Some(p) = &progress {
+        p.start(total);
+    }
+    let mut stats = ExecStats::default();
+    std::thread::scope(|s| -> Result<()> {
+        let mut check = opts.verify.then(|| {
+            s.spawn(move || -> Result<crate::verify::Report> {
+                exec::thread_pool(check_threads)?
+                    .install(|| crate::verify::sources_of(&job.source, &job.plan))
+            })
+        });
+        let mut current = None;
+        let r = (|| -> Result<()> {
+            for &f in &order {
+                let rel = if single { String::new() } else { outputs[f].path.to_string_lossy().replace('\\', "/") };
+                if formats::loadable_last(&rel) {
+                    if let Some(h) = check.take() {
+                        h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+                    }
+                }
+                let size = outputs[f].size;
+                let up = current.insert(upload.file(&rel, &dest_paths[f], size, true)?);
+                let chunk = up.chunk();
+                let held: std::collections::BTreeSet<usize> = outputs[f]
+                    .checksums
+                    .iter()
+                    .flat_map(|c| c.at.iter().map(move |&at| (at, if c.hex { 8 } else { 4 })))
+                    .flat_map(|(at, n)| ((at / chunk) as usize)..=(((at + n - 1) / chunk) as usize))
+                    .collect();
+                let chunks = size.div_ceil(chunk) as usize;
+                let per = (batch / chunk).max(1) as usize;
+                let mut shares = vec![];
+                for first in (0..chunks).step_by(per) {
+                    let ks: Vec<usize> = (first..chunks.min(first + per)).collect();
+                    let span = Span {
+                        file: f as u32,
+                        start: first as u64 * chunk,
+                        end: size.min((first + ks.len()) as u64 * chunk),
+                    };
+                    let w = exec::execute_part(
+                        &job.plan,
+                        &job.source.files,
+                        outputs,
+                        &dest_paths,
+                        &exec_opts,
+                        &[span],
+                    )?;
+                    stats.windows += w.stats.windows;
+                    stats.threads = stats.threads.max(w.stats.threads);
+                    shares.extend(w.shares);
+                    up.send(ks.into_iter().filter(|k| !held.contains(k)).collect())?;
+                }
+                if !held.is_empty() {
+                    exec::write_checksum_shares_in(outputs, &shares, &dest_paths, Some(f))?;
+                    up.send(held.into_iter().collect())?;
+                }
+                let up = current.take().expect("set above");
+                upload.sent(up)?;
+            }
+            if let Some(h) = check.take() {
+                h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = r {
+            // the check thread, if still running, is joined when the scope ends
+            return Err(upload.fail(e, current.take()));
+        }
+        Ok(())
+    })?;
+    stats.bytes_read = job.plan.bytes_read();
+    stats.bytes_written = job.plan.bytes_written()
+        + outputs
+            .iter()
+            .flat_map(|o| &o.literals)
+            .map(|(_, b)| b.len() as u64)
+            .sum::<u64>();
+    stats.aborted_uploads = upload.finish()?;
+    if let Some(p) = &progress {
+        p.finish();
+    }
+    Ok(stats)
+}
+
+/// A progress report passed on to the executor's runs of one conversion: their advances
+/// count, their starts and finishes (one per run) do not.
+struct Advance(Arc<dyn exec::Progress>);
+
+impl exec::Progress for Advance {
+    fn start(&self, _total_bytes: u64) {}
+    fn advance(&self, bytes: u64) {
+        self.0.advance(bytes)
+    }
+    fn finish(&self) {}
 }
 
 /// [`run`] into a local `dst`.
@@ -467,6 +606,9 @@ pub struct PartRun {
     pub missing: Vec<u32>,
     /// The commit this worker ran, when it wrote the last part.
     pub committed: Option<Committed>,
+    /// For a destination in object storage, committed by this worker: the objects whose
+    /// incomplete uploads by killed runs were aborted before the output was uploaded.
+    pub aborted_uploads: Vec<String>,
 }
 
 /// A fingerprint of what a job writes and from what: the plan, the output files (paths,
@@ -565,12 +707,47 @@ pub fn run_part(
 ) -> Result<PartRun> {
     let dst = dst.as_ref();
     if remote::is_url(dst) {
+        check_paths(&job.source.path, dst)?;
+        remote::upload::check_destination(dst, opts.force)?;
+        let local = staged_destination(dst, opts.staging.as_deref())?;
+        let mut run = run_part_local(job, &local, opts, part)?;
+        if let Some(Committed::Published { .. }) = run.committed {
+            run.aborted_uploads = remote::upload::upload_tree(&local, dst, opts.force)?;
+        }
+        return Ok(run);
+    }
+    run_part_local(job, &remote::local_path(dst), opts, part)
+}
+
+/// The local destination the parts of a conversion to the URL `url` meet at: in `staging`
+/// (else `RESHARD_STAGING`), named after the URL. The worker that commits uploads it.
+fn staged_destination(url: &Path, staging: Option<&Path>) -> Result<PathBuf> {
+    let dir = staging
+        .map(Path::to_path_buf)
+        .or_else(|| std::env::var_os("RESHARD_STAGING").map(PathBuf::from))
+        .ok_or_else(|| {
+            Error::usage(format!(
+                "{}: the parts of a conversion to object storage meet in a staging folder on a file system every worker sees: give it with --staging DIR (or RESHARD_STAGING)",
+                url.display()
+            ))
+        })?;
+    if !dir.is_dir() {
         return Err(Error::usage(format!(
-            "{}: parts of a conversion meet in a staging folder on a shared file system, not in object storage: give a folder (and upload it), or convert without parts",
-            dst.display()
+            "{}: the staging folder is not a folder (or does not exist)",
+            dir.display()
         )));
     }
-    let dst = &remote::local_path(dst);
+    let name: String = url
+        .to_string_lossy()
+        .trim_end_matches('/')
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || ".-_".contains(c) { c } else { '_' })
+        .collect();
+    Ok(dir.join(name))
+}
+
+/// [`run_part`] into a local `dst`.
+fn run_part_local(job: &Job, dst: &Path, opts: &ConvertOptions, part: Part) -> Result<PartRun> {
     let is_dir = check_destination(job, dst)?;
     let sizes: Vec<u64> = job.output.files.iter().map(|f| f.size).collect();
     let spans = split(&sizes, &job.plan.ops, part.count)?.swap_remove(part.index as usize);
@@ -602,6 +779,7 @@ pub fn run_part(
             stats,
             missing,
             committed,
+            aborted_uploads: vec![],
         })
     };
     if area.record(part)?.is_some() {
@@ -668,7 +846,31 @@ pub fn run_part(
 }
 
 /// Commit a conversion run in parts into `dst` ([`commit::parts::commit`]): every part must be
-/// recorded; their bytes are checked against their CRC-32s unless `check` is false.
-pub fn commit_parts(dst: impl AsRef<Path>, force: bool, check: bool) -> Result<Committed> {
-    commit::parts::commit(dst.as_ref(), force, check, true)
+/// recorded; their bytes are checked against their CRC-32s unless `check` is false. For an
+/// object-store URL `dst`, the parts met in `staging` (else `RESHARD_STAGING`): the output
+/// published there is uploaded to `dst`, then removed — also one an earlier commit published
+/// whose upload failed (reported as published, with no bytes checked again).
+pub fn commit_parts(
+    dst: impl AsRef<Path>,
+    staging: Option<&Path>,
+    force: bool,
+    check: bool,
+) -> Result<Committed> {
+    let dst = dst.as_ref();
+    if !remote::is_url(dst) {
+        return commit::parts::commit(&remote::local_path(dst), force, check, true);
+    }
+    let local = staged_destination(dst, staging)?;
+    let staged = PartsArea::dir_of(&local)?.exists();
+    let published = std::fs::symlink_metadata(&local).is_ok();
+    let done = if !staged && published {
+        // published here and not uploaded (the committing worker's upload failed)
+        Committed::Published { checked: 0 }
+    } else {
+        commit::parts::commit(&local, force, check, true)?
+    };
+    if std::fs::symlink_metadata(&local).is_ok() {
+        remote::upload::upload_tree(&local, dst, force)?;
+    }
+    Ok(done)
 }

@@ -195,6 +195,29 @@ pub fn preallocate_range(f: &File, offset: u64, len: u64, pending: u64) -> std::
     }
 }
 
+/// Free the disk blocks of bytes `offset..offset + len` of `f` (they read as zeros after;
+/// the size stays): a scratch file whose bytes were sent elsewhere. Returns whether the
+/// file system did it.
+pub fn punch_hole(f: &File, offset: u64, len: u64) -> std::io::Result<bool> {
+    use rustix::fs::FallocateFlags;
+    if len == 0 || i64::try_from(offset.saturating_add(len)).is_err() {
+        return Ok(false);
+    }
+    loop {
+        match rustix::fs::fallocate(
+            f,
+            FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
+            offset,
+            len,
+        ) {
+            Ok(()) => return Ok(true),
+            Err(Errno::INTR) => continue,
+            Err(Errno::OPNOTSUPP | Errno::NOSYS | Errno::INVAL) => return Ok(false),
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
 /// The bytes free for unprivileged use on the file system of `f` when it is a tmpfs (as
 /// `/dev/shm` is); `None` on any other file system.
 fn tmpfs_free(f: &File) -> Option<u64> {

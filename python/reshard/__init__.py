@@ -424,6 +424,7 @@ def convert(
     step: Optional[int] = None,
     config: Optional[PathLike] = None,
     part: Any = None,
+    staging: Optional[PathLike] = None,
 ) -> Dict[str, Any]:
     """Convert checkpoint ``src`` into ``dst`` for ``world_size`` ranks, as ``reshard
     convert`` does: the output format from ``format`` or from ``dst``, the world size and
@@ -435,7 +436,12 @@ def convert(
     environment (torchrun, Slurm, a Kubernetes indexed job), as the command does. The default,
     ``None``, converts everything in this process even under torchrun, so that a training
     script may call it on one rank. The result's ``"parts"`` says which part ran, which are
-    still missing and whether this call committed.
+    still missing and whether this call committed. Parts of a conversion to an object-store
+    URL meet in ``staging``, a folder every worker sees (default: ``RESHARD_STAGING``); the
+    worker that commits uploads the output.
+
+    ``src`` and ``dst`` may be object-store URLs (``s3://bucket/prefix``, ``gs://``,
+    ``az://``, ...; credentials and endpoint from the ``AWS_*`` etc. environment).
 
     ``progress``: a callable
     ``(done_bytes, total_bytes)``, a tqdm bar, or ``True``. ``dry_run``: plan only.
@@ -470,6 +476,7 @@ def convert(
         zero_stage,
         None if config is None else _os.fspath(config),
         _part(part),
+        None if staging is None else _os.fspath(staging),
     )
     return _json.loads(out)
 
@@ -489,13 +496,23 @@ def _part(part: Any) -> Optional[str]:
         ) from None
 
 
-def commit(dst: PathLike, *, overwrite: bool = False, verify: bool = True) -> int:
+def commit(
+    dst: PathLike,
+    *,
+    overwrite: bool = False,
+    verify: bool = True,
+    staging: Optional[PathLike] = None,
+) -> int:
     """Finish a conversion run in parts (``convert(..., part=(k, n))``) into ``dst``: check
     that every part is written, by the same job, and (with ``verify``) that its bytes match
     their CRC-32s, then make ``dst`` appear atomically (replacing it only with
     ``overwrite``). The worker that finishes last does this itself. Raises, naming the
-    missing parts, when some are not written. Returns the bytes checked."""
-    return _reshard.commit(_os.fspath(dst), overwrite, verify)
+    missing parts, when some are not written. For an object-store URL ``dst``, the parts met
+    in ``staging`` (default: ``RESHARD_STAGING``), and the output is uploaded from there.
+    Returns the bytes checked."""
+    return _reshard.commit(
+        _os.fspath(dst), overwrite, verify, None if staging is None else _os.fspath(staging)
+    )
 
 
 def verify(path: PathLike) -> Dict[str, Any]:

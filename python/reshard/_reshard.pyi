@@ -99,10 +99,11 @@ def convert(
     zero_stage: Optional[int] = None,
     config: Optional[str] = None,
     part: Optional[str] = None,
+    staging: Optional[str] = None,
 ) -> str:
     """Convert a checkpoint (or one part of it: "K/N" or "env"); a JSON summary."""
 
-def commit(dst: str, overwrite: bool = False, verify: bool = True) -> int:
+def commit(dst: str, overwrite: bool = False, verify: bool = True, staging: Optional[str] = None) -> int:
     """Commit a conversion run in parts; the bytes checked."""
 
 def verify(path: str) -> str:

@@ -468,7 +468,7 @@ impl reshard::Progress for Callback {
 #[pyo3(signature = (src, dst, world_size, format=None, layout=None, include=None, exclude=None,
     strip_prefix=None, add_prefix=None, dtype=None, max_shard_size=None, threads=None,
     per_rank_state=None, untie=false, overwrite=false, verify=true, progress=None, dry_run=false,
-    tag=None, weights=None, zero_stage=None, config=None, part=None))]
+    tag=None, weights=None, zero_stage=None, config=None, part=None, staging=None))]
 #[allow(clippy::too_many_arguments)]
 fn convert(
     py: Python<'_>,
@@ -495,6 +495,7 @@ fn convert(
     zero_stage: Option<u8>,
     config: Option<PathBuf>,
     part: Option<&str>,
+    staging: Option<PathBuf>,
 ) -> PyResult<String> {
     // "env": from the launcher's environment; "K/N": that part; None: the whole conversion
     let part = match part {
@@ -542,6 +543,7 @@ fn convert(
     opts.untie = untie;
     opts.force = overwrite;
     opts.verify = verify;
+    opts.staging = staging;
     opts.exec.progress = progress.map(|f| {
         Arc::new(Callback {
             f,
@@ -552,11 +554,17 @@ fn convert(
     py.detach(move || -> reshard::Result<String> {
         let job = reshard::convert::prepare(&src, Some(&dst), &opts)?;
         let mut in_parts = serde_json::Value::Null;
+        let mut aborted = vec![];
         let stats = match (dry_run, part) {
             (true, _) => None,
-            (false, None) => Some(reshard::convert::run(&job, &dst, &opts)?),
+            (false, None) => {
+                let stats = reshard::convert::run(&job, &dst, &opts)?;
+                aborted = stats.aborted_uploads.clone();
+                Some(stats)
+            }
             (false, Some((p, from))) => {
                 let run = reshard::convert::run_part(&job, &dst, &opts, p)?;
+                aborted = run.aborted_uploads.clone();
                 in_parts = serde_json::json!({
                     "part": [p.index, p.count],
                     "from": from,
@@ -589,6 +597,7 @@ fn convert(
             "bytes_read": stats.as_ref().map(|s| s.bytes_read),
             "bytes_written": stats.as_ref().map(|s| s.bytes_written),
             "parts": in_parts,
+            "aborted_uploads": aborted,
         })
         .to_string())
     })
@@ -598,9 +607,15 @@ fn convert(
 /// Commit a conversion run in parts: every part written and checked, then `dst` published.
 /// Returns the bytes checked against the parts' CRC-32s (0 when it was already committed).
 #[pyfunction]
-#[pyo3(signature = (dst, overwrite=false, verify=true))]
-fn commit(py: Python<'_>, dst: PathBuf, overwrite: bool, verify: bool) -> PyResult<u64> {
-    py.detach(move || reshard::convert::commit_parts(&dst, overwrite, verify))
+#[pyo3(signature = (dst, overwrite=false, verify=true, staging=None))]
+fn commit(
+    py: Python<'_>,
+    dst: PathBuf,
+    overwrite: bool,
+    verify: bool,
+    staging: Option<PathBuf>,
+) -> PyResult<u64> {
+    py.detach(move || reshard::convert::commit_parts(&dst, staging.as_deref(), overwrite, verify))
         .map(|c| match c {
             reshard::convert::Committed::Published { checked } => checked,
             _ => 0,

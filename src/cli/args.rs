@@ -96,6 +96,10 @@ pub enum Cmd {
         /// Skip reading the parts' bytes back to check their CRC-32s.
         #[arg(long)]
         no_verify: bool,
+        /// For an object-store URL DST: the staging folder the parts met in (default:
+        /// RESHARD_STAGING).
+        #[arg(long, value_name = "DIR")]
+        staging: Option<PathBuf>,
         /// Print nothing but errors.
         #[arg(short, long)]
         quiet: bool,
@@ -184,6 +188,10 @@ pub struct ConvertFlags {
     /// RESHARD_PARTS). --part 0/1 runs the whole conversion in this process.
     #[arg(long, value_name = "K/N")]
     pub part: Option<crate::parts::Part>,
+    /// Where the parts of a conversion to an object-store URL meet: a folder every worker
+    /// sees; the worker that commits uploads the output from there (default: RESHARD_STAGING).
+    #[arg(long, value_name = "DIR")]
+    pub staging: Option<PathBuf>,
 }
 
 impl ConvertFlags {
@@ -193,6 +201,7 @@ impl ConvertFlags {
         opts.force = self.force;
         opts.exec.sync = !self.no_fsync;
         opts.verify = !self.no_verify;
+        opts.staging = self.staging.clone();
         Ok(opts)
     }
 }
@@ -297,6 +306,7 @@ impl TargetArgs {
                 ..Default::default()
             },
             force: false,
+            staging: None,
             per_rank: self.per_rank_state,
             untie: self.untie,
             verify: true,

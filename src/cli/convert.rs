@@ -84,6 +84,13 @@ fn print_part(
                 job.plan.tensors.len(),
                 size(*checked)
             )?;
+            if !run.aborted_uploads.is_empty() {
+                writeln!(
+                    out,
+                    "aborted the incomplete multipart upload(s) an earlier, killed run left: {}",
+                    clip(&run.aborted_uploads.join(", "), 200)
+                )?;
+            }
         }
         Some(Committed::Already) => {
             writeln!(out, "{} was committed by another worker", dst.display())?
@@ -115,12 +122,13 @@ fn print_part(
 /// `reshard commit`: finish a conversion run in parts.
 pub fn commit(
     dst: &Path,
+    staging: Option<&Path>,
     force: bool,
     check: bool,
     quiet: bool,
     out: &mut dyn Write,
 ) -> Result<Outcome> {
-    let done = convert::commit_parts(dst, force, check)?;
+    let done = convert::commit_parts(dst, staging, force, check)?;
     if !quiet {
         shown(match done {
             Committed::Published { checked } => writeln!(

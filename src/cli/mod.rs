@@ -57,8 +57,9 @@ fn run(cli: Cli, out: &mut dyn Write) -> Result<Outcome> {
             dst,
             force,
             no_verify,
+            staging,
             quiet,
-        } => convert::commit(&dst, force, !no_verify, quiet, out),
+        } => convert::commit(&dst, staging.as_deref(), force, !no_verify, quiet, out),
         Cmd::Verify { path, source, json } => verify::run(&path, &source.options(), json, out),
         Cmd::Diff { a, b, json } => diff::run(&a, &b, json, out),
     }

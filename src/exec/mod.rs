@@ -422,6 +422,17 @@ pub fn write_checksum_shares(
     shares: &[ChecksumShare],
     dest_paths: &[PathBuf],
 ) -> Result<()> {
+    write_checksum_shares_in(outputs, shares, dest_paths, None)
+}
+
+/// [`write_checksum_shares`] into output file `only` alone (all when `None`): the other
+/// files are not touched, and their shares may be missing.
+pub fn write_checksum_shares_in(
+    outputs: &[OutputFile],
+    shares: &[ChecksumShare],
+    dest_paths: &[PathBuf],
+    only: Option<usize>,
+) -> Result<()> {
     let parts = shares
         .iter()
         .map(|s| CrcPart {
@@ -435,8 +446,9 @@ pub fn write_checksum_shares(
     let files: Vec<Option<File>> = outputs
         .iter()
         .zip(dest_paths)
-        .map(|(o, p)| {
-            if o.checksums.iter().all(|c| c.at.is_empty()) {
+        .enumerate()
+        .map(|(f, (o, p))| {
+            if o.checksums.iter().all(|c| c.at.is_empty()) || only.is_some_and(|x| x != f) {
                 return Ok(None);
             }
             std::fs::OpenOptions::new()

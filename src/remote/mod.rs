@@ -227,7 +227,7 @@ fn percent_decode(s: &str) -> String {
 
 /// The runtime the object-store requests run on: a few threads of its own, started on first
 /// use (the executor's and the loader's threads block on it).
-fn runtime() -> Result<&'static tokio::runtime::Runtime> {
+pub(crate) fn runtime() -> Result<&'static tokio::runtime::Runtime> {
     static RT: OnceLock<std::result::Result<tokio::runtime::Runtime, String>> = OnceLock::new();
     RT.get_or_init(|| {
         tokio::runtime::Builder::new_multi_thread()

@@ -1,18 +1,22 @@
-//! Writing a checkpoint to object storage: the destination, built and checked in a local
-//! scratch folder like any other, is sent file by file — each as a multipart upload read
-//! from disk [`CHUNK`] at a time with [`IN_FLIGHT`] parts in flight, so memory stays
-//! bounded whatever the file's size — and the objects that make the checkpoint loadable
-//! ([`crate::formats::loadable_last`]) go last, so a reader never finds a checkpoint whose
-//! data is not all there. A failed upload is aborted, and the objects this run already sent
-//! are removed. Each multipart upload in progress is noted in a local journal
-//! ([`journal_dir`]); one a killed run left behind is aborted by the next upload to the
-//! same destination, and one that cannot be aborted is named in the error.
+//! Writing a checkpoint to object storage ([`Upload`]): the conversion writes its output
+//! into sparse scratch files chunk by chunk, and each destination file is sent as a
+//! multipart upload whose parts go as soon as their bytes are written ([`FileUpload::send`],
+//! [`IN_FLIGHT`] at a time, read back from the scratch file whose blocks are then freed), so
+//! neither memory nor scratch disk holds the whole output. The objects that make the
+//! checkpoint loadable ([`crate::formats::loadable_last`]) are completed last, so a reader
+//! never finds a checkpoint whose data is not all there. A failed upload is aborted, and the
+//! objects this run already sent are removed. Each multipart upload in progress is noted in
+//! a local journal ([`journal_dir`]); one a killed run left behind is aborted by the next
+//! upload to the same destination, and one that cannot be aborted is named in the error.
 
 use super::{block_on, describe, error, Remote};
 use crate::error::{Error, Hint, IoContext, Result};
 use bytes::Bytes;
-use futures::TryStreamExt;
-use object_store::{ObjectStoreExt, WriteMultipart};
+use futures::{stream, StreamExt, TryStreamExt};
+use object_store::multipart::{MultipartStore, PartId};
+use object_store::path::Path as ObjPath;
+use object_store::{ObjectStore, ObjectStoreExt};
+use std::sync::Arc;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -21,17 +25,6 @@ use std::path::{Path, PathBuf};
 const CHUNK: u64 = 16 << 20;
 /// Parts of one file in flight at once.
 const IN_FLIGHT: usize = 4;
-
-/// What an upload sent.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Sent {
-    /// Objects written.
-    pub objects: u64,
-    /// Their bytes.
-    pub bytes: u64,
-    /// Incomplete multipart uploads of earlier, killed runs to this destination, aborted.
-    pub reclaimed: Vec<String>,
-}
 
 /// The objects under `url`, as `/`-separated paths under its prefix (the URL itself, as
 /// `""`, when it names one object).
@@ -84,16 +77,311 @@ pub(crate) fn check_destination(url: &Path, force: bool) -> Result<()> {
     Ok(())
 }
 
-/// Upload `local` (the finished destination: a file, or a folder of files) to `url`, the
-/// loadable objects last; with `force`, objects under `url` the new checkpoint does not
-/// have are removed afterwards.
-pub(crate) fn upload(local: &Path, url: &Path, force: bool) -> Result<Sent> {
-    let remote = Remote::parse(url)?;
-    let before = existing(&remote)?;
-    if !before.is_empty() && !force {
-        check_destination(url, false)?;
+/// An upload of a checkpoint under a URL in progress: objects are sent one file at a time
+/// ([`Upload::file`]), and [`Upload::finish`] removes what `--force` replaces; on an error,
+/// [`Upload::fail`] removes the objects already sent.
+pub(crate) struct Upload {
+    remote: Remote,
+    force: bool,
+    /// Objects under the URL before the upload.
+    before: Vec<String>,
+    /// Objects this upload completed.
+    done: Vec<String>,
+    /// Incomplete multipart uploads of killed runs, aborted at the start.
+    reclaimed: Vec<String>,
+}
+
+impl Upload {
+    /// Start uploading to `url`: refuse it when it holds objects (unless `force`), and
+    /// abort the multipart uploads killed runs to it left.
+    pub(crate) fn start(url: &Path, force: bool) -> Result<Upload> {
+        let remote = Remote::parse(url)?;
+        let before = existing(&remote)?;
+        if !before.is_empty() && !force {
+            check_destination(url, false)?;
+        }
+        let reclaimed = reclaim(&remote)?;
+        Ok(Upload {
+            remote,
+            force,
+            before,
+            done: vec![],
+            reclaimed,
+        })
     }
-    let reclaimed = reclaim(&remote)?;
+
+    /// Begin sending the local file `path` (`size` bytes, being written) as object `rel`;
+    /// with `free`, the disk blocks of each chunk are freed once it is sent (a scratch file
+    /// nothing else needs: not a staged output a failed upload must be able to send again).
+    pub(crate) fn file(&self, rel: &str, path: &Path, size: u64, free: bool) -> Result<FileUpload> {
+        let shown = self.remote.shown(rel);
+        // read and write: the blocks of the chunks sent are freed through it
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .at(path)?;
+        let chunk = CHUNK.max(size.div_ceil(9_000).next_multiple_of(1 << 20));
+        let key = self.remote.key(rel);
+        let multipart = match (&self.remote.multipart, size > chunk) {
+            (Some(mp), true) => {
+                let id = block_on(mp.create_multipart(&key))?
+                    .map_err(|e| error(&shown, &e))?;
+                let note = Journal::add(&self.remote, rel, &id);
+                Some(Multipart {
+                    store: mp.clone(),
+                    id,
+                    note,
+                    parts: vec![None; size.div_ceil(chunk) as usize],
+                    sending: None,
+                })
+            }
+            _ => None,
+        };
+        Ok(FileUpload {
+            store: self.remote.store.clone(),
+            key,
+            rel: rel.to_string(),
+            shown,
+            path: path.to_path_buf(),
+            file: Arc::new(file),
+            size,
+            chunk,
+            free,
+            multipart,
+        })
+    }
+
+    /// The file `f` was sent whole.
+    pub(crate) fn sent(&mut self, f: FileUpload) -> Result<()> {
+        let rel = f.rel.clone();
+        f.complete()?;
+        self.done.push(rel);
+        Ok(())
+    }
+
+    /// Every file is sent: with `force`, remove the objects under the URL that the new
+    /// checkpoint does not have.
+    /// Returns the objects whose incomplete uploads by killed runs were aborted.
+    pub(crate) fn finish(self) -> Result<Vec<String>> {
+        if self.force {
+            let stale: Vec<String> = self
+                .before
+                .iter()
+                .filter(|r| !self.done.contains(r))
+                .cloned()
+                .collect();
+            remove(&self.remote, &stale)?;
+        }
+        Ok(self.reclaimed)
+    }
+
+    /// The upload failed with `e` (while `current`, if any, was being sent): abort that,
+    /// remove the objects already sent, and say so in the error.
+    pub(crate) fn fail(&mut self, e: Error, current: Option<FileUpload>) -> Error {
+        let mut tail = String::new();
+        if let Some(f) = current {
+            if let Some(left) = f.abort() {
+                tail.push_str(&format!("; {left}"));
+            }
+        }
+        let done = std::mem::take(&mut self.done);
+        let n = done.len();
+        let s = if n == 1 { "" } else { "s" };
+        tail.push_str(&match remove(&self.remote, &done) {
+            Ok(()) if n == 0 => "; nothing was published".to_string(),
+            Ok(()) => format!("; nothing was published (the {n} object{s} already sent were removed)"),
+            Err(_) => format!(
+                "; the checkpoint is not loadable (its last object was not sent), and the {n} object{s} already sent could not be removed"
+            ),
+        });
+        Error::format(self.remote.url(), format!("upload failed: {e}{tail}"))
+    }
+}
+
+/// Chunks being sent in the background: their indexes and part ids, or the error.
+type Sending = tokio::task::JoinHandle<std::result::Result<Vec<(usize, PartId)>, String>>;
+
+/// A multipart upload of one object in progress.
+struct Multipart {
+    store: Arc<dyn MultipartStore>,
+    id: String,
+    /// Its journal entry.
+    note: Option<PathBuf>,
+    /// The id of each part sent.
+    parts: Vec<Option<object_store::multipart::PartId>>,
+    /// The parts being sent in the background, with their indexes.
+    sending: Option<Sending>,
+}
+
+/// One file being sent as one object: as chunks of [`FileUpload::chunk`] bytes once they
+/// are written ([`FileUpload::send`], in the background while the next are written), or in
+/// one PUT when it is small or the store has no multipart calls.
+pub(crate) struct FileUpload {
+    store: Arc<dyn ObjectStore>,
+    key: ObjPath,
+    rel: String,
+    shown: String,
+    path: PathBuf,
+    file: Arc<std::fs::File>,
+    size: u64,
+    chunk: u64,
+    /// Free each chunk's disk blocks once it is sent.
+    free: bool,
+    multipart: Option<Multipart>,
+}
+
+impl FileUpload {
+    /// Bytes per chunk (a multipart upload's part).
+    pub(crate) fn chunk(&self) -> u64 {
+        self.chunk
+    }
+
+    /// The chunks `ks` of the file are written: send them (after the ones sent before have
+    /// gone), and free their disk blocks once sent if the upload frees them. Nothing to do
+    /// when the file goes in one PUT at the end.
+    pub(crate) fn send(&mut self, ks: Vec<usize>) -> Result<()> {
+        let (size, chunk) = (self.size, self.chunk);
+        let Some(mp) = self.multipart.as_mut() else {
+            return Ok(());
+        };
+        wait(mp, &self.shown)?;
+        // a chunk goes once: its blocks are freed after it is sent
+        let ks: Vec<usize> = ks
+            .into_iter()
+            .filter(|&k| mp.parts.get(k).is_some_and(Option::is_none))
+            .collect();
+        if ks.is_empty() {
+            return Ok(());
+        }
+        let (store, key, id) = (mp.store.clone(), self.key.clone(), mp.id.clone());
+        let (file, path, free) = (self.file.clone(), self.path.clone(), self.free);
+        let task = async move {
+            stream::iter(ks)
+                .map(|k| {
+                    let (store, key, id, file, path) =
+                        (store.clone(), key.clone(), id.clone(), file.clone(), path.clone());
+                    async move {
+                        let at = k as u64 * chunk;
+                        let len = chunk.min(size - at);
+                        let bytes = read_at(&file, &path, at, len)?;
+                        let part = store
+                            .put_part(&key, &id, k, bytes.into())
+                            .await
+                            .map_err(|e| describe(&e))?;
+                        if free {
+                            // sent: its blocks in the scratch file are no longer needed
+                            let _ = crate::sys::punch_hole(&file, at, len);
+                        }
+                        Ok::<_, String>((k, part))
+                    }
+                })
+                .buffer_unordered(IN_FLIGHT)
+                .try_collect::<Vec<_>>()
+                .await
+        };
+        mp.sending = Some(super::runtime()?.spawn(task));
+        Ok(())
+    }
+
+    /// Every chunk is written: send what is left and make the object appear.
+    fn complete(mut self) -> Result<()> {
+        let shown = self.shown.clone();
+        if self.multipart.is_none() {
+            let bytes = read_at(&self.file, &self.path, 0, self.size)
+                .map_err(|e| Error::format(&shown, e))?;
+            let store = self.store.clone();
+            let key = self.key.clone();
+            return block_on(async move { store.put(&key, bytes.into()).await })?
+                .map(|_| ())
+                .map_err(|e| error(&shown, &e));
+        }
+        match self.finish_parts() {
+            Ok(()) => {
+                if let Some(mp) = self.multipart.as_mut() {
+                    Journal::done(mp.note.take());
+                }
+                Ok(())
+            }
+            Err(e) => match self.abort() {
+                Some(left) => Err(Error::format(&shown, format!("{e}; {left}"))),
+                None => Err(e),
+            },
+        }
+    }
+
+    /// Send the chunks never sent, wait for all, and complete the multipart upload.
+    fn finish_parts(&mut self) -> Result<()> {
+        let shown = self.shown.clone();
+        let Some(mp) = self.multipart.as_mut() else {
+            return Ok(());
+        };
+        // the chunks sent so far first: only those never sent go now
+        wait(mp, &shown)?;
+        let unsent: Vec<usize> = (0..mp.parts.len()).filter(|&k| mp.parts[k].is_none()).collect();
+        self.send(unsent)?;
+        let Some(mp) = self.multipart.as_mut() else {
+            return Ok(());
+        };
+        wait(mp, &shown)?;
+        let ids: Vec<PartId> = mp
+            .parts
+            .iter()
+            .map(|p| p.clone().ok_or_else(|| Error::format(&shown, "a part was not sent")))
+            .collect::<Result<_>>()?;
+        block_on(mp.store.complete_multipart(&self.key, &mp.id, ids))?
+            .map(|_| ())
+            .map_err(|e| error(&shown, &e))
+    }
+
+    /// Abort the multipart upload; what was left behind when that failed too.
+    fn abort(mut self) -> Option<String> {
+        let mut mp = self.multipart.take()?;
+        if let Some(h) = mp.sending.take() {
+            h.abort();
+        }
+        match block_on(mp.store.abort_multipart(&self.key, &mp.id)) {
+            Ok(Ok(())) | Ok(Err(object_store::Error::NotFound { .. })) => {
+                Journal::done(mp.note.take());
+                None
+            }
+            _ => Some(format!(
+                "its multipart upload {} of {} could not be aborted either (the next upload to this destination aborts it; or remove it with the store's tools)",
+                mp.id, self.shown
+            )),
+        }
+    }
+}
+
+/// Wait for the chunks being sent of `mp`, and note their part ids.
+fn wait(mp: &mut Multipart, shown: &str) -> Result<()> {
+    let Some(h) = mp.sending.take() else {
+        return Ok(());
+    };
+    let sent = block_on(h)?
+        .map_err(|e| Error::format(shown, format!("a sending task failed: {e}")))?
+        .map_err(|e| Error::format(shown, e))?;
+    for (k, id) in sent {
+        if let Some(slot) = mp.parts.get_mut(k) {
+            *slot = Some(id);
+        }
+    }
+    Ok(())
+}
+
+/// `len` bytes at `at` of `file` (at `path`).
+fn read_at(file: &std::fs::File, path: &Path, at: u64, len: u64) -> std::result::Result<Bytes, String> {
+    let mut buf = vec![0u8; len as usize];
+    file.read_exact_at(&mut buf, at)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(Bytes::from(buf))
+}
+
+/// Upload the finished local output `local` (a file, or a folder of files) to `url`, the
+/// loadable objects last, then remove it (kept whole until then, so that a failed upload can
+/// be run again). Returns the
+/// objects whose incomplete uploads by killed runs were aborted first.
+pub(crate) fn upload_tree(local: &Path, url: &Path, force: bool) -> Result<Vec<String>> {
     let mut files: Vec<(String, PathBuf)> = vec![];
     if local.is_file() {
         files.push((String::new(), local.to_path_buf()));
@@ -101,47 +389,32 @@ pub(crate) fn upload(local: &Path, url: &Path, force: bool) -> Result<Sent> {
         walk(local, local, &mut files)?;
     }
     files.sort_by(|a, b| {
-        (crate::formats::loadable_last(&a.0), &a.0).cmp(&(crate::formats::loadable_last(&b.0), &b.0))
+        (crate::formats::loadable_last(&a.0), &a.0)
+            .cmp(&(crate::formats::loadable_last(&b.0), &b.0))
     });
-    let mut sent = Sent {
-        reclaimed,
-        ..Sent::default()
-    };
-    let mut done: Vec<String> = vec![];
+    let mut up = Upload::start(url, force)?;
     for (rel, path) in &files {
-        match put_file(&remote, rel, path) {
-            Ok(n) => {
-                sent.objects += 1;
-                sent.bytes += n;
-                done.push(rel.clone());
-            }
-            Err(e) => {
-                let cleaned = remove(&remote, &done);
-                let tail = match cleaned {
-                    Ok(()) if done.is_empty() => "; nothing was published".to_string(),
-                    Ok(()) => format!(
-                        "; nothing was published (the {} object{} already sent were removed)",
-                        done.len(),
-                        if done.len() == 1 { "" } else { "s" }
-                    ),
-                    Err(_) => format!(
-                        "; the checkpoint is not loadable (its last object was not sent), and the {} object{} already sent could not be removed",
-                        done.len(),
-                        if done.len() == 1 { "" } else { "s" }
-                    ),
-                };
-                return Err(Error::format(remote.shown(rel), format!("upload failed: {e}{tail}")));
-            }
+        let size = std::fs::metadata(path).at(path)?.len();
+        let mut f = match up.file(rel, path, size, false) {
+            Ok(f) => f,
+            Err(e) => return Err(up.fail(e, None)),
+        };
+        let chunks = size.div_ceil(f.chunk()) as usize;
+        if let Err(e) = f.send((0..chunks).collect()) {
+            return Err(up.fail(e, Some(f)));
+        }
+        if let Err(e) = up.sent(f) {
+            return Err(up.fail(e, None));
         }
     }
-    if force {
-        let stale: Vec<String> = before
-            .into_iter()
-            .filter(|r| !files.iter().any(|(f, _)| f == r))
-            .collect();
-        remove(&remote, &stale)?;
-    }
-    Ok(sent)
+    let reclaimed = up.finish()?;
+    let gone = if local.is_dir() {
+        std::fs::remove_dir_all(local)
+    } else {
+        std::fs::remove_file(local)
+    };
+    gone.at(local)?;
+    Ok(reclaimed)
 }
 
 /// Every file under `dir`, with its path relative to `root` (`/`-separated).
@@ -162,100 +435,6 @@ fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, PathBuf)>) -> Result<()>
         }
     }
     Ok(())
-}
-
-/// Send the file `path` as object `rel`: one PUT when it fits one part, else a multipart
-/// upload (journaled while it runs, aborted on error). Returns its size. Errors are the
-/// store's, in one line.
-fn put_file(remote: &Remote, rel: &str, path: &Path) -> std::result::Result<u64, String> {
-    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let size = file
-        .metadata()
-        .map_err(|e| format!("{}: {e}", path.display()))?
-        .len();
-    let store = remote.store.clone();
-    let key = remote.key(rel);
-    let chunk = CHUNK.max(size.div_ceil(9_000).next_multiple_of(1 << 20));
-    let read = |at: u64, len: u64| -> std::result::Result<Bytes, String> {
-        let mut buf = vec![0u8; len as usize];
-        file.read_exact_at(&mut buf, at)
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        Ok(Bytes::from(buf))
-    };
-    if size <= chunk {
-        let bytes = read(0, size)?;
-        let put = block_on(async { store.put(&key, bytes.into()).await }).map_err(|e| e.to_string())?;
-        put.map_err(|e| describe(&e))?;
-        return Ok(size);
-    }
-    let Some(mp) = remote.multipart.clone() else {
-        // A store without the low-level calls (plain HTTP): its own multipart writer.
-        return block_on(async {
-            let upload = store.put_multipart(&key).await.map_err(|e| describe(&e))?;
-            let mut w = WriteMultipart::new_with_chunk_size(upload, chunk as usize);
-            let mut at = 0;
-            while at < size {
-                let n = chunk.min(size - at);
-                if let Err(e) = w.wait_for_capacity(IN_FLIGHT).await {
-                    let _ = w.abort().await;
-                    return Err(describe(&e));
-                }
-                match read(at, n) {
-                    Ok(b) => w.put(b),
-                    Err(e) => {
-                        let _ = w.abort().await;
-                        return Err(e);
-                    }
-                }
-                at += n;
-            }
-            w.finish().await.map_err(|e| describe(&e))?;
-            Ok(size)
-        })
-        .map_err(|e| e.to_string())?;
-    };
-    let id = block_on(mp.create_multipart(&key))
-        .map_err(|e| e.to_string())?
-        .map_err(|e| describe(&e))?;
-    let note = Journal::add(remote, rel, &id);
-    let parts = size.div_ceil(chunk) as usize;
-    let sent = block_on(async {
-        use futures::StreamExt;
-        let ids: Vec<object_store::multipart::PartId> = futures::stream::iter(0..parts)
-            .map(|i| {
-                let (mp, key, id) = (mp.clone(), key.clone(), id.clone());
-                let at = i as u64 * chunk;
-                let bytes = read(at, chunk.min(size - at));
-                async move {
-                    mp.put_part(&key, &id, i, bytes?.into())
-                        .await
-                        .map_err(|e| describe(&e))
-                }
-            })
-            .buffered(IN_FLIGHT)
-            .try_collect()
-            .await?;
-        mp.complete_multipart(&key, &id, ids)
-            .await
-            .map_err(|e| describe(&e))
-    })
-    .map_err(|e| e.to_string())?;
-    match sent {
-        Ok(_) => {
-            Journal::done(note);
-            Ok(size)
-        }
-        Err(e) => match block_on(mp.abort_multipart(&key, &id)) {
-            Ok(Ok(())) | Ok(Err(object_store::Error::NotFound { .. })) => {
-                Journal::done(note);
-                Err(e)
-            }
-            _ => Err(format!(
-                "{e}; its multipart upload {id} could not be aborted either (the next upload to {} aborts it; or remove it with the store's tools)",
-                remote.url()
-            )),
-        },
-    }
 }
 
 /// Where multipart uploads in progress are noted: `$RESHARD_UPLOAD_JOURNAL`, else
