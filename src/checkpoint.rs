@@ -579,7 +579,7 @@ impl Checkpoint {
             ));
         }
         if self.remote.is_some() {
-            crate::remote::mirror::ensure(path, &[(offset, len)])?;
+            crate::remote::mirror::ensure(path, &[(offset, end)])?;
         }
         f.seek(SeekFrom::Start(offset)).at(path)?;
         let mut buf = vec![0u8; len as usize];

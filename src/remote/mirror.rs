@@ -413,8 +413,8 @@ fn missing(want: &[(u64, u64)], have: &[(u64, u64)]) -> Vec<(u64, u64)> {
     out
 }
 
-/// Make sure the bytes `spans` of `path` can be read: when `path` is a file of a live
-/// mirror, fetch those not fetched yet; otherwise nothing to do.
+/// Make sure the bytes `spans` (`(start, end)` pairs) of `path` can be read: when `path` is a
+/// file of a live mirror, fetch those not fetched yet; otherwise nothing to do.
 pub(crate) fn ensure(path: &Path, spans: &[(u64, u64)]) -> Result<()> {
     if LIVE_COUNT.load(Ordering::Relaxed) == 0 || spans.is_empty() {
         return Ok(());

@@ -249,6 +249,12 @@ pub(crate) fn block_on<F: std::future::Future>(f: F) -> Result<F::Output> {
 /// One line for an object-store error: a missing object as "not found", a refused credential
 /// as "access denied", others as the store says, without the request's retry chatter.
 pub(crate) fn describe(e: &object_store::Error) -> String {
+    describe_for("", e)
+}
+
+/// [`describe`] for an object under `url`: a refused credential names the environment
+/// variables of its store.
+fn describe_for(url: &str, e: &object_store::Error) -> String {
     use std::error::Error as _;
     if let object_store::Error::NotFound { .. } = e {
         return "not found".into();
@@ -263,6 +269,35 @@ pub(crate) fn describe(e: &object_store::Error) -> String {
         src = s.source();
     }
     let lower = text.to_ascii_lowercase();
+    let scheme = url.split("://").next().unwrap_or("").to_ascii_lowercase();
+    let vars = match scheme.as_str() {
+        "s3" | "s3a" => "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN",
+        "gs" => "GOOGLE_SERVICE_ACCOUNT / GOOGLE_APPLICATION_CREDENTIALS",
+        "az" | "azure" | "abfs" | "abfss" => "AZURE_STORAGE_ACCOUNT_NAME / AZURE_STORAGE_ACCOUNT_KEY",
+        _ => "the store's environment variables",
+    };
+    // No credentials in the environment: the crate asked the cloud's instance metadata
+    // service instead, which is not there.
+    if lower.contains("169.254.169.254") {
+        return format!(
+            "no credentials: set {vars} (the cloud instance metadata service, asked instead, refused or is not there)"
+        );
+    }
+    // A server that could not be reached: the cause, after the retries.
+    if let Some(at) = lower.find("error sending request") {
+        let cause = text[at..]
+            .rsplit(": ")
+            .next()
+            .unwrap_or(&text[at..])
+            .trim()
+            .to_string();
+        let retried = if lower.contains("after ") && lower.contains(" retries") {
+            format!(" (tried {} times)", RETRIES + 1)
+        } else {
+            String::new()
+        };
+        return one_line(&format!("cannot reach the server{retried}: {cause}")).into_owned();
+    }
     let denied = [
         "403",
         "forbidden",
@@ -299,7 +334,7 @@ pub(crate) fn describe(e: &object_store::Error) -> String {
         text.push('…');
     }
     if denied.iter().any(|d| lower.contains(d)) {
-        format!("access denied (check the credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or the store's own): {text}")
+        format!("access denied (check the credentials: {vars}): {text}")
     } else {
         text
     }
@@ -307,7 +342,7 @@ pub(crate) fn describe(e: &object_store::Error) -> String {
 
 /// An object-store error about `what` (a URL), as the crate's error.
 pub(crate) fn error(what: &str, e: &object_store::Error) -> Error {
-    Error::format(what, describe(e))
+    Error::format(what, describe_for(what, e))
 }
 
 #[cfg(test)]
@@ -338,6 +373,20 @@ mod tests {
             missing,
             "the server answered NoSuchBucket (404 Not Found): The specified bucket does not exist"
         );
+        let unreachable = describe(&generic(
+            "Error performing GET http://127.0.0.1:9/b in 4ms, after 3 retries, max_retries: 3, \
+             retry_timeout: 20s  - HTTP error: error sending request: client error (Connect): \
+             tcp connect error: Connection refused (os error 111)",
+        ));
+        assert_eq!(
+            unreachable,
+            "cannot reach the server (tried 4 times): Connection refused (os error 111)"
+        );
+        let no_keys = describe_for(
+            "s3://b/k",
+            &generic("Error performing PUT http://169.254.169.254/latest/api/token in 9ms - 403"),
+        );
+        assert!(no_keys.starts_with("no credentials: set AWS_ACCESS_KEY_ID"), "{no_keys}");
         let long = describe(&generic(&"x\n".repeat(1000)));
         assert!(!long.contains('\n') && long.len() <= 404, "{long}");
     }
