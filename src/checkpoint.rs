@@ -292,12 +292,22 @@ impl Checkpoint {
         lazy: bool,
         mirror: Option<&crate::remote::mirror::Mirror>,
     ) -> Result<Checkpoint> {
+        if let Some(m) = mirror {
+            // the files beside the checkpoint's folders first: DeepSpeed's `latest`, which
+            // the resolution reads, and the companions (`config.json`)
+            let top: Vec<(PathBuf, u64)> = m
+                .files()
+                .into_iter()
+                .filter(|(p, _)| p.parent() == Some(path))
+                .collect();
+            formats::index::prefetch(&top, &|p, spans| m.fetch(p, spans))?;
+        }
         let resolved = opts.resolve(path)?;
         if let Some(m) = mirror {
             let files: Vec<(PathBuf, u64)> = m
                 .files()
                 .into_iter()
-                .filter(|(p, _)| p.starts_with(&resolved))
+                .filter(|(p, _)| p.starts_with(&resolved) && p.parent() != Some(path))
                 .collect();
             formats::index::prefetch(&files, &|p, spans| m.fetch(p, spans))?;
         }

@@ -414,7 +414,12 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
         dest_paths.push(p);
     }
     let total: u64 = outputs.iter().map(|o| o.size).sum();
-    let batch = UPLOAD_BATCH.max(total.div_ceil(2_000));
+    // RESHARD_UPLOAD_BATCH (bytes): smaller batches for the tests; not a user setting
+    let batch = std::env::var("RESHARD_UPLOAD_BATCH")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(UPLOAD_BATCH)
+        .max(total.div_ceil(2_000));
     let progress = opts.exec.progress.clone();
     let exec_opts = ExecOptions {
         progress: progress.clone().map(|p| Arc::new(Advance(p)) as Arc<dyn exec::Progress>),
@@ -452,15 +457,35 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
                 let size = outputs[f].size;
                 let up = current.insert(upload.file(&rel, &dest_paths[f], size, true)?);
                 let chunk = up.chunk();
-                let held: std::collections::BTreeSet<usize> = outputs[f]
-                    .checksums
-                    .iter()
-                    .flat_map(|c| c.at.iter().map(move |&at| (at, if c.hex { 8 } else { 4 })))
-                    .flat_map(|(at, n)| ((at / chunk) as usize)..=(((at + n - 1) / chunk) as usize))
-                    .collect();
+                // The chunks holding an output checksum (a zip CRC) wait until it is
+                // written: once every byte of its range is.
+                let cks = &outputs[f].checksums;
+                let slots = |c: &exec::Checksum| -> Vec<usize> {
+                    let n = if c.hex { 8 } else { 4 };
+                    c.at.iter()
+                        .flat_map(|&at| ((at / chunk) as usize)..=((at + n - 1) / chunk) as usize)
+                        .collect()
+                };
+                let mut waiting: std::collections::BTreeMap<usize, usize> = Default::default();
+                for c in cks {
+                    for k in slots(c) {
+                        *waiting.entry(k).or_default() += 1;
+                    }
+                }
+                // a checksum is written once its range and its slots are written (a later
+                // batch writing a slot's placeholder must not overwrite it)
+                let ready_at = |c: &exec::Checksum| {
+                    let n = if c.hex { 8 } else { 4 };
+                    c.at.iter().map(|&at| at + n).fold(c.range.1, u64::max)
+                };
+                let mut order_ck: Vec<usize> = (0..cks.len()).collect();
+                order_ck.sort_by_key(|&i| ready_at(&cks[i]));
+                let mut next_ck = 0;
                 let chunks = size.div_ceil(chunk) as usize;
                 let per = (batch / chunk).max(1) as usize;
                 let mut shares = vec![];
+                // written chunks that wait for a checksum
+                let mut parked: std::collections::BTreeSet<usize> = Default::default();
                 for first in (0..chunks).step_by(per) {
                     let ks: Vec<usize> = (first..chunks.min(first + per)).collect();
                     let span = Span {
@@ -479,11 +504,50 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
                     stats.windows += w.stats.windows;
                     stats.threads = stats.threads.max(w.stats.threads);
                     shares.extend(w.shares);
-                    up.send(ks.into_iter().filter(|k| !held.contains(k)).collect())?;
+                    parked.extend(ks.iter().copied().filter(|k| waiting.contains_key(k)));
+                    let mut go: Vec<usize> =
+                        ks.into_iter().filter(|k| !waiting.contains_key(k)).collect();
+                    // the checksums whose bytes are all written now
+                    let mut ready = vec![];
+                    while next_ck < order_ck.len() && ready_at(&cks[order_ck[next_ck]]) <= span.end {
+                        ready.push(order_ck[next_ck]);
+                        next_ck += 1;
+                    }
+                    if !ready.is_empty() {
+                        ready.sort_unstable();
+                        exec::write_checksum_shares_in(
+                            outputs,
+                            &shares,
+                            &dest_paths,
+                            Some(f),
+                            Some(&ready),
+                        )?;
+                        for &i in &ready {
+                            for k in slots(&cks[i]) {
+                                if let Some(n) = waiting.get_mut(&k) {
+                                    *n -= 1;
+                                    if *n == 0 {
+                                        waiting.remove(&k);
+                                    }
+                                }
+                            }
+                        }
+                        let free: Vec<usize> =
+                            parked.iter().copied().filter(|k| !waiting.contains_key(k)).collect();
+                        for k in &free {
+                            parked.remove(k);
+                        }
+                        go.extend(free);
+                        go.sort_unstable();
+                    }
+                    up.send(go)?;
                 }
-                if !held.is_empty() {
-                    exec::write_checksum_shares_in(outputs, &shares, &dest_paths, Some(f))?;
-                    up.send(held.into_iter().collect())?;
+                if !waiting.is_empty() || !parked.is_empty() {
+                    return Err(Error::usage(format!(
+                        "{}: an output checksum of {} was never complete (a bug: please report it)",
+                        dst.display(),
+                        outputs[f].path.display()
+                    )));
                 }
                 let up = current.take().expect("set above");
                 upload.sent(up)?;
@@ -737,13 +801,17 @@ fn staged_destination(url: &Path, staging: Option<&Path>) -> Result<PathBuf> {
             dir.display()
         )));
     }
-    let name: String = url
-        .to_string_lossy()
-        .trim_end_matches('/')
+    // readable, and unique: the URL's characters (the last 100) and a hash of all of it
+    let text = url.to_string_lossy().trim_end_matches('/').to_string();
+    let readable: Vec<char> = text
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() || ".-_".contains(c) { c } else { '_' })
         .collect();
-    Ok(dir.join(name))
+    let tail: String = readable[readable.len().saturating_sub(100)..].iter().collect();
+    let hash = text
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    Ok(dir.join(format!("{hash:016x}-{tail}")))
 }
 
 /// [`run_part`] into a local `dst`.

@@ -436,17 +436,69 @@ def big(tmp_path_factory):
     return d / "ck"
 
 
+SMALL_CHUNKS = {"RESHARD_UPLOAD_CHUNK": str(5 << 20), "RESHARD_UPLOAD_BATCH": str(10 << 20)}
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["default-chunks", "5MiB-chunks"])
 @pytest.mark.parametrize("name,world", [("big.pt", 1), ("big.safetensors", 1), ("dcp", 2)])
-def test_large_outputs_are_streamed_byte_exact(s3env, big, name, world, tmp_path):
-    """Outputs of several upload chunks (16 MiB), sent while the next are written: a .pt's zip
-    CRCs (written after its data) and DCP's zip records land right."""
+def test_large_outputs_are_streamed_byte_exact(s3env, big, name, world, small, tmp_path):
+    """Outputs of several upload chunks, sent while the next batch is written (with 5 MiB
+    chunks and 10 MiB batches: many of both): a .pt's zip CRCs and DCP's per-item zip records
+    (written once their bytes are) land right."""
     want = tmp_path / name
     cli("convert", big, want, "--to", world)
-    cli("convert", big, f"s3://{BUCKET}/out/streamed/{name}", "--to", world)
-    got = s3env.objects(f"out/streamed/{name}")
+    prefix = f"out/streamed/{small}/{name}"
+    cli("convert", big, f"s3://{BUCKET}/{prefix}", "--to", world, env=SMALL_CHUNKS if small else None)
+    got = s3env.objects(prefix)
     assert got == files(want)
     assert max(len(b) for b in got.values()) > (16 << 20)
     assert not s3env.uploads()
+
+
+def test_a_conversion_from_s3_fetches_each_byte_once(s3env, big, tmp_path):
+    """The copy and the source check beside it read the same bytes: fetched once."""
+    url = s3env.put_tree(big, "in/once")
+    size = sum(f.stat().st_size for f in big.iterdir())
+    before = reshard.fetch_stats()
+    reshard.convert(url, tmp_path / "out", world_size=3, verify=True)
+    fetched = reshard.fetch_stats()["bytes"] - before["bytes"]
+    assert size * 0.95 <= fetched <= size * 1.01, (fetched, size)
+
+
+def test_force_onto_a_checkpoint_never_leaves_a_loadable_mix(s3env, big, tmp_path):
+    """--force removes the old checkpoint's objects (its loadable ones first) before the new
+    upload: a failed replacement leaves nothing loadable, not old index over new data."""
+    dst = f"s3://{BUCKET}/out/replaced"
+    cli("convert", big, dst, "--to", "2")
+    assert ".metadata" in s3env.objects("out/replaced")
+    other = tmp_path / "other"
+    g = torch.Generator().manual_seed(12)
+    _save_at({f"w{i}": torch.randn(1500, 2000, generator=g) for i in range(4)}, other, world=2)
+    proxy = Proxy(s3env.port, limit=30 << 20)
+    r = cli("convert", other, dst, "--to", "2", "--force", env={"AWS_ENDPOINT_URL": proxy.url},
+            check=False)
+    assert proxy.stopped.is_set() and r.returncode == 2 and "upload failed" in r.stderr
+    assert "replaced were removed before the upload" in r.stderr, r.stderr
+    assert ".metadata" not in s3env.objects("out/replaced")
+    assert cli("inspect", dst, check=False).returncode == 2
+
+
+def test_folder_markers_odd_names_and_companions_beside_the_folder(s3env, tmp_path):
+    """Objects a bucket also holds: empty "folder" markers (consoles and sync tools make
+    them), keys with characters URLs escape, and a config.json beside DeepSpeed's tag folders
+    (an hf output carries it) — opened as the same folder on disk would be."""
+    src = FIX / SOURCES["deepspeed"]
+    local = tmp_path / "ds"
+    shutil.copytree(src, local)
+    (local / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    (local / "notes [1] #~%.txt").write_text("kept beside the checkpoint")
+    url = s3env.put_tree(local, "in/odd")
+    s3env.s3.put_object(Bucket=BUCKET, Key="in/odd/", Body=b"")
+    s3env.s3.put_object(Bucket=BUCKET, Key="in/odd/global_step2/", Body=b"")
+    want, got = tmp_path / "want", tmp_path / "got"
+    reshard.convert(local, want, world_size=1, format="hf")
+    reshard.convert(url, got, world_size=1, format="hf")
+    assert files(got) == files(want) and "config.json" in files(want)
 
 
 def test_a_server_stopped_mid_upload_leaves_no_checkpoint(s3env, big, tmp_path):
@@ -479,7 +531,8 @@ def test_a_killed_upload_is_invisible_and_the_next_run_aborts_its_leftovers(s3en
     dst = f"s3://{BUCKET}/out/killed.safetensors"
     journal = Path(os.environ["RESHARD_UPLOAD_JOURNAL"])
     p = subprocess.Popen([str(BIN), "convert", str(big), dst, "--to", "1"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=dict(os.environ, **SMALL_CHUNKS))
     deadline = time.time() + 120
     while not (journal.is_dir() and any(journal.glob("*.json"))):
         assert p.poll() is None, p.stderr.read()

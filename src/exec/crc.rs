@@ -199,9 +199,20 @@ pub(super) fn join_crc(parts: &[CrcPart], (a, b): (u64, u64)) -> u32 {
 /// order) and write it in place in `files` (the outputs, opened at `dest_paths`).
 pub(super) fn write_checksums(
     outputs: &[OutputFile],
+    parts: Vec<CrcPart>,
+    files: &[Option<File>],
+    dest_paths: &[PathBuf],
+) -> Result<()> {
+    write_checksums_where(outputs, parts, files, dest_paths, &|_, _| true)
+}
+
+/// [`write_checksums`] of the checksums `(file, index)` that `keep` accepts only.
+pub(super) fn write_checksums_where(
+    outputs: &[OutputFile],
     mut parts: Vec<CrcPart>,
     files: &[Option<File>],
     dest_paths: &[PathBuf],
+    keep: &dyn Fn(usize, usize) -> bool,
 ) -> Result<()> {
     parts.sort_by_key(|p| (p.file, p.ck, p.start));
     let mut rest = parts.as_slice();
@@ -213,6 +224,9 @@ pub(super) fn write_checksums(
                 .count();
             let crc = join_crc(&rest[..n], c.range);
             rest = &rest[n..];
+            if !keep(f, i) {
+                continue;
+            }
             let bytes = if c.hex {
                 format!("{crc:08x}").into_bytes()
             } else {

@@ -422,16 +422,18 @@ pub fn write_checksum_shares(
     shares: &[ChecksumShare],
     dest_paths: &[PathBuf],
 ) -> Result<()> {
-    write_checksum_shares_in(outputs, shares, dest_paths, None)
+    write_checksum_shares_in(outputs, shares, dest_paths, None, None)
 }
 
-/// [`write_checksum_shares`] into output file `only` alone (all when `None`): the other
-/// files are not touched, and their shares may be missing.
+/// [`write_checksum_shares`] into output file `only` alone (all when `None`), and there only
+/// the checksums of index `cks` (sorted; all when `None`): the others are not touched, and their
+/// shares may be missing.
 pub fn write_checksum_shares_in(
     outputs: &[OutputFile],
     shares: &[ChecksumShare],
     dest_paths: &[PathBuf],
     only: Option<usize>,
+    cks: Option<&[usize]>,
 ) -> Result<()> {
     let parts = shares
         .iter()
@@ -458,7 +460,9 @@ pub fn write_checksum_shares_in(
                 .map(Some)
         })
         .collect::<Result<_>>()?;
-    crc::write_checksums(outputs, parts, &files, dest_paths)?;
+    crc::write_checksums_where(outputs, parts, &files, dest_paths, &|f, i| {
+        only.is_none_or(|o| o == f) && cks.is_none_or(|c| c.binary_search(&i).is_ok())
+    })?;
     sync_all(&files, dest_paths)
 }
 
@@ -482,8 +486,9 @@ fn run_on_pool(
     opts: &ExecOptions,
     total: u64,
 ) -> Result<(Vec<CrcPart>, usize)> {
-    // Windows reading remote sources wait on the network more than on the cores.
-    let threads = if shared.remote {
+    // Windows reading remote sources wait on the network more than on the cores (unless the
+    // caller chose the threads).
+    let threads = if shared.remote && opts.threads.is_none() {
         threads.max(REMOTE_THREADS)
     } else {
         threads

@@ -63,11 +63,12 @@ pub fn read_many_into(
     if jobs.len() != outs.len() {
         return Err(Error::usage("copy jobs and buffers differ in number"));
     }
-    crate::remote::mirror::ensure_ops(sources, jobs.iter().flatten())?;
     let maps = map_sources_with(sources, memmap2::Advice::Random)?;
     for (ops, out) in jobs.iter().zip(outs.iter()) {
         check_ops(ops, sources, &maps, out.len() as u64)?;
     }
+    // (remote sources: their mirror files have their full sizes before any byte is fetched)
+    crate::remote::mirror::ensure_ops(sources, jobs.iter().flatten())?;
     let files: Vec<File> = sources
         .iter()
         .map(|p| File::open(p).at(p))

@@ -24,10 +24,16 @@ use std::sync::{Arc, Mutex, RwLock, Weak};
 
 /// Ranges closer than this are fetched as one request (the bytes between are fetched too).
 const GAP: u64 = 4 << 10;
+/// Rows of a strided copy closer than this are fetched as one range with the bytes between
+/// (a request costs about what this many bytes take to arrive).
+const ROW_GAP: u64 = 256 << 10;
 /// The largest single ranged GET.
 const PIECE: u64 = 8 << 20;
 /// Ranged GETs one call keeps in flight.
 const IN_FLIGHT: usize = 16;
+/// Ranged GETs the whole process keeps in flight (so at most this many [`PIECE`]s are in
+/// memory at once, however many threads fetch).
+static SLOTS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(IN_FLIGHT);
 /// The most objects a remote checkpoint may hold (a hostile listing stays bounded).
 const MAX_OBJECTS: usize = 1 << 20;
 
@@ -56,14 +62,33 @@ pub fn fetch_stats() -> FetchStats {
 struct MirrorFile {
     /// Its path under the prefix, `/`-separated.
     rel: String,
+    /// Its key in the store, as listed (not rebuilt from `rel`: keys are not re-encoded).
+    key: object_store::path::Path,
     size: u64,
     /// Its ETag when listed: every read asks for that version, so an object replaced
     /// while it is read fails the read instead of mixing two versions.
     e_tag: Option<String>,
     /// The sparse local file, open for writing fetched bytes.
     file: File,
-    /// Fetched byte ranges, sorted and disjoint.
-    have: Mutex<Vec<(u64, u64)>>,
+    /// Fetched byte ranges, and those being fetched.
+    state: Mutex<Fetched>,
+    /// Signalled when a fetch ends: a reader that wants bytes another is fetching (the source
+    /// check beside the copy) waits for them instead of fetching them again.
+    landed: std::sync::Condvar,
+}
+
+/// What of a mirrored file is fetched, and what is being fetched; both sorted and disjoint.
+#[derive(Debug, Default)]
+struct Fetched {
+    have: Vec<(u64, u64)>,
+    pending: Vec<(u64, u64)>,
+}
+
+/// `a` and `b` (sorted, disjoint) merged.
+fn union(a: &[(u64, u64)], b: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut all = [a, b].concat();
+    all.sort_unstable();
+    coalesce(&all, 0)
 }
 
 /// A remote checkpoint's local mirror (see the module docs).
@@ -103,7 +128,7 @@ impl Mirror {
             ));
         }
         let prefix = root_key.as_ref().to_string();
-        let mut objects: Vec<(String, u64, Option<String>)> = vec![];
+        let mut objects: Vec<(String, u64, Option<String>, object_store::path::Path)> = vec![];
         for m in &listed {
             let key = m.location.as_ref();
             let rel = if prefix.is_empty() {
@@ -117,38 +142,58 @@ impl Mirror {
             if rel.is_empty() || rel.split('/').any(|p| p.is_empty() || p == "." || p == "..") {
                 continue;
             }
-            objects.push((rel.to_string(), m.size, m.e_tag.clone()));
+            objects.push((rel.to_string(), m.size, m.e_tag.clone(), m.location.clone()));
         }
+        objects.sort_by(|a, b| a.0.cmp(&b.0));
+        // empty "folder" markers (`run/step-100/`, made by consoles and sync tools) are not
+        // files: they name a folder other objects are in
+        let folders: Vec<bool> = objects
+            .iter()
+            .map(|o| {
+                let under = format!("{}/", o.0);
+                let at = objects.partition_point(|x| x.0.as_str() < under.as_str());
+                o.1 == 0 && objects.get(at).is_some_and(|x| x.0.starts_with(&under))
+            })
+            .collect();
+        let mut folders = folders.into_iter();
+        objects.retain(|_| !folders.next().unwrap_or(false));
         let single = objects.is_empty();
         if single {
             // Not a folder: the URL may name one object.
             let head = block_on(store.head(&root_key))?.map_err(|e| error(remote.url(), &e))?;
             let name = root_key.filename().unwrap_or("object").to_string();
-            objects.push((name, head.size, head.e_tag));
+            objects.push((name, head.size, head.e_tag, root_key.clone()));
         }
-        objects.sort();
         let dir = scratch("remote")?;
         let mut files = Vec::with_capacity(objects.len());
         let mut by_path = HashMap::with_capacity(objects.len());
-        for (i, (rel, size, e_tag)) in objects.iter().enumerate() {
+        for (i, (rel, size, e_tag, key)) in objects.iter().enumerate() {
             let local = dir.path().join(rel);
+            let scratch_err = |e: std::io::Error| {
+                Error::format(
+                    remote.shown(if single { "" } else { rel }),
+                    format!("cannot lay out its copy in the scratch folder {}: {e}", dir.path().display()),
+                )
+            };
             if let Some(parent) = local.parent() {
-                std::fs::create_dir_all(parent).at(parent)?;
+                std::fs::create_dir_all(parent).map_err(scratch_err)?;
             }
             let file = std::fs::OpenOptions::new()
                 .read(true)
                 .write(true)
                 .create_new(true)
                 .open(&local)
-                .at(&local)?;
-            file.set_len(*size).at(&local)?;
+                .map_err(scratch_err)?;
+            file.set_len(*size).map_err(scratch_err)?;
             by_path.insert(local, i);
             files.push(MirrorFile {
                 rel: if single { String::new() } else { rel.clone() },
+                key: key.clone(),
                 size: *size,
                 e_tag: e_tag.clone(),
                 file,
-                have: Mutex::new(vec![]),
+                state: Mutex::new(Fetched::default()),
+                landed: std::sync::Condvar::new(),
             });
         }
         let root = if single {
@@ -256,13 +301,34 @@ impl Mirror {
             return Ok(());
         }
         want.sort_unstable();
-        let missing = {
-            let have = f.have.lock().unwrap_or_else(|e| e.into_inner());
-            missing(&coalesce(&want, GAP), &have)
-        };
-        if missing.is_empty() {
-            return Ok(());
+        let want = coalesce(&want, GAP);
+        let mut state = f.state.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let need = missing(&want, &state.have);
+            if need.is_empty() {
+                return Ok(());
+            }
+            // what no one is fetching is ours to fetch; the rest we wait for
+            let mine = missing(&need, &state.pending);
+            if mine.is_empty() {
+                state = f.landed.wait(state).unwrap_or_else(|e| e.into_inner());
+                continue;
+            }
+            state.pending = union(&state.pending, &mine);
+            drop(state);
+            let r = self.fetch_ranges(f, &mine);
+            state = f.state.lock().unwrap_or_else(|e| e.into_inner());
+            state.pending = missing(&state.pending, &mine);
+            if r.is_ok() {
+                state.have = union(&state.have, &mine);
+            }
+            f.landed.notify_all();
+            r?;
         }
+    }
+
+    /// GET the ranges `missing` of `f` (not fetched, not being fetched) into its local copy.
+    fn fetch_ranges(&self, f: &MirrorFile, missing: &[(u64, u64)]) -> Result<()> {
         let pieces: Vec<(u64, u64)> = missing
             .iter()
             .flat_map(|&(a, b)| {
@@ -272,7 +338,7 @@ impl Mirror {
             })
             .collect();
         let store = self.remote.store.clone();
-        let key = self.remote.key(&f.rel);
+        let key = f.key.clone();
         let shown = self.remote.shown(&f.rel);
         let local = self.dir.path().join(&f.rel);
         let file = &f.file;
@@ -287,6 +353,8 @@ impl Mirror {
                         ..Default::default()
                     };
                     async move {
+                        // the process's requests in flight, whatever the callers
+                        let _slot = SLOTS.acquire().await.ok();
                         let got = store.get_opts(&key, opts).await?;
                         got.bytes().await.map(|bytes| (a, b, bytes))
                     }
@@ -313,13 +381,7 @@ impl Mirror {
                     futures::future::ready(r)
                 })
                 .await
-        })??;
-        let mut have = f.have.lock().unwrap_or_else(|e| e.into_inner());
-        let mut all = std::mem::take(&mut *have);
-        all.extend_from_slice(&missing);
-        all.sort_unstable();
-        *have = coalesce(&all, 0);
-        Ok(())
+        })?
     }
 }
 
@@ -337,9 +399,9 @@ pub(crate) fn scratch_dir() -> PathBuf {
         .unwrap_or_else(std::env::temp_dir)
 }
 
-/// A new scratch folder `reshard-KIND-PID-XXXXXX` under [`scratch_dir`], removed when
-/// dropped. Folders of this kind that processes no longer alive left behind (a run that
-/// was killed) are removed first.
+/// A new scratch folder `reshard-KIND-PID.HOST-XXXXXX` under [`scratch_dir`], removed when
+/// dropped. Folders of this kind that processes of this machine no longer alive left behind
+/// (a run that was killed) are removed first.
 pub(crate) fn scratch(kind: &str) -> Result<tempfile::TempDir> {
     let base = scratch_dir();
     let prefix = format!("reshard-{kind}-");
@@ -349,9 +411,17 @@ pub(crate) fn scratch(kind: &str) -> Result<tempfile::TempDir> {
             let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
                 continue;
             };
-            let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            // `PID.HOST-XXXXXX`: only this machine's processes can be known to be gone
+            let Some((pid, host)) = rest
+                .rsplit_once('-')
+                .and_then(|(owner, _)| owner.split_once('.'))
+                .and_then(|(p, h)| Some((p.parse::<u32>().ok()?, h)))
+            else {
                 continue;
             };
+            if host != crate::remote::host_tag() {
+                continue;
+            }
             let owned = e
                 .metadata()
                 .map(|m| {
@@ -365,7 +435,7 @@ pub(crate) fn scratch(kind: &str) -> Result<tempfile::TempDir> {
         }
     }
     tempfile::Builder::new()
-        .prefix(&format!("{prefix}{}-", std::process::id()))
+        .prefix(&format!("{prefix}{}.{}-", std::process::id(), crate::remote::host_tag()))
         .tempdir_in(&base)
         .map_err(|e| Error::format(&base, format!("cannot make a scratch folder: {e}")))
 }
@@ -446,7 +516,8 @@ pub(crate) fn ensure_ops<'a>(
         let Some(s) = spans.get_mut(o.src as usize) else {
             continue;
         };
-        if o.count <= 1 || o.src_stride == o.len {
+        if o.count <= 1 || o.src_stride == o.len || o.src_stride.saturating_sub(o.len) <= ROW_GAP {
+            // rows close together: one range over all of them (fewer requests)
             s.push(o.src_span());
         } else {
             s.extend((0..o.count).map(|r| {

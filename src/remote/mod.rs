@@ -200,6 +200,23 @@ impl Remote {
     }
 }
 
+/// This machine's name as it goes into scratch folder names and journal entries (letters,
+/// digits and `-`, at most 40): what processes of other machines sharing the folder left
+/// is not judged by pid here.
+pub(crate) fn host_tag() -> &'static str {
+    static TAG: OnceLock<String> = OnceLock::new();
+    TAG.get_or_init(|| {
+        let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let tag: String = name
+            .trim()
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' })
+            .take(40)
+            .collect();
+        if tag.is_empty() { "host".into() } else { tag }
+    })
+}
+
 /// Whether the process `pid` is alive on this machine (so what it left is its own business).
 pub(crate) fn alive(pid: u32) -> bool {
     pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists()

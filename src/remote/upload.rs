@@ -23,6 +23,15 @@ use std::path::{Path, PathBuf};
 /// Part size of multipart uploads (raised for files so large that 10,000 parts of it would
 /// not hold them: S3's limit).
 const CHUNK: u64 = 16 << 20;
+/// [`CHUNK`], or `RESHARD_UPLOAD_CHUNK` bytes (at least S3's 5 MiB): smaller chunks let the
+/// tests exercise many parts on small outputs; not a user setting.
+fn chunk_size() -> u64 {
+    std::env::var("RESHARD_UPLOAD_CHUNK")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .map_or(CHUNK, |c| c.max(5 << 20))
+}
+
 /// Parts of one file in flight at once.
 const IN_FLIGHT: usize = 4;
 
@@ -62,6 +71,12 @@ fn existing(remote: &Remote) -> Result<Vec<String>> {
 /// store is reachable and the credentials work before any conversion is done.
 pub(crate) fn check_destination(url: &Path, force: bool) -> Result<()> {
     let remote = Remote::parse(url)?;
+    if remote.multipart.is_none() {
+        return Err(Error::usage(format!(
+            "{}: reshard writes to s3://, gs:// and az:// URLs; http(s):// URLs are read-only",
+            remote.url()
+        )));
+    }
     let found = existing(&remote)?;
     if !found.is_empty() && !force {
         return Err(Error::refused(
@@ -78,8 +93,7 @@ pub(crate) fn check_destination(url: &Path, force: bool) -> Result<()> {
 }
 
 /// An upload of a checkpoint under a URL in progress: objects are sent one file at a time
-/// ([`Upload::file`]), and [`Upload::finish`] removes what `--force` replaces; on an error,
-/// [`Upload::fail`] removes the objects already sent.
+/// ([`Upload::file`]); on an error, [`Upload::fail`] removes the objects already sent.
 pub(crate) struct Upload {
     remote: Remote,
     force: bool,
@@ -92,14 +106,17 @@ pub(crate) struct Upload {
 }
 
 impl Upload {
-    /// Start uploading to `url`: refuse it when it holds objects (unless `force`), and
-    /// abort the multipart uploads killed runs to it left.
+    /// Start uploading to `url`: refuse it when it holds objects (unless `force`: then they
+    /// are removed now, the loadable ones first, so that no mix of the old checkpoint and the
+    /// new can ever be loaded), and abort the multipart uploads killed runs to it left.
     pub(crate) fn start(url: &Path, force: bool) -> Result<Upload> {
         let remote = Remote::parse(url)?;
-        let before = existing(&remote)?;
+        let mut before = existing(&remote)?;
         if !before.is_empty() && !force {
             check_destination(url, false)?;
         }
+        before.sort_by_key(|r| !crate::formats::loadable_last(r));
+        remove(&remote, &before)?;
         let reclaimed = reclaim(&remote)?;
         Ok(Upload {
             remote,
@@ -121,7 +138,7 @@ impl Upload {
             .write(true)
             .open(path)
             .at(path)?;
-        let chunk = CHUNK.max(size.div_ceil(9_000).next_multiple_of(1 << 20));
+        let chunk = chunk_size().max(size.div_ceil(9_000).next_multiple_of(1 << 20));
         let key = self.remote.key(rel);
         let multipart = match (&self.remote.multipart, size > chunk) {
             (Some(mp), true) => {
@@ -160,19 +177,9 @@ impl Upload {
         Ok(())
     }
 
-    /// Every file is sent: with `force`, remove the objects under the URL that the new
-    /// checkpoint does not have.
+    /// Every file is sent.
     /// Returns the objects whose incomplete uploads by killed runs were aborted.
     pub(crate) fn finish(self) -> Result<Vec<String>> {
-        if self.force {
-            let stale: Vec<String> = self
-                .before
-                .iter()
-                .filter(|r| !self.done.contains(r))
-                .cloned()
-                .collect();
-            remove(&self.remote, &stale)?;
-        }
         Ok(self.reclaimed)
     }
 
@@ -185,16 +192,31 @@ impl Upload {
                 tail.push_str(&format!("; {left}"));
             }
         }
-        let done = std::mem::take(&mut self.done);
+        let mut done = std::mem::take(&mut self.done);
+        // the loadable objects go first (they were sent last)
+        done.reverse();
         let n = done.len();
         let s = if n == 1 { "" } else { "s" };
+        let loadable: Vec<&String> =
+            done.iter().filter(|r| crate::formats::loadable_last(r)).collect();
         tail.push_str(&match remove(&self.remote, &done) {
             Ok(()) if n == 0 => "; nothing was published".to_string(),
             Ok(()) => format!("; nothing was published (the {n} object{s} already sent were removed)"),
+            Err(_) if loadable.is_empty() => format!(
+                "; the checkpoint is not loadable (its loadable object was not sent), and the {n} object{s} already sent could not be removed"
+            ),
             Err(_) => format!(
-                "; the checkpoint is not loadable (its last object was not sent), and the {n} object{s} already sent could not be removed"
+                "; the {n} object{s} already sent could not be removed, {} among them: remove {} by hand",
+                self.remote.shown(loadable[0]),
+                self.remote.url()
             ),
         });
+        if self.force && !self.before.is_empty() {
+            tail.push_str(&format!(
+                " (the {} object(s) it replaced were removed before the upload, as --force asks)",
+                self.before.len()
+            ));
+        }
         Error::format(self.remote.url(), format!("upload failed: {e}{tail}"))
     }
 }
@@ -304,7 +326,13 @@ impl FileUpload {
                 Ok(())
             }
             Err(e) => match self.abort() {
-                Some(left) => Err(Error::format(&shown, format!("{e}; {left}"))),
+                Some(left) => Err(match e {
+                    Error::Format { path, msg } => Error::Format {
+                        path,
+                        msg: format!("{msg}; {left}"),
+                    },
+                    e => Error::format(&shown, format!("{e}; {left}")),
+                }),
                 None => Err(e),
             },
         }
@@ -457,6 +485,8 @@ struct Entry {
     rel: String,
     id: String,
     pid: u32,
+    /// The machine the upload ran on ([`super::host_tag`]).
+    host: String,
 }
 
 /// Largest journal entry read (an entry is a few hundred bytes).
@@ -485,6 +515,7 @@ impl Journal {
             "rel": rel,
             "id": id,
             "pid": pid,
+            "host": super::host_tag(),
         })
         .to_string();
         let tmp = dir.join(format!(".{name}.tmp"));
@@ -531,7 +562,8 @@ impl Journal {
             ) else {
                 continue;
             };
-            out.push((p, Entry { dest, rel, id, pid }));
+            let host = field("host").unwrap_or_default();
+            out.push((p, Entry { dest, rel, id, pid, host }));
         }
         out.sort_by(|a, b| a.0.cmp(&b.0));
         out
@@ -546,7 +578,8 @@ fn reclaim(remote: &Remote) -> Result<Vec<String>> {
     };
     let mut out = vec![];
     for (path, e) in Journal::entries(&journal_dir()) {
-        if e.dest != remote.url() || super::alive(e.pid) {
+        // another machine's upload may still be running: only this machine's are judged
+        if e.dest != remote.url() || e.host != super::host_tag() || super::alive(e.pid) {
             continue;
         }
         let key = remote.key(&e.rel);

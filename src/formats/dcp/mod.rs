@@ -1407,8 +1407,8 @@ pub(crate) fn index_ranges(dir: &Path) -> Result<Vec<FileRanges>> {
         match data.and_then(|d| len.checked_sub(d)) {
             Some(around) if item.transforms == 0 => {
                 let around = around.min(len);
-                spans.push((a, a + around));
-                spans.push((end - around, end));
+                spans.push((a, a.saturating_add(around)));
+                spans.push((end.saturating_sub(around), end));
             }
             _ => spans.push((a, end)),
         }
