@@ -577,7 +577,10 @@ impl Checkpoint {
     pub fn read_bytes(&self, file: usize, offset: u64, len: u64) -> Result<Vec<u8>> {
         use std::io::{Read, Seek, SeekFrom};
         let path = self.files.get(file).ok_or_else(|| {
-            Error::format(&self.path, format!("an item names file {file}, which it does not have"))
+            Error::format(
+                &self.path,
+                format!("an item names file {file}, which it does not have"),
+            )
         })?;
         let mut f = std::fs::File::open(path).at(path)?;
         let size = f.metadata().at(path)?.len();

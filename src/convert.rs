@@ -1,7 +1,6 @@
 //! The end-to-end job: open a checkpoint, select tensors, compile the target layout, lay out
 //! the output, plan, execute and commit. The CLI and trainers call this.
 
-use crate::remote;
 use crate::checkpoint::OpenOptions;
 pub use crate::commit::parts::Committed;
 use crate::commit::parts::{Manifest, PartsArea, Record, SpanRecord};
@@ -13,6 +12,7 @@ use crate::layout::{DType, TensorLayout};
 use crate::parts::{split, Part, Span};
 use crate::per_rank::{classify, Policy};
 use crate::plan::{plan_named, Plan};
+use crate::remote;
 pub use crate::select::Selection;
 use crate::target::LayoutSpec;
 use std::path::{Path, PathBuf};
@@ -404,13 +404,18 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
     let single = !job.format.is_dir();
     let mut dest_paths = Vec::with_capacity(outputs.len());
     for o in outputs {
-        let p = if single { root.clone() } else { root.join(&o.path) };
+        let p = if single {
+            root.clone()
+        } else {
+            root.join(&o.path)
+        };
         if let Some(parent) = p.parent() {
             std::fs::create_dir_all(parent)
                 .map_err(|e| Error::format(parent, format!("cannot make a scratch folder: {e}")))?;
         }
         let f = std::fs::File::create(&p).map_err(|e| crate::sys::write_error(&p, e))?;
-        f.set_len(o.size).map_err(|e| crate::sys::write_error(&p, e))?;
+        f.set_len(o.size)
+            .map_err(|e| crate::sys::write_error(&p, e))?;
         dest_paths.push(p);
     }
     let total: u64 = outputs.iter().map(|o| o.size).sum();
@@ -422,14 +427,20 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
         .max(total.div_ceil(2_000));
     let progress = opts.exec.progress.clone();
     let exec_opts = ExecOptions {
-        progress: progress.clone().map(|p| Arc::new(Advance(p)) as Arc<dyn exec::Progress>),
+        progress: progress
+            .clone()
+            .map(|p| Arc::new(Advance(p)) as Arc<dyn exec::Progress>),
         sync: false,
         ..opts.exec.clone()
     };
     // the loadable objects last, each kind in output order
     let mut order: Vec<usize> = (0..outputs.len()).collect();
     order.sort_by_key(|&f| {
-        let rel = if single { String::new() } else { outputs[f].path.to_string_lossy().replace('\\', "/") };
+        let rel = if single {
+            String::new()
+        } else {
+            outputs[f].path.to_string_lossy().replace('\\', "/")
+        };
         formats::loadable_last(&rel)
     });
     let check_threads = rayon::current_num_threads().saturating_sub(1).max(1);
@@ -448,7 +459,11 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
         let mut current = None;
         let r = (|| -> Result<()> {
             for &f in &order {
-                let rel = if single { String::new() } else { outputs[f].path.to_string_lossy().replace('\\', "/") };
+                let rel = if single {
+                    String::new()
+                } else {
+                    outputs[f].path.to_string_lossy().replace('\\', "/")
+                };
                 if formats::loadable_last(&rel) {
                     if let Some(h) = check.take() {
                         h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?;
@@ -505,11 +520,14 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
                     stats.threads = stats.threads.max(w.stats.threads);
                     shares.extend(w.shares);
                     parked.extend(ks.iter().copied().filter(|k| waiting.contains_key(k)));
-                    let mut go: Vec<usize> =
-                        ks.into_iter().filter(|k| !waiting.contains_key(k)).collect();
+                    let mut go: Vec<usize> = ks
+                        .into_iter()
+                        .filter(|k| !waiting.contains_key(k))
+                        .collect();
                     // the checksums whose bytes are all written now
                     let mut ready = vec![];
-                    while next_ck < order_ck.len() && ready_at(&cks[order_ck[next_ck]]) <= span.end {
+                    while next_ck < order_ck.len() && ready_at(&cks[order_ck[next_ck]]) <= span.end
+                    {
                         ready.push(order_ck[next_ck]);
                         next_ck += 1;
                     }
@@ -532,8 +550,11 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
                                 }
                             }
                         }
-                        let free: Vec<usize> =
-                            parked.iter().copied().filter(|k| !waiting.contains_key(k)).collect();
+                        let free: Vec<usize> = parked
+                            .iter()
+                            .copied()
+                            .filter(|k| !waiting.contains_key(k))
+                            .collect();
                         for k in &free {
                             parked.remove(k);
                         }
@@ -805,12 +826,20 @@ fn staged_destination(url: &Path, staging: Option<&Path>) -> Result<PathBuf> {
     let text = url.to_string_lossy().trim_end_matches('/').to_string();
     let readable: Vec<char> = text
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || ".-_".contains(c) { c } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || ".-_".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
         .collect();
-    let tail: String = readable[readable.len().saturating_sub(100)..].iter().collect();
-    let hash = text
-        .bytes()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    let tail: String = readable[readable.len().saturating_sub(100)..]
+        .iter()
+        .collect();
+    let hash = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    });
     Ok(dir.join(format!("{hash:016x}-{tail}")))
 }
 

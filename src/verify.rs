@@ -155,7 +155,10 @@ fn check(ck: &Checkpoint, records: &[&RecordCrc]) -> Result<Report> {
             };
             let shown = &ck.files[r.shown.unwrap_or(r.file) as usize];
             let shown = match &ck.remote {
-                Some(m) => m.shown(shown).map(PathBuf::from).unwrap_or_else(|| shown.clone()),
+                Some(m) => m
+                    .shown(shown)
+                    .map(PathBuf::from)
+                    .unwrap_or_else(|| shown.clone()),
                 None => shown.clone(),
             };
             Ok((actual != r.crc).then(|| Mismatch {

@@ -134,12 +134,19 @@ impl Mirror {
             let rel = if prefix.is_empty() {
                 key
             } else {
-                match key.strip_prefix(prefix.as_str()).and_then(|r| r.strip_prefix('/')) {
+                match key
+                    .strip_prefix(prefix.as_str())
+                    .and_then(|r| r.strip_prefix('/'))
+                {
                     Some(r) => r,
                     None => continue,
                 }
             };
-            if rel.is_empty() || rel.split('/').any(|p| p.is_empty() || p == "." || p == "..") {
+            if rel.is_empty()
+                || rel
+                    .split('/')
+                    .any(|p| p.is_empty() || p == "." || p == "..")
+            {
                 continue;
             }
             objects.push((rel.to_string(), m.size, m.e_tag.clone(), m.location.clone()));
@@ -172,7 +179,10 @@ impl Mirror {
             let scratch_err = |e: std::io::Error| {
                 Error::format(
                     remote.shown(if single { "" } else { rel }),
-                    format!("cannot lay out its copy in the scratch folder {}: {e}", dir.path().display()),
+                    format!(
+                        "cannot lay out its copy in the scratch folder {}: {e}",
+                        dir.path().display()
+                    ),
                 )
             };
             if let Some(parent) = local.parent() {
@@ -275,7 +285,11 @@ impl Mirror {
 
     /// The local files and their sizes.
     pub(crate) fn files(&self) -> Vec<(PathBuf, u64)> {
-        let mut v: Vec<(PathBuf, u64)> = self.by_path.iter().map(|(p, &i)| (p.clone(), self.files[i].size)).collect();
+        let mut v: Vec<(PathBuf, u64)> = self
+            .by_path
+            .iter()
+            .map(|(p, &i)| (p.clone(), self.files[i].size))
+            .collect();
         v.sort();
         v
     }
@@ -283,10 +297,9 @@ impl Mirror {
     /// Fetch the bytes `spans` (first byte, past the last) of the mirrored file `path` that
     /// are not fetched yet. Errors for a path outside this mirror.
     pub(crate) fn fetch(&self, path: &Path, spans: &[(u64, u64)]) -> Result<()> {
-        let &i = self
-            .by_path
-            .get(path)
-            .ok_or_else(|| Error::usage(format!("{} is not part of {}", path.display(), self.url())))?;
+        let &i = self.by_path.get(path).ok_or_else(|| {
+            Error::usage(format!("{} is not part of {}", path.display(), self.url()))
+        })?;
         self.fetch_file(i, spans)
     }
 
@@ -435,7 +448,11 @@ pub(crate) fn scratch(kind: &str) -> Result<tempfile::TempDir> {
         }
     }
     tempfile::Builder::new()
-        .prefix(&format!("{prefix}{}.{}-", std::process::id(), crate::remote::host_tag()))
+        .prefix(&format!(
+            "{prefix}{}.{}-",
+            std::process::id(),
+            crate::remote::host_tag()
+        ))
         .tempdir_in(&base)
         .map_err(|e| Error::format(&base, format!("cannot make a scratch folder: {e}")))
 }
@@ -443,7 +460,9 @@ pub(crate) fn scratch(kind: &str) -> Result<tempfile::TempDir> {
 /// This process's user id (scratch folders of other users are left alone).
 fn own_uid() -> u32 {
     use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(u32::MAX)
+    std::fs::metadata("/proc/self")
+        .map(|m| m.uid())
+        .unwrap_or(u32::MAX)
 }
 
 /// Sorted ranges with those closer than `gap` merged.
@@ -553,9 +572,18 @@ mod tests {
 
     #[test]
     fn ranges() {
-        assert_eq!(coalesce(&[(0, 4), (6, 9), (100, 110)], 2), vec![(0, 9), (100, 110)]);
-        assert_eq!(missing(&[(0, 10)], &[(2, 4), (6, 8)]), vec![(0, 2), (4, 6), (8, 10)]);
+        assert_eq!(
+            coalesce(&[(0, 4), (6, 9), (100, 110)], 2),
+            vec![(0, 9), (100, 110)]
+        );
+        assert_eq!(
+            missing(&[(0, 10)], &[(2, 4), (6, 8)]),
+            vec![(0, 2), (4, 6), (8, 10)]
+        );
         assert_eq!(missing(&[(0, 10)], &[(0, 10)]), vec![]);
-        assert_eq!(missing(&[(5, 10), (20, 30)], &[(0, 7), (25, 40)]), vec![(7, 10), (20, 25)]);
+        assert_eq!(
+            missing(&[(5, 10), (20, 30)], &[(0, 7), (25, 40)]),
+            vec![(7, 10), (20, 25)]
+        );
     }
 }

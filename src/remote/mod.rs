@@ -16,8 +16,8 @@ pub(crate) mod mirror;
 pub(crate) mod upload;
 
 use crate::error::{one_line, Error, Result};
-use object_store::path::Path as ObjPath;
 use object_store::multipart::MultipartStore;
+use object_store::path::Path as ObjPath;
 use object_store::{ObjectStore, RetryConfig};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
@@ -47,8 +47,11 @@ pub fn local_path(path: &Path) -> PathBuf {
 fn scheme(path: &Path) -> Option<String> {
     let s = path.to_str()?;
     let (scheme, _) = s.split_once("://")?;
-    (!scheme.is_empty() && scheme.chars().all(|c| c.is_ascii_alphanumeric() || c == '+'))
-        .then(|| scheme.to_ascii_lowercase())
+    (!scheme.is_empty()
+        && scheme
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '+'))
+    .then(|| scheme.to_ascii_lowercase())
 }
 
 static ENDPOINT: OnceLock<String> = OnceLock::new();
@@ -94,8 +97,7 @@ impl Remote {
         let text = url
             .to_str()
             .ok_or_else(|| bad("is not a valid URL (not UTF-8)".into()))?;
-        let parsed =
-            url::Url::parse(text).map_err(|e| bad(format!("is not a valid URL: {e}")))?;
+        let parsed = url::Url::parse(text).map_err(|e| bad(format!("is not a valid URL: {e}")))?;
         let retry = RetryConfig {
             max_retries: RETRIES,
             retry_timeout: RETRY_FOR,
@@ -210,10 +212,20 @@ pub(crate) fn host_tag() -> &'static str {
         let tag: String = name
             .trim()
             .chars()
-            .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' })
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
             .take(40)
             .collect();
-        if tag.is_empty() { "host".into() } else { tag }
+        if tag.is_empty() {
+            "host".into()
+        } else {
+            tag
+        }
     })
 }
 
@@ -290,7 +302,9 @@ fn describe_for(url: &str, e: &object_store::Error) -> String {
     let vars = match scheme.as_str() {
         "s3" | "s3a" => "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN",
         "gs" => "GOOGLE_SERVICE_ACCOUNT / GOOGLE_APPLICATION_CREDENTIALS",
-        "az" | "azure" | "abfs" | "abfss" => "AZURE_STORAGE_ACCOUNT_NAME / AZURE_STORAGE_ACCOUNT_KEY",
+        "az" | "azure" | "abfs" | "abfss" => {
+            "AZURE_STORAGE_ACCOUNT_NAME / AZURE_STORAGE_ACCOUNT_KEY"
+        }
         _ => "the store's environment variables",
     };
     // No credentials in the environment: the crate asked the cloud's instance metadata
@@ -377,9 +391,14 @@ mod tests {
              code: 403 Forbidden: <?xml version=\"1.0\"?>\n<Error><Code>InvalidAccessKeyId</Code>\
              <Message>The key is not known.</Message></Error>",
         ));
-        assert!(denied.starts_with("access denied (check the credentials"), "{denied}");
         assert!(
-            denied.ends_with("the server answered InvalidAccessKeyId (403 Forbidden): The key is not known."),
+            denied.starts_with("access denied (check the credentials"),
+            "{denied}"
+        );
+        assert!(
+            denied.ends_with(
+                "the server answered InvalidAccessKeyId (403 Forbidden): The key is not known."
+            ),
             "{denied}"
         );
         let missing = describe(&generic(
@@ -403,7 +422,10 @@ mod tests {
             "s3://b/k",
             &generic("Error performing PUT http://169.254.169.254/latest/api/token in 9ms - 403"),
         );
-        assert!(no_keys.starts_with("no credentials: set AWS_ACCESS_KEY_ID"), "{no_keys}");
+        assert!(
+            no_keys.starts_with("no credentials: set AWS_ACCESS_KEY_ID"),
+            "{no_keys}"
+        );
         let long = describe(&generic(&"x\n".repeat(1000)));
         assert!(!long.contains('\n') && long.len() <= 404, "{long}");
     }
@@ -416,7 +438,10 @@ mod tests {
         assert!(!is_url(Path::new("file:///tmp/x")));
         assert!(!is_url(Path::new("/tmp/s3://x")));
         assert!(!is_url(Path::new("ckpt")));
-        assert_eq!(local_path(Path::new("file:///tmp/x")), PathBuf::from("/tmp/x"));
+        assert_eq!(
+            local_path(Path::new("file:///tmp/x")),
+            PathBuf::from("/tmp/x")
+        );
         assert_eq!(local_path(Path::new("rel")), PathBuf::from("rel"));
         assert_eq!(percent_decode("a%20b%2"), "a b%2");
     }
@@ -427,7 +452,9 @@ mod tests {
         assert_eq!(r.key("").as_ref(), "some/ckpt");
         assert_eq!(r.key("a/b.distcp").as_ref(), "some/ckpt/a/b.distcp");
         assert_eq!(r.shown("x"), "s3://bucket/some/ckpt/x");
-        let e = Remote::parse(Path::new("ftp://x/y")).unwrap_err().to_string();
+        let e = Remote::parse(Path::new("ftp://x/y"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("not a supported URL scheme"), "{e}");
     }
 }

@@ -16,9 +16,9 @@ use futures::{stream, StreamExt, TryStreamExt};
 use object_store::multipart::{MultipartStore, PartId};
 use object_store::path::Path as ObjPath;
 use object_store::{ObjectStore, ObjectStoreExt};
-use std::sync::Arc;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Part size of multipart uploads (raised for files so large that 10,000 parts of it would
 /// not hold them: S3's limit).
@@ -142,8 +142,7 @@ impl Upload {
         let key = self.remote.key(rel);
         let multipart = match (&self.remote.multipart, size > chunk) {
             (Some(mp), true) => {
-                let id = block_on(mp.create_multipart(&key))?
-                    .map_err(|e| error(&shown, &e))?;
+                let id = block_on(mp.create_multipart(&key))?.map_err(|e| error(&shown, &e))?;
                 let note = Journal::add(&self.remote, rel, &id);
                 Some(Multipart {
                     store: mp.clone(),
@@ -197,8 +196,10 @@ impl Upload {
         done.reverse();
         let n = done.len();
         let s = if n == 1 { "" } else { "s" };
-        let loadable: Vec<&String> =
-            done.iter().filter(|r| crate::formats::loadable_last(r)).collect();
+        let loadable: Vec<&String> = done
+            .iter()
+            .filter(|r| crate::formats::loadable_last(r))
+            .collect();
         tail.push_str(&match remove(&self.remote, &done) {
             Ok(()) if n == 0 => "; nothing was published".to_string(),
             Ok(()) => format!("; nothing was published (the {n} object{s} already sent were removed)"),
@@ -281,8 +282,13 @@ impl FileUpload {
         let task = async move {
             stream::iter(ks)
                 .map(|k| {
-                    let (store, key, id, file, path) =
-                        (store.clone(), key.clone(), id.clone(), file.clone(), path.clone());
+                    let (store, key, id, file, path) = (
+                        store.clone(),
+                        key.clone(),
+                        id.clone(),
+                        file.clone(),
+                        path.clone(),
+                    );
                     async move {
                         let at = k as u64 * chunk;
                         let len = chunk.min(size - at);
@@ -346,7 +352,9 @@ impl FileUpload {
         };
         // the chunks sent so far first: only those never sent go now
         wait(mp, &shown)?;
-        let unsent: Vec<usize> = (0..mp.parts.len()).filter(|&k| mp.parts[k].is_none()).collect();
+        let unsent: Vec<usize> = (0..mp.parts.len())
+            .filter(|&k| mp.parts[k].is_none())
+            .collect();
         self.send(unsent)?;
         let Some(mp) = self.multipart.as_mut() else {
             return Ok(());
@@ -355,7 +363,10 @@ impl FileUpload {
         let ids: Vec<PartId> = mp
             .parts
             .iter()
-            .map(|p| p.clone().ok_or_else(|| Error::format(&shown, "a part was not sent")))
+            .map(|p| {
+                p.clone()
+                    .ok_or_else(|| Error::format(&shown, "a part was not sent"))
+            })
             .collect::<Result<_>>()?;
         block_on(mp.store.complete_multipart(&self.key, &mp.id, ids))?
             .map(|_| ())
@@ -398,7 +409,12 @@ fn wait(mp: &mut Multipart, shown: &str) -> Result<()> {
 }
 
 /// `len` bytes at `at` of `file` (at `path`).
-fn read_at(file: &std::fs::File, path: &Path, at: u64, len: u64) -> std::result::Result<Bytes, String> {
+fn read_at(
+    file: &std::fs::File,
+    path: &Path,
+    at: u64,
+    len: u64,
+) -> std::result::Result<Bytes, String> {
     let mut buf = vec![0u8; len as usize];
     file.read_exact_at(&mut buf, at)
         .map_err(|e| format!("{}: {e}", path.display()))?;
@@ -558,12 +574,23 @@ impl Journal {
                 field("dest"),
                 field("rel"),
                 field("id"),
-                v.get("pid").and_then(|x| x.as_u64()).and_then(|x| u32::try_from(x).ok()),
+                v.get("pid")
+                    .and_then(|x| x.as_u64())
+                    .and_then(|x| u32::try_from(x).ok()),
             ) else {
                 continue;
             };
             let host = field("host").unwrap_or_default();
-            out.push((p, Entry { dest, rel, id, pid, host }));
+            out.push((
+                p,
+                Entry {
+                    dest,
+                    rel,
+                    id,
+                    pid,
+                    host,
+                },
+            ));
         }
         out.sort_by(|a, b| a.0.cmp(&b.0));
         out
