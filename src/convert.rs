@@ -433,16 +433,20 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
         sync: false,
         ..opts.exec.clone()
     };
+    // each file's object name under the URL ("" for a one-file output: the URL itself)
+    let rels: Vec<String> = outputs
+        .iter()
+        .map(|o| {
+            if single {
+                String::new()
+            } else {
+                o.path.to_string_lossy().replace('\\', "/")
+            }
+        })
+        .collect();
     // the loadable objects last, each kind in output order
     let mut order: Vec<usize> = (0..outputs.len()).collect();
-    order.sort_by_key(|&f| {
-        let rel = if single {
-            String::new()
-        } else {
-            outputs[f].path.to_string_lossy().replace('\\', "/")
-        };
-        formats::loadable_last(&rel)
-    });
+    order.sort_by_key(|&f| formats::loadable_last(&rels[f]));
     let check_threads = rayon::current_num_threads().saturating_sub(1).max(1);
     let mut upload = remote::upload::Upload::start(dst, opts.force)?;
     if let Some(p) = &progress {
@@ -459,18 +463,14 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
         let mut current = None;
         let r = (|| -> Result<()> {
             for &f in &order {
-                let rel = if single {
-                    String::new()
-                } else {
-                    outputs[f].path.to_string_lossy().replace('\\', "/")
-                };
-                if formats::loadable_last(&rel) {
+                let rel = &rels[f];
+                if formats::loadable_last(rel) {
                     if let Some(h) = check.take() {
                         h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?;
                     }
                 }
                 let size = outputs[f].size;
-                let up = current.insert(upload.file(&rel, &dest_paths[f], size, true)?);
+                let up = current.insert(upload.file(rel, &dest_paths[f], size, true)?);
                 let chunk = up.chunk();
                 // The chunks holding an output checksum (a zip CRC) wait until it is
                 // written: once every byte of its range is.

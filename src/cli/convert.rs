@@ -84,13 +84,7 @@ fn print_part(
                 job.plan.tensors.len(),
                 size(*checked)
             )?;
-            if !run.aborted_uploads.is_empty() {
-                writeln!(
-                    out,
-                    "aborted the incomplete multipart upload(s) an earlier, killed run left: {}",
-                    clip(&run.aborted_uploads.join(", "), 200)
-                )?;
-            }
+            print_aborted(out, &run.aborted_uploads)?;
         }
         Some(Committed::Already) => {
             writeln!(out, "{} was committed by another worker", dst.display())?
@@ -145,6 +139,18 @@ pub fn commit(
     Ok(Outcome::Clean)
 }
 
+/// The incomplete multipart uploads of killed runs that an upload aborted, if any.
+fn print_aborted(out: &mut dyn Write, objects: &[String]) -> io::Result<()> {
+    if objects.is_empty() {
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "aborted the incomplete multipart upload(s) an earlier, killed run left: {}",
+        clip(&objects.join(", "), 200)
+    )
+}
+
 /// What was written, in `secs` seconds; what was left out, tied or kept beside the tensors.
 fn print(
     out: &mut dyn Write,
@@ -168,13 +174,7 @@ fn print(
     if let Some(reason) = &job.format_reason {
         writeln!(out, "output format {}: {reason}", job.format)?;
     }
-    if !stats.aborted_uploads.is_empty() {
-        writeln!(
-            out,
-            "aborted the incomplete multipart upload(s) an earlier, killed run left: {}",
-            clip(&stats.aborted_uploads.join(", "), 200)
-        )?;
-    }
+    print_aborted(out, &stats.aborted_uploads)?;
     if !job.dropped.is_empty() {
         writeln!(
             out,

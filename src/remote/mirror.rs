@@ -442,7 +442,7 @@ pub(crate) fn scratch(kind: &str) -> Result<tempfile::TempDir> {
                     m.is_dir() && m.uid() == own_uid()
                 })
                 .unwrap_or(false);
-            if owned && !crate::remote::alive(pid) {
+            if owned && !crate::sys::pid_alive(pid) {
                 let _ = std::fs::remove_dir_all(e.path());
             }
         }

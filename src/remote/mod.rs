@@ -229,11 +229,6 @@ pub(crate) fn host_tag() -> &'static str {
     })
 }
 
-/// Whether the process `pid` is alive on this machine (so what it left is its own business).
-pub(crate) fn alive(pid: u32) -> bool {
-    pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists()
-}
-
 /// `%XX` escapes in a URL path decoded (object keys are stored unescaped).
 fn percent_decode(s: &str) -> String {
     let b = s.as_bytes();

@@ -606,7 +606,7 @@ fn reclaim(remote: &Remote) -> Result<Vec<String>> {
     let mut out = vec![];
     for (path, e) in Journal::entries(&journal_dir()) {
         // another machine's upload may still be running: only this machine's are judged
-        if e.dest != remote.url() || e.host != super::host_tag() || super::alive(e.pid) {
+        if e.dest != remote.url() || e.host != super::host_tag() || crate::sys::pid_alive(e.pid) {
             continue;
         }
         let key = remote.key(&e.rel);
