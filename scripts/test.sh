@@ -27,8 +27,14 @@ while [ $# -gt 0 ]; do
 done
 
 if [ "$rust" = 1 ]; then
-  echo "== Rust: cargo test"
-  cargo test
+  # Every crate of the workspace (the floors' unit tests, the integration binary tests/it,
+  # the resource bounds, the doctests), then the lints and the docs under -D warnings.
+  echo "== Rust: cargo test --workspace"
+  cargo test --workspace
+  echo "== Rust: cargo clippy --workspace --all-targets -- -D warnings"
+  cargo clippy --workspace --all-targets -- -D warnings
+  echo "== Rust: cargo doc --workspace --no-deps (RUSTDOCFLAGS=-D warnings)"
+  RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
 fi
 
 if [ "$python" = 1 ]; then

@@ -52,6 +52,14 @@ pub struct ConvertOptions {
     /// Where the parts of a conversion to an object-store URL meet: a folder every worker
     /// sees (`None`: the `RESHARD_STAGING` environment variable).
     pub staging: Option<PathBuf>,
+    /// How the source check reads the records ([`crate::verify::RecordRead`]).
+    pub verify_read: crate::verify::RecordRead,
+    /// Converting to an object-store URL: bytes of each multipart upload's part (`None`:
+    /// 16 MiB; at least S3's 5 MiB).
+    pub upload_chunk: Option<u64>,
+    /// Converting to an object-store URL: destination bytes written to scratch before their
+    /// parts are sent (`None`: 128 MiB).
+    pub upload_batch: Option<u64>,
 }
 
 impl ConvertOptions {
@@ -70,6 +78,9 @@ impl ConvertOptions {
             verify: true,
             open: OpenOptions::default(),
             staging: None,
+            verify_read: Default::default(),
+            upload_chunk: None,
+            upload_batch: None,
         }
     }
 }
@@ -385,6 +396,15 @@ pub fn run(job: &Job, dst: impl AsRef<Path>, opts: &ConvertOptions) -> Result<Ex
 /// is so large that this would mean many thousands of executor runs).
 const UPLOAD_BATCH: u64 = 128 << 20;
 
+/// How a conversion uploads to an object-store URL.
+fn upload_options(opts: &ConvertOptions) -> remote::upload::UploadOptions {
+    remote::upload::UploadOptions {
+        force: opts.force,
+        loadable: formats::loadable_last,
+        chunk: opts.upload_chunk,
+    }
+}
+
 /// [`run`] into an object-store URL `dst`: each output file is written into a sparse scratch
 /// file a batch of chunks at a time ([`exec::execute_part`] over the batch's spans), and its
 /// chunks are sent as parts of a multipart upload while the next batch is written (then
@@ -419,10 +439,8 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
         dest_paths.push(p);
     }
     let total: u64 = outputs.iter().map(|o| o.size).sum();
-    // RESHARD_UPLOAD_BATCH (bytes): smaller batches for the tests; not a user setting
-    let batch = std::env::var("RESHARD_UPLOAD_BATCH")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
+    let batch = opts
+        .upload_batch
         .unwrap_or(UPLOAD_BATCH)
         .max(total.div_ceil(2_000));
     let progress = opts.exec.progress.clone();
@@ -448,7 +466,7 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
     let mut order: Vec<usize> = (0..outputs.len()).collect();
     order.sort_by_key(|&f| formats::loadable_last(&rels[f]));
     let check_threads = rayon::current_num_threads().saturating_sub(1).max(1);
-    let mut upload = remote::upload::Upload::start(dst, opts.force)?;
+    let mut upload = remote::upload::Upload::start(dst, upload_options(opts))?;
     if let Some(p) = &progress {
         p.start(total);
     }
@@ -457,7 +475,7 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
         let mut check = opts.verify.then(|| {
             s.spawn(move || -> Result<crate::verify::Report> {
                 exec::thread_pool(check_threads)?
-                    .install(|| crate::verify::sources_of(&job.source, &job.plan))
+                    .install(|| crate::verify::sources_of(&job.source, &job.plan, opts.verify_read))
             })
         });
         let mut current = None;
@@ -564,8 +582,8 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
                     up.send(go)?;
                 }
                 if !waiting.is_empty() || !parked.is_empty() {
-                    return Err(Error::usage(format!(
-                        "{}: an output checksum of {} was never complete (a bug: please report it)",
+                    return Err(Error::internal(format!(
+                        "{}: an output checksum of {} was never complete",
                         dst.display(),
                         outputs[f].path.display()
                     )));
@@ -644,7 +662,7 @@ fn run_local(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats> 
         let check = opts.verify.then(|| {
             s.spawn(move || -> Result<crate::verify::Report> {
                 exec::thread_pool(check_threads)?
-                    .install(|| crate::verify::sources_of(&job.source, &job.plan))
+                    .install(|| crate::verify::sources_of(&job.source, &job.plan, opts.verify_read))
             })
         });
         let stats = exec::execute_scheduled(
@@ -797,7 +815,7 @@ pub fn run_part(
         let local = staged_destination(dst, opts.staging.as_deref())?;
         let mut run = run_part_local(job, &local, opts, part)?;
         if let Some(Committed::Published { .. }) = run.committed {
-            run.aborted_uploads = remote::upload::upload_tree(&local, dst, opts.force)?;
+            run.aborted_uploads = remote::upload::upload_tree(&local, dst, upload_options(opts))?;
         }
         return Ok(run);
     }
@@ -901,7 +919,7 @@ fn run_part_local(job: &Job, dst: &Path, opts: &ConvertOptions, part: Part) -> R
         let check = opts.verify.then(|| {
             s.spawn(|| -> Result<crate::verify::Report> {
                 exec::thread_pool(check_threads)?
-                    .install(|| crate::verify::sources_of(&job.source, &plan))
+                    .install(|| crate::verify::sources_of(&job.source, &plan, opts.verify_read))
             })
         });
         let written = exec::execute_part(
@@ -967,7 +985,12 @@ pub fn commit_parts(
         commit::parts::commit(&local, force, check, true)?
     };
     if std::fs::symlink_metadata(&local).is_ok() {
-        remote::upload::upload_tree(&local, dst, force)?;
+        let opts = remote::upload::UploadOptions {
+            force,
+            loadable: formats::loadable_last,
+            chunk: None,
+        };
+        remote::upload::upload_tree(&local, dst, opts)?;
     }
     Ok(done)
 }

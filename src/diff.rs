@@ -16,6 +16,7 @@ const BLOCK: u64 = 8 << 20;
 /// How one tensor (or entry) differs.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum Difference {
     /// Only in the first checkpoint.
     OnlyInA,

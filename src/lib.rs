@@ -23,60 +23,53 @@
 //!   [`ConvertOptions`]; [`verify::checksums`]; [`diff::diff`];
 //! - [`Error`]: one line naming the file; [`Error::hint`] says which setting would help.
 //!
-//! Everything else is crate-private. With the `internals` feature (tests, benches and fuzz
-//! targets only; no stability promise) the format, executor and commit modules are public,
-//! hidden from the docs.
-#![warn(missing_docs)]
+//! # The floors
+//! This crate is the front door over four library crates, each of which may import only
+//! those below it (the compiler holds the order):
+//! - `reshard-core`: the layout algebra, the planner, target layouts, parts, the description
+//!   of outputs, the format-neutral pieces of a checkpoint, errors — no I/O;
+//! - `reshard-storage`: local files and object stores, reading copy ops into memory;
+//! - `reshard-formats`: one module per format behind one codec interface and one registry,
+//!   and the [`Checkpoint`] a reader produces;
+//! - `reshard-exec`: the executor and the atomic commit, whole or in parts.
+//!
+//! This crate holds the jobs that use them all ([`convert`], [`load`], [`verify`], [`diff`])
+//! and the command line (feature `cli`). With the `internals` feature (the project's tests,
+//! benches and fuzz targets only; no stability promise) the executor, commit and tie finder
+//! are re-exported at their old paths, hidden from the docs.
+#![deny(missing_docs)]
 
-/// Declares modules that are crate-private, and public but hidden with the `internals`
-/// feature (for the project's tests, benches and fuzz targets).
-macro_rules! internal {
-    ($($(#[$m:meta])* mod $name:ident;)*) => {$(
-        $(#[$m])*
-        #[cfg(feature = "internals")]
-        #[doc(hidden)]
-        pub mod $name;
-        $(#[$m])*
-        #[cfg(not(feature = "internals"))]
-        pub(crate) mod $name;
-    )*};
-}
-pub(crate) use internal;
-
-mod array;
-mod checkpoint;
 #[cfg(feature = "cli")]
 #[doc(hidden)]
 pub mod cli;
 pub mod convert;
 pub mod diff;
-mod error;
-pub mod formats;
-pub mod layout;
 pub mod load;
-pub mod parts;
-pub mod per_rank;
-pub mod plan;
-pub mod remote;
 mod select;
-mod sys;
-pub mod target;
 pub mod verify;
 
-internal! {
-    mod commit;
-    mod exec;
-    mod ties;
-}
+pub use reshard_core::{layout, parts, per_rank, plan, target};
+pub use reshard_formats as formats;
+pub use reshard_storage::remote;
 
-pub use array::Element;
-pub use checkpoint::{
-    read_companion as read_model_config, Checkpoint, Extra, KeyPart, OpenOptions, RecordCrc,
-    Weights,
-};
+/// Re-exported at their old paths for the project's tests, benches and fuzz targets.
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub use {reshard_exec as exec, reshard_exec::commit, reshard_formats::ties};
+#[cfg(not(feature = "internals"))]
+pub(crate) use {reshard_exec as exec, reshard_exec::commit, reshard_formats::ties};
+
+pub(crate) use reshard_core::error;
+pub(crate) use reshard_formats::checkpoint;
+pub(crate) use reshard_storage::sys;
+
+pub use checkpoint::{read_companion as read_model_config, Checkpoint, OpenOptions};
 pub use convert::{ConvertOptions, Job};
 pub use error::{Error, Hint, Result};
 pub use exec::{ExecOptions, ExecStats, Progress};
 pub use formats::Format;
+pub use reshard_core::model::{Extra, KeyPart, RecordCrc, Weights};
+pub use reshard_formats::array::Element;
+pub use reshard_formats::torch::pickle::extra_pickle;
 pub use select::Selection;
 pub use target::LayoutSpec;

@@ -60,17 +60,33 @@ pub struct Report {
     pub mismatches: Vec<Mismatch>,
 }
 
-/// Records of at most this many bytes are read with `pread` whatever [`use_mmap`] says.
+/// Records of at most this many bytes are read with `pread` whatever [`RecordRead`] says.
 const SMALL_RECORD: u64 = 64 << 10;
 
-/// How records are read: with `pread` into a small buffer (the default: it stays in the
-/// core's cache, and no page tables change under the copy running beside the check), or
-/// from a read-only mapping, populated and released per block. Set by the
-/// `RESHARD_VERIFY_READ` environment variable (`pread` or `mmap`) for measurements; see
-/// BENCHMARKS.md.
-fn use_mmap() -> bool {
-    static MMAP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *MMAP.get_or_init(|| std::env::var("RESHARD_VERIFY_READ").is_ok_and(|v| v == "mmap"))
+/// How records are read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RecordRead {
+    /// With `pread` into a small buffer: it stays in the core's cache, and no page tables
+    /// change under the copy running beside the check.
+    #[default]
+    Pread,
+    /// From a read-only mapping, populated and released per block (a measured alternative;
+    /// see BENCHMARKS.md).
+    Mmap,
+}
+
+impl std::str::FromStr for RecordRead {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "pread" => Ok(RecordRead::Pread),
+            "mmap" => Ok(RecordRead::Mmap),
+            _ => Err(format!(
+                "unknown record read `{s}` (expected pread or mmap)"
+            )),
+        }
+    }
 }
 
 /// CRC-32 of `len` bytes of `m` (the mapping of `path`) from `offset`: each block's pages are
@@ -123,21 +139,18 @@ fn crc_of(f: &File, path: &std::path::Path, offset: u64, len: u64) -> Result<u32
     })
 }
 
-/// Check `records` of `ck`.
-fn check(ck: &Checkpoint, records: &[&RecordCrc]) -> Result<Report> {
+/// Check `records` of `ck`, reading them as `how` says.
+fn check(ck: &Checkpoint, records: &[&RecordCrc], how: RecordRead) -> Result<Report> {
     let files: Vec<File> = ck
         .files
         .iter()
         .map(|p| File::open(p).at(p))
         .collect::<Result<_>>()?;
-    let maps: Vec<Option<memmap2::Mmap>> = if use_mmap() {
+    let maps: Vec<Option<memmap2::Mmap>> = if how == RecordRead::Mmap {
         files
             .iter()
             .zip(&ck.files)
-            .map(|(f, p)| {
-                // SAFETY: opened read-only; reshard never writes to sources (see exec.rs).
-                unsafe { memmap2::Mmap::map(f) }.at(p).map(Some)
-            })
+            .map(|(f, p)| crate::sys::map_file(f, p).map(Some))
             .collect::<Result<_>>()?
     } else {
         files.iter().map(|_| None).collect()
@@ -186,13 +199,19 @@ fn check(ck: &Checkpoint, records: &[&RecordCrc]) -> Result<Report> {
 
 /// Check every checksum `ck`'s files record.
 pub fn checksums(ck: &Checkpoint) -> Result<Report> {
+    checksums_with(ck, RecordRead::default())
+}
+
+/// [`checksums`], reading the records as `how` says.
+pub fn checksums_with(ck: &Checkpoint, how: RecordRead) -> Result<Report> {
     let all: Vec<&RecordCrc> = ck.checksums.iter().collect();
-    check(ck, &all)
+    check(ck, &all, how)
 }
 
 /// Check the checksummed records of `ck` that `plan` reads from (a conversion's sources),
-/// failing on the first mismatch with an error naming the file.
-pub fn sources_of(ck: &Checkpoint, plan: &Plan) -> Result<Report> {
+/// failing on the first mismatch with an error naming the file; records are read as `how`
+/// says.
+pub fn sources_of(ck: &Checkpoint, plan: &Plan, how: RecordRead) -> Result<Report> {
     // per source file, the byte spans the plan reads, sorted and merged
     let mut spans: Vec<Vec<(u64, u64)>> = vec![vec![]; ck.files.len()];
     for o in &plan.ops {
@@ -218,7 +237,7 @@ pub fn sources_of(ck: &Checkpoint, plan: &Plan) -> Result<Report> {
         v.get(i).is_some_and(|s| s.0 < b)
     };
     let used: Vec<&RecordCrc> = ck.checksums.iter().filter(|r| read(r)).collect();
-    let report = check(ck, &used)?;
+    let report = check(ck, &used, how)?;
     if let Some(m) = report.mismatches.first() {
         return Err(m.to_error());
     }

@@ -136,7 +136,7 @@ fn within_scaled_bounds(what: &str, r: &Run, input: u64) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Building DCP metadata (the torch 2.1 class layout reshard writes, see src/formats/dcp_write.rs)
+// Building DCP metadata (the torch 2.1 class layout reshard writes, see crates/formats/src/dcp/write.rs)
 
 use reshard::formats::dcp::write::{tensor_properties, FS, META, ST_META};
 

@@ -228,7 +228,7 @@ impl PyCheckpoint {
                 e.name.clone(),
                 e.origin,
                 raw,
-                PyBytes::new(py, &e.to_pickle()),
+                PyBytes::new(py, &reshard::extra_pickle(e)),
             ));
         }
         Ok(out)

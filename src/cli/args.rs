@@ -116,6 +116,9 @@ pub enum Cmd {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+        /// How records are read: pread (default) or mmap. For measurements.
+        #[arg(long, hide = true, env = "RESHARD_VERIFY_READ", value_name = "HOW")]
+        read: Option<crate::verify::RecordRead>,
     },
     /// Compare two checkpoints tensor by tensor, in any supported formats and layouts; exit
     /// status 1 when they differ, 2 when one cannot be read.
@@ -192,6 +195,18 @@ pub struct ConvertFlags {
     /// sees; the worker that commits uploads the output from there (default: RESHARD_STAGING).
     #[arg(long, value_name = "DIR")]
     pub staging: Option<PathBuf>,
+    /// Converting to an object-store URL: bytes of each multipart upload's part (at least
+    /// 5 MiB). For measurements and tests.
+    #[arg(long, hide = true, env = "RESHARD_UPLOAD_CHUNK", value_name = "BYTES")]
+    upload_chunk: Option<u64>,
+    /// Converting to an object-store URL: bytes written to scratch before their parts are
+    /// sent. For measurements and tests.
+    #[arg(long, hide = true, env = "RESHARD_UPLOAD_BATCH", value_name = "BYTES")]
+    upload_batch: Option<u64>,
+    /// How the source check reads the records it checks: pread (default) or mmap. For
+    /// measurements.
+    #[arg(long, hide = true, env = "RESHARD_VERIFY_READ", value_name = "HOW")]
+    verify_read: Option<crate::verify::RecordRead>,
 }
 
 impl ConvertFlags {
@@ -202,6 +217,9 @@ impl ConvertFlags {
         opts.exec.sync = !self.no_fsync;
         opts.verify = !self.no_verify;
         opts.staging = self.staging.clone();
+        opts.upload_chunk = self.upload_chunk;
+        opts.upload_batch = self.upload_batch;
+        opts.verify_read = self.verify_read.unwrap_or_default();
         Ok(opts)
     }
 }
@@ -307,6 +325,9 @@ impl TargetArgs {
             },
             force: false,
             staging: None,
+            verify_read: Default::default(),
+            upload_chunk: None,
+            upload_batch: None,
             per_rank: self.per_rank_state,
             untie: self.untie,
             verify: true,

@@ -60,7 +60,18 @@ fn run(cli: Cli, out: &mut dyn Write) -> Result<Outcome> {
             staging,
             quiet,
         } => convert::commit(&dst, staging.as_deref(), force, !no_verify, quiet, out),
-        Cmd::Verify { path, source, json } => verify::run(&path, &source.options(), json, out),
+        Cmd::Verify {
+            path,
+            source,
+            json,
+            read,
+        } => verify::run(
+            &path,
+            &source.options(),
+            read.unwrap_or_default(),
+            json,
+            out,
+        ),
         Cmd::Diff { a, b, json } => diff::run(&a, &b, json, out),
     }
 }

@@ -14,11 +14,12 @@ use std::path::Path;
 pub fn run(
     path: &Path,
     source: &crate::OpenOptions,
+    read: crate::verify::RecordRead,
     as_json: bool,
     out: &mut dyn Write,
 ) -> Result<Outcome> {
     let ck = Checkpoint::open_with(path, None, source)?;
-    let report = crate::verify::checksums(&ck)?;
+    let report = crate::verify::checksums_with(&ck, read)?;
     shown(print(out, &ck, &report, as_json))?;
     let Some((first, others)) = report.mismatches.split_first() else {
         return Ok(Outcome::Clean);

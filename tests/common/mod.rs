@@ -441,15 +441,24 @@ pub fn torch_python() -> Option<PathBuf> {
     })
 }
 
-/// [`torch_python`], or `None` after saying that the torch checks are skipped.
+/// [`torch_python`], or `None` after saying that the torch checks are skipped ([`no_torch`]).
 pub fn torch_or_skip() -> Option<PathBuf> {
     let py = torch_python();
     if py.is_none() {
-        eprintln!(
-            "skipped: no Python with torch (set RESHARD_PYTHON or run scripts/setup_venv.sh)"
-        );
+        no_torch();
     }
     py
+}
+
+/// Say that a test's torch checks are skipped for want of a Python with torch; under
+/// `CI=true` (where `.ci/run` installs the venv first) a missing torch fails the test
+/// instead, so that CI never passes a test that checked nothing.
+pub fn no_torch() {
+    let msg = "no Python with torch (set RESHARD_PYTHON or run scripts/setup_venv.sh)";
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!("{msg}: under CI=true the torch checks must run");
+    }
+    eprintln!("skipped: {msg}");
 }
 
 /// Run `code` with `py -c` and require it to succeed.

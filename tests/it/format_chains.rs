@@ -55,6 +55,7 @@ fn st_dtype(d: DType) -> safetensors::Dtype {
         DType::F64 => S::F64,
         DType::I64 => S::I64,
         DType::U64 => S::U64,
+        d => unreachable!("no safetensors dtype for {d:?} in this test"),
     }
 }
 

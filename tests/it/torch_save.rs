@@ -7,7 +7,7 @@
 //!
 //! The torch tests run every Python named in `RESHARD_PYTHON` (several may be given, separated
 //! by `:`), else `.venv/bin/python`; without a Python that imports torch they print
-//! `skipped: …` and pass.
+//! `skipped: …` and pass, except under `CI=true`, where they fail.
 
 use crate::common::archive::{
     prefix, record_data, split_items, u32le, walk, walk_checked, Source, Sparse, Walked,
@@ -1140,7 +1140,7 @@ fn cases() -> Vec<Case> {
 fn torch_loads_what_we_write() {
     let pythons = torch_pythons();
     if pythons.is_empty() {
-        println!("skipped: no Python with torch (set RESHARD_PYTHON or create .venv)");
+        crate::common::no_torch();
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -1251,7 +1251,7 @@ fn torch_loads_what_we_write() {
 fn torch_loads_a_sparse_zip64_archive() {
     let pythons = torch_pythons();
     if pythons.is_empty() {
-        println!("skipped: no Python with torch (set RESHARD_PYTHON or create .venv)");
+        crate::common::no_torch();
         return;
     }
     const BIG: u64 = (5 << 30) + 3;

@@ -1,0 +1,356 @@
+//! Scheduling: how a plan is cut into windows (byte ranges of one destination file, with
+//! the literals and clipped copy ops that fill them), how many threads run them, and how
+//! their bytes would spread over a given number of threads.
+
+use super::crc::CkRange;
+use super::OutputFile;
+use crate::parts::Span;
+use crate::plan::{CopyOp, Plan};
+
+/// A piece of one window: either literal bytes or (part of) a copy op.
+#[derive(Clone, Debug)]
+pub(super) enum Frag<'a> {
+    /// Literal bytes written at destination offset `dst`.
+    Lit { dst: u64, bytes: &'a [u8] },
+    /// A copy op, clipped to the window.
+    Op(CopyOp),
+}
+
+impl Frag<'_> {
+    /// True for a plain contiguous run (one row, no cast) of at least [`KERNEL_BYTES`]: the
+    /// kernel copies it (`copy_file_range`); the window's other bytes are assembled in a
+    /// buffer.
+    pub(super) fn in_kernel(&self) -> bool {
+        matches!(self, Frag::Op(o) if o.count == 1 && o.cast.is_none() && o.len >= KERNEL_BYTES)
+    }
+
+    /// The destination bytes `first..past-the-last` the fragment spans.
+    pub(super) fn dst_span(&self) -> (u64, u64) {
+        match self {
+            Frag::Lit { dst, bytes } => (*dst, dst + bytes.len() as u64),
+            Frag::Op(o) => o.dst_span(),
+        }
+    }
+
+    /// Destination bytes the fragment writes.
+    pub(super) fn bytes_written(&self) -> u64 {
+        match self {
+            Frag::Lit { bytes, .. } => bytes.len() as u64,
+            Frag::Op(o) => o.bytes_written(),
+        }
+    }
+}
+
+/// Plain runs at least this long are copied by the kernel; shorter ones cost less assembled
+/// with their neighbours into one write than a system call each.
+pub(super) const KERNEL_BYTES: u64 = 64 << 10;
+
+/// A unit of work: a byte range of one destination file and what fills it.
+#[derive(Debug)]
+pub(super) struct Window<'a> {
+    /// Destination file index.
+    pub dst: u32,
+    /// First destination byte.
+    pub start: u64,
+    /// Past-the-last destination byte.
+    pub end: u64,
+    /// What fills it, in plan order.
+    pub frags: Vec<Frag<'a>>,
+}
+
+impl Window<'_> {
+    /// Destination bytes the window spans.
+    pub fn size(&self) -> u64 {
+        self.end - self.start
+    }
+}
+
+/// Clip `op` to destination bytes `w0..w1`, pushing the parts to `out`. Rows are cut at
+/// element boundaries of the destination dtype (windows are multiples of 8 bytes and writers
+/// align cast destinations, so a cut never splits an element).
+fn clip(op: &CopyOp, w0: u64, w1: u64, out: &mut Vec<Frag>) {
+    let dl = op.dst_len();
+    let (es, ed) = match op.cast {
+        Some(c) => (c.from.size() as u64, c.to.size() as u64),
+        None => (1, 1),
+    };
+    let row = |i: u64| -> (u64, u64) {
+        let d = op.dst_offset + i * op.dst_stride;
+        (d, d + dl)
+    };
+    let part = |i: u64, a: u64, b: u64| -> CopyOp {
+        // destination bytes a..b of row i
+        let (d, _) = row(i);
+        let (x, y) = ((a - d) / ed * es, (b - d) / ed * es);
+        CopyOp {
+            src_offset: op.src_offset + i * op.src_stride + x,
+            dst_offset: a,
+            len: y - x,
+            count: 1,
+            src_stride: 0,
+            dst_stride: 0,
+            ..*op
+        }
+    };
+    if op.count == 1 {
+        let (d, e) = row(0);
+        let (a, b) = (d.max(w0), e.min(w1));
+        if a < b {
+            out.push(Frag::Op(if a == d && b == e { *op } else { part(0, a, b) }));
+        }
+        return;
+    }
+    let ds = op.dst_stride;
+    // rows i with d_i < w1 and d_i + dl > w0
+    let i_lo = if op.dst_offset + dl > w0 {
+        0
+    } else {
+        (w0 - op.dst_offset - dl) / ds + 1
+    };
+    let i_hi = if w1 <= op.dst_offset {
+        0
+    } else {
+        ((w1 - op.dst_offset).div_ceil(ds)).min(op.count)
+    };
+    let mut i = i_lo;
+    let mut full_start = None;
+    let flush = |from: Option<u64>, to: u64, out: &mut Vec<Frag>| {
+        if let Some(f) = from {
+            if to > f {
+                out.push(Frag::Op(CopyOp {
+                    src_offset: op.src_offset + f * op.src_stride,
+                    dst_offset: op.dst_offset + f * ds,
+                    count: to - f,
+                    ..*op
+                }));
+            }
+        }
+    };
+    while i < i_hi {
+        let (d, e) = row(i);
+        if d >= w0 && e <= w1 {
+            full_start.get_or_insert(i);
+        } else {
+            flush(full_start.take(), i, out);
+            let (a, b) = (d.max(w0), e.min(w1));
+            if a < b {
+                out.push(Frag::Op(part(i, a, b)));
+            }
+        }
+        i += 1;
+    }
+    flush(full_start, i_hi, out);
+}
+
+/// Cut the plan into windows of `window` destination bytes, over every byte of every output.
+pub(super) fn windows<'a>(plan: &Plan, outputs: &'a [OutputFile], window: u64) -> Vec<Window<'a>> {
+    let whole: Vec<Span> = outputs
+        .iter()
+        .enumerate()
+        .map(|(f, o)| Span {
+            file: f as u32,
+            start: 0,
+            end: o.size,
+        })
+        .collect();
+    windows_in(plan, outputs, window, &whole)
+}
+
+/// Cut the plan into windows of `window` destination bytes over `spans` only (sorted by file
+/// and start, disjoint, within their files): each span is cut from its start, and the
+/// literals and copies are clipped to the windows, so bytes outside the spans are not
+/// touched. Windows with nothing to write are left out.
+pub(super) fn windows_in<'a>(
+    plan: &Plan,
+    outputs: &'a [OutputFile],
+    window: u64,
+    spans: &[Span],
+) -> Vec<Window<'a>> {
+    let window = window.max(8) / 8 * 8;
+    let mut wins: Vec<Window> = vec![];
+    for s in spans {
+        let mut a = s.start;
+        while a < s.end {
+            // edges on the whole run's grid (multiples of `window`), so a cut never falls
+            // inside an element even where a span starts off it
+            let b = s.end.min((a / window + 1).saturating_mul(window));
+            wins.push(Window {
+                dst: s.file,
+                start: a,
+                end: b,
+                frags: vec![],
+            });
+            a = b;
+        }
+    }
+    // the windows of file f are wins[first[f]..first[f + 1]], sorted by start
+    let mut first = vec![0usize; outputs.len() + 1];
+    for w in &wins {
+        if let Some(n) = first.get_mut(w.dst as usize + 1) {
+            *n += 1;
+        }
+    }
+    for f in 0..outputs.len() {
+        first[f + 1] += first[f];
+    }
+    // the windows of file f overlapping bytes a..b
+    fn overlapping(
+        wins: &[Window],
+        first: &[usize],
+        f: u32,
+        a: u64,
+        b: u64,
+    ) -> std::ops::Range<usize> {
+        let (lo, hi) = (first[f as usize], first[f as usize + 1]);
+        let ws = &wins[lo..hi];
+        let i = ws.partition_point(|w| w.end <= a);
+        let j = ws.partition_point(|w| w.start < b);
+        lo + i..lo + j.max(i)
+    }
+    let mut lits: Vec<(usize, Frag)> = vec![];
+    for (f, o) in outputs.iter().enumerate() {
+        for (off, bytes) in &o.literals {
+            let end = off + bytes.len() as u64;
+            for k in overlapping(&wins, &first, f as u32, *off, end) {
+                let w = &wins[k];
+                let (a, b) = ((*off).max(w.start), end.min(w.end));
+                let s = &bytes[(a - off) as usize..(b - off) as usize];
+                lits.push((k, Frag::Lit { dst: a, bytes: s }));
+            }
+        }
+    }
+    for (k, frag) in lits {
+        wins[k].frags.push(frag);
+    }
+    for op in &plan.ops {
+        let (a, b) = op.dst_span();
+        if b <= a || op.dst as usize >= outputs.len() {
+            continue;
+        }
+        for k in overlapping(&wins, &first, op.dst, a, b) {
+            let w = &mut wins[k];
+            clip(op, w.start, w.end, &mut w.frags);
+        }
+    }
+    wins.into_iter().filter(|w| !w.frags.is_empty()).collect()
+}
+
+/// The parts of `ops` (sorted by destination file and offset) that write into `spans`
+/// (sorted by file and start, disjoint), clipped to them: the plan of one part of a
+/// conversion ([`crate::parts`]).
+pub fn restrict(ops: &[CopyOp], spans: &[Span]) -> Vec<CopyOp> {
+    let mut out = vec![];
+    for s in spans {
+        // copies do not overlap, so only the last one starting before the span can reach in
+        let mut i = ops.partition_point(|o| (o.dst, o.dst_offset) < (s.file, s.start));
+        if i > 0 && ops[i - 1].dst == s.file && ops[i - 1].dst_span().1 > s.start {
+            i -= 1;
+        }
+        for o in ops[i..]
+            .iter()
+            .take_while(|o| o.dst == s.file && o.dst_offset < s.end)
+        {
+            let mut frags = vec![];
+            clip(o, s.start, s.end, &mut frags);
+            out.extend(frags.into_iter().filter_map(|f| match f {
+                Frag::Op(o) => Some(o),
+                Frag::Lit { .. } => None,
+            }));
+        }
+    }
+    out
+}
+
+/// Worker threads when none are asked for: one per core when at least a tenth of the bytes
+/// pass through user space (short or gathered copies, casts, literals, or checksums to hash), otherwise
+/// one. Kernel copies into one file serialise on the file's lock, so a second thread only
+/// adds contention there, while hashing and gathering gain from more threads
+/// (BENCHMARKS.md, executor experiments).
+pub(super) fn default_threads(
+    wins: &[Window],
+    ranges: &[Vec<CkRange>],
+    skip: &[Vec<(u64, u64)>],
+) -> usize {
+    let total: u64 = wins.iter().map(Window::size).sum();
+    let gathered: u64 = wins
+        .iter()
+        .flat_map(|w| &w.frags)
+        .filter(|f| !f.in_kernel())
+        .map(Frag::bytes_written)
+        .sum();
+    let to_hash: u64 = ranges
+        .iter()
+        .flatten()
+        .map(|r| r.2 - r.1)
+        .sum::<u64>()
+        .saturating_sub(skip.iter().flatten().map(|s| s.1 - s.0).sum());
+    if (gathered + to_hash).saturating_mul(10) < total {
+        1
+    } else {
+        rayon::current_num_threads()
+    }
+}
+
+/// Bytes of destination each of `threads` workers would get if windows were dealt greedily
+/// (largest first) — the per-thread balance `reshard plan` shows.
+pub fn balance(plan: &Plan, outputs: &[OutputFile], threads: usize, window: u64) -> Vec<u64> {
+    let mut sizes: Vec<u64> = windows(plan, outputs, window)
+        .iter()
+        .map(Window::size)
+        .collect();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    let mut load = vec![0u64; threads.max(1)];
+    for s in sizes {
+        if let Some(m) = load.iter_mut().min() {
+            *m += s;
+        }
+    }
+    load
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clip_strided_op_into_windows_keeps_every_byte_once() {
+        let op = CopyOp {
+            src: 0,
+            src_offset: 0,
+            dst: 0,
+            dst_offset: 4,
+            len: 6,
+            count: 10,
+            src_stride: 6,
+            dst_stride: 16,
+            cast: None,
+        };
+        let mut seen = [0u8; 200];
+        for w0 in (0..200).step_by(24) {
+            let mut out = vec![];
+            clip(&op, w0, w0 + 24, &mut out);
+            for f in out {
+                let Frag::Op(o) = f else { unreachable!() };
+                assert!(o.dst_offset >= w0 && o.dst_span().1 <= w0 + 24);
+                for r in 0..o.count {
+                    for b in 0..o.len {
+                        let d = o.dst_offset + r * o.dst_stride + b;
+                        // source byte matches destination byte's position in the original op
+                        let row = (d - 4) / 16;
+                        assert_eq!(
+                            o.src_offset + r * o.src_stride + b,
+                            row * 6 + (d - 4 - row * 16)
+                        );
+                        seen[d as usize] += 1;
+                    }
+                }
+            }
+        }
+        for r in 0..10u64 {
+            for b in 0..6u64 {
+                assert_eq!(seen[(4 + r * 16 + b) as usize], 1);
+            }
+        }
+        assert_eq!(seen.iter().map(|&x| x as u64).sum::<u64>(), 60);
+    }
+}
