@@ -231,10 +231,10 @@ class Checkpoint:
         regions = self._ck.local_regions(
             rank,
             world_size,
-            _layout_json(layout),
-            list(include) if include else None,
-            list(exclude) if exclude else None,
-            None if dtype is None else _dtypes.name_of(dtype),
+            layout=_layout_json(layout),
+            include=list(include) if include else None,
+            exclude=list(exclude) if exclude else None,
+            dtype=None if dtype is None else _dtypes.name_of(dtype),
         )
         out, dests = [], []
         for name, dt, gshape, offs, sizes in regions:
@@ -354,7 +354,8 @@ def open(
     ``"model"`` (the model-dtype weights of ZeRO stages 1 and 2)."""
     if framework not in ("pt", "torch", "np", "numpy"):
         raise RequestError(f'framework must be "pt" or "numpy", not "{framework}"')
-    return Checkpoint(_reshard.open(_os.fspath(path), format, _tag(tag, step), weights), framework)
+    native = _reshard.open(_os.fspath(path), format=format, tag=_tag(tag, step), weights=weights)
+    return Checkpoint(native, framework)
 
 
 def _tag(tag: Optional[str], step: Optional[int]) -> Optional[str]:
@@ -450,33 +451,33 @@ def convert(
     ``hf`` output carries, with ``generation_config.json``, so that ``from_pretrained``
     loads it); ``zero_stage`` the ZeRO
     stage of a ``format="deepspeed"`` output (default: the source's).
-    Returns a summary: the format chosen (and why), files and bytes written, entries
-    dropped, tied tensors."""
-    out = _reshard.convert(
+    Returns a summary: the format chosen (and w    out = _reshard.convert(
         _os.fspath(src),
         _os.fspath(dst),
-        world_size,
-        format,
-        _layout_json(layout),
-        list(include) if include else None,
-        list(exclude) if exclude else None,
-        strip_prefix,
-        add_prefix,
-        None if dtype is None else _dtypes.name_of(dtype),
-        max_shard_size,
-        threads,
-        per_rank_state,
-        untie,
-        overwrite,
-        verify,
-        _progress(progress),
-        dry_run,
-        _tag(tag, step),
-        weights,
-        zero_stage,
-        None if config is None else _os.fspath(config),
-        _part(part),
-        None if staging is None else _os.fspath(staging),
+        world_size=world_size,
+        format=format,
+        layout=_layout_json(layout),
+        include=list(include) if include else None,
+        exclude=list(exclude) if exclude else None,
+        strip_prefix=strip_prefix,
+        add_prefix=add_prefix,
+        dtype=None if dtype is None else _dtypes.name_of(dtype),
+        max_shard_size=max_shard_size,
+        threads=threads,
+        per_rank_state=per_rank_state,
+        untie=untie,
+        overwrite=overwrite,
+        verify=verify,
+        progress=_progress(progress),
+        dry_run=dry_run,
+        tag=_tag(tag, step),
+        weights=weights,
+        zero_stage=zero_stage,
+        config=None if config is None else _os.fspath(config),
+        part=_part(part),
+        staging=None if staging is None else _os.fspath(staging),
+    )
+    return _json.loads(out) is None else _os.fspath(staging),
     )
     return _json.loads(out)
 
@@ -511,7 +512,10 @@ def commit(
     in ``staging`` (default: ``RESHARD_STAGING``), and the output is uploaded from there.
     Returns the bytes checked."""
     return _reshard.commit(
-        _os.fspath(dst), overwrite, verify, None if staging is None else _os.fspath(staging)
+        _os.fspath(dst),
+        overwrite=overwrite,
+        verify=verify,
+        staging=None if staging is None else _os.fspath(staging),
     )
 
 

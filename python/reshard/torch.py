@@ -232,7 +232,7 @@ def load(
     infos = {t.name: t for t in ck.tensors()}
     values_raw = {e[0]: e for e in ck._ck.extras()}
     names = list(infos) + list(values_raw)
-    keep = ck._ck.keeps(names, list(include) if include else None, list(exclude) if exclude else None)
+    keep = ck._ck.keeps(names, include=list(include) if include else None, exclude=list(exclude) if exclude else None)
     ren = _rename_fn(rename)
     # "Under the state dict's top-level keys": by first name component, so that a flat
     # dict ({"model.w": ...}) and a nested one ({"model": {"w": ...}}) behave the same.

@@ -8,9 +8,10 @@
 //! (`data_ptr()`, `nbytes`), which the Python side passes in and keeps alive for the call.
 
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::pybacked::PyBackedStr;
+use pyo3::types::{PyBytes, PyDict, PyTuple};
 use pyo3::IntoPyObjectExt;
 use reshard::layout::{DType, Mesh, Placement, Region, Sharding};
 use reshard::load::{self, LocalPart, LocalTensor};
@@ -260,6 +261,7 @@ impl PyCheckpoint {
     }
 
     /// Which of `names` the include and exclude globs keep.
+    #[pyo3(signature = (names, *, include=None, exclude=None))]
     fn keeps(
         &self,
         names: Vec<String>,
@@ -273,7 +275,7 @@ impl PyCheckpoint {
 
     /// The regions rank `rank` of `world_size` holds under a layout (JSON text, or
     /// `Shard(0)`), as `(name, dtype, global shape, offsets, sizes)`.
-    #[pyo3(signature = (rank, world_size, layout=None, include=None, exclude=None, dtype=None))]
+    #[pyo3(signature = (rank, world_size, *, layout=None, include=None, exclude=None, dtype=None))]
     fn local_regions(
         &self,
         rank: u64,
@@ -380,7 +382,7 @@ fn read_raw(ck: &Checkpoint, file: u32, offset: u64, len: u64) -> PyResult<Vec<u
 /// Open a checkpoint of any supported format (detected, or `format` by name) for reading: the
 /// layouts are validated now, a DCP item's own header when a read needs that item.
 #[pyfunction]
-#[pyo3(signature = (path, format=None, tag=None, weights=None))]
+#[pyo3(signature = (path, *, format=None, tag=None, weights=None))]
 fn open(
     py: Python<'_>,
     path: PathBuf,
@@ -462,43 +464,126 @@ impl reshard::Progress for Callback {
     }
 }
 
-/// Convert `src` into `dst` at `world_size` ranks (or a layout JSON text), returning a JSON
-/// summary: format (and why), world size, files written, bytes, dropped entries, ties.
+/// Declares the struct of a native function's `**options` and its extraction from the
+/// keyword dict: each field is the keyword of its name, extracted as the field's type, its
+/// default when absent. Any other keyword is refused with the `TypeError` Python gives for a
+/// keyword a function lacks, so that the Python side and this one cannot drift silently.
+macro_rules! keyword_options {
+    ($(#[$doc:meta])* struct $name:ident for $func:literal {
+        $($(#[$fdoc:meta])* $field:ident: $ty:ty = $default:expr,)*
+    }) => {
+        $(#[$doc])*
+        struct $name {
+            $($(#[$fdoc])* $field: $ty,)*
+        }
+
+        impl $name {
+            /// The keywords, in declaration order.
+            const NAMES: &'static [&'static str] = &[$(stringify!($field)),*];
+
+            fn extract(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+                let mut out = Self { $($field: $default,)* };
+                for (key, value) in kwargs.into_iter().flatten() {
+                    let key = key.extract::<PyBackedStr>()?;
+                    match &*key {
+                        $(stringify!($field) => {
+                            out.$field = value.extract::<$ty>().map_err(|e| {
+                                argument_error(value.py(), stringify!($field), e.into())
+                            })?;
+                        })*
+                        other => {
+                            return Err(PyTypeError::new_err(format!(
+                                concat!($func, "() got an unexpected keyword argument '{}'"),
+                                other
+                            )))
+                        }
+                    }
+                }
+                Ok(out)
+            }
+        }
+    };
+}
+
+/// An argument's extraction error as PyO3 words it for a named parameter: a `TypeError`
+/// prefixed with the argument's name, any other error as it is.
+fn argument_error(py: Python<'_>, name: &str, e: PyErr) -> PyErr {
+    if e.is_instance_of::<PyTypeError>(py) {
+        let named = PyTypeError::new_err(format!("argument '{name}': {}", e.value(py)));
+        named.set_cause(py, e.cause(py));
+        named
+    } else {
+        e
+    }
+}
+
+keyword_options! {
+    /// The options of `convert` after `world_size`, as `reshard.convert` names them.
+    struct ConvertArgs for "convert" {
+        format: Option<String> = None,
+        /// A layout JSON text.
+        layout: Option<String> = None,
+        include: Option<Vec<String>> = None,
+        exclude: Option<Vec<String>> = None,
+        strip_prefix: Option<String> = None,
+        add_prefix: Option<String> = None,
+        dtype: Option<String> = None,
+        max_shard_size: Option<u64> = None,
+        threads: Option<usize> = None,
+        per_rank_state: Option<String> = None,
+        untie: bool = false,
+        overwrite: bool = false,
+        verify: bool = true,
+        /// A callable `(done_bytes, total_bytes)`.
+        progress: Option<Py<PyAny>> = None,
+        dry_run: bool = false,
+        tag: Option<String> = None,
+        weights: Option<String> = None,
+        zero_stage: Option<u8> = None,
+        config: Option<PathBuf> = None,
+        /// `"env"` (from the launcher's environment) or `"K/N"`.
+        part: Option<String> = None,
+        staging: Option<PathBuf> = None,
+    }
+}
+
+/// Convert `src` into `dst` at `world_size` ranks (or a layout JSON text), returning a
+/// JSON summary: format (and why), world size, files written, bytes, dropped entries, ties.
+/// The other options are keywords (`ConvertArgs`, listed in `CONVERT_OPTIONS`).
 #[pyfunction]
-#[pyo3(signature = (src, dst, world_size, format=None, layout=None, include=None, exclude=None,
-    strip_prefix=None, add_prefix=None, dtype=None, max_shard_size=None, threads=None,
-    per_rank_state=None, untie=false, overwrite=false, verify=true, progress=None, dry_run=false,
-    tag=None, weights=None, zero_stage=None, config=None, part=None, staging=None))]
-#[allow(clippy::too_many_arguments)]
-fn convert(
-    py: Python<'_>,
+#[pyo3(signature = (src, dst, *, world_size, **options))]
+fn convert<'py>(
+    py: Python<'py>,
     src: PathBuf,
     dst: PathBuf,
     world_size: u64,
-    format: Option<&str>,
-    layout: Option<&str>,
-    include: Option<Vec<String>>,
-    exclude: Option<Vec<String>>,
-    strip_prefix: Option<String>,
-    add_prefix: Option<String>,
-    dtype: Option<&str>,
-    max_shard_size: Option<u64>,
-    threads: Option<usize>,
-    per_rank_state: Option<&str>,
-    untie: bool,
-    overwrite: bool,
-    verify: bool,
-    progress: Option<Py<PyAny>>,
-    dry_run: bool,
-    tag: Option<String>,
-    weights: Option<&str>,
-    zero_stage: Option<u8>,
-    config: Option<PathBuf>,
-    part: Option<&str>,
-    staging: Option<PathBuf>,
+    options: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<String> {
+    let ConvertArgs {
+        format,
+        layout,
+        include,
+        exclude,
+        strip_prefix,
+        add_prefix,
+        dtype,
+        max_shard_size,
+        threads,
+        per_rank_state,
+        untie,
+        overwrite,
+        verify,
+        progress,
+        dry_run,
+        tag,
+        weights,
+        zero_stage,
+        config,
+        part,
+        staging,
+    } = ConvertArgs::extract(options)?;
     // "env": from the launcher's environment; "K/N": that part; None: the whole conversion
-    let part = match part {
+    let part = match part.as_deref() {
         None => None,
         Some("env") => reshard::parts::choose(None).map_err(py_err)?,
         Some(p) => {
@@ -507,7 +592,7 @@ fn convert(
         }
     };
     let mut opts = ConvertOptions::to(1);
-    opts.open = open_options(tag, weights)?;
+    opts.open = open_options(tag, weights.as_deref())?;
     if let Some(s) = zero_stage {
         if !(1..=3).contains(&s) {
             return Err(request(format!("zero_stage must be 1, 2 or 3, not {s}")));
@@ -518,15 +603,15 @@ fn convert(
         let bytes = reshard::read_model_config(&p).map_err(py_err)?;
         opts.write.companions = vec![("config.json".into(), bytes)];
     }
-    opts.layout = layout_spec(world_size, layout)?;
-    opts.format = format.map(format_named).transpose()?;
+    opts.layout = layout_spec(world_size, layout.as_deref())?;
+    opts.format = format.as_deref().map(format_named).transpose()?;
     opts.select = Selection {
         include: include.unwrap_or_default(),
         exclude: exclude.unwrap_or_default(),
         strip_prefix,
         add_prefix,
     };
-    opts.dtype = dtype.map(self::dtype).transpose()?;
+    opts.dtype = dtype.as_deref().map(self::dtype).transpose()?;
     if let Some(n) = max_shard_size {
         if n == 0 {
             return Err(request("max_shard_size must be at least 1 byte"));
@@ -607,7 +692,7 @@ fn convert(
 /// Commit a conversion run in parts: every part written and checked, then `dst` published.
 /// Returns the bytes checked against the parts' CRC-32s (0 when it was already committed).
 #[pyfunction]
-#[pyo3(signature = (dst, overwrite=false, verify=true, staging=None))]
+#[pyo3(signature = (dst, *, overwrite=false, verify=true, staging=None))]
 fn commit(
     py: Python<'_>,
     dst: PathBuf,
@@ -701,6 +786,7 @@ fn _reshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fetch_stats, m)?)?;
     m.add_function(wrap_pyfunction!(is_url, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add("CONVERT_OPTIONS", PyTuple::new(py, ConvertArgs::NAMES)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
