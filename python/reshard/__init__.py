@@ -451,7 +451,7 @@ def convert(
     ``hf`` output carries, with ``generation_config.json``, so that ``from_pretrained``
     loads it); ``zero_stage`` the ZeRO
     stage of a ``format="deepspeed"`` output (default: the source's).
-    Returns a summary: the format chosen (and w    out = _reshard.convert(
+    Returns a summary: the format chosen (and w    return _reshard.convert(
         _os.fspath(src),
         _os.fspath(dst),
         world_size=world_size,
@@ -479,7 +479,6 @@ def convert(
     )
     return _json.loads(out) is None else _os.fspath(staging),
     )
-    return _json.loads(out)
 
 
 def _part(part: Any) -> Optional[str]:
@@ -523,7 +522,7 @@ def verify(path: PathLike) -> Dict[str, Any]:
     """Check a checkpoint's structure and every CRC-32 its files record. Returns a report;
     ``report["ok"]`` is False and ``report["mismatches"]`` lists the damage (one line each)
     when a record is corrupt. A checkpoint that cannot be read raises."""
-    report = _json.loads(_reshard.verify(_os.fspath(path)))
+    report = _reshard.verify(_os.fspath(path))
     report["ok"] = not report["mismatches"]
     return report
 
@@ -531,7 +530,7 @@ def verify(path: PathLike) -> Dict[str, Any]:
 def diff(a: PathLike, b: PathLike) -> Dict[str, Any]:
     """Compare two checkpoints tensor by tensor, whatever their formats and world sizes.
     ``result["equal"]`` says whether they hold the same tensors with the same values."""
-    d = _json.loads(_reshard.diff(_os.fspath(a), _os.fspath(b)))
+    d = _reshard.diff(_os.fspath(a), _os.fspath(b))
     d["equal"] = not d.get("differences")
     return d
 

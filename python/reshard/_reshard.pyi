@@ -105,19 +105,19 @@ class _ConvertOptions(TypedDict, total=False):
     part: Optional[str]
     staging: Optional[str]
 
-def convert(src: str, dst: str, *, world_size: int, **options: Unpack[_ConvertOptions]) -> str:
-    """Convert a checkpoint (or one part of it: ``part`` "K/N" or "env"); a JSON summary."""
+def convert(src: str, dst: str, *, world_size: int, **options: Unpack[_ConvertOptions]) -> Dict[str, Any]:
+    """Convert a checkpoint (or one part of it: ``part`` "K/N" or "env"); a summary."""
 
 def commit(
     dst: str, *, overwrite: bool = False, verify: bool = True, staging: Optional[str] = None
 ) -> int:
     """Commit a conversion run in parts; the bytes checked."""
 
-def verify(path: str) -> str:
-    """Check structure and recorded CRC-32s; a JSON report."""
+def verify(path: str) -> Dict[str, Any]:
+    """Check structure and recorded CRC-32s; a report."""
 
-def diff(a: str, b: str) -> str:
-    """Compare two checkpoints; JSON."""
+def diff(a: str, b: str) -> Dict[str, Any]:
+    """Compare two checkpoints; the differences."""
 
 def formats() -> List[Tuple[str, str]]:
     """The formats reshard reads and writes."""

@@ -11,7 +11,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
-use pyo3::types::{PyBytes, PyDict, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use pyo3::IntoPyObjectExt;
 use reshard::layout::{DType, Mesh, Placement, Region, Sharding};
 use reshard::load::{self, LocalPart, LocalTensor};
@@ -548,7 +548,7 @@ keyword_options! {
 }
 
 /// Convert `src` into `dst` at `world_size` ranks (or a layout JSON text), returning a
-/// JSON summary: format (and why), world size, files written, bytes, dropped entries, ties.
+/// summary dict: format (and why), world size, files written, bytes, dropped entries, ties.
 /// The other options are keywords (`ConvertArgs`, listed in `CONVERT_OPTIONS`).
 #[pyfunction]
 #[pyo3(signature = (src, dst, *, world_size, **options))]
@@ -558,7 +558,7 @@ fn convert<'py>(
     dst: PathBuf,
     world_size: u64,
     options: Option<&Bound<'py, PyDict>>,
-) -> PyResult<String> {
+) -> PyResult<Bound<'py, PyAny>> {
     let ConvertArgs {
         format,
         layout,
@@ -636,57 +636,58 @@ fn convert<'py>(
             done: 0.into(),
         }) as Arc<dyn reshard::Progress>
     });
-    py.detach(move || -> reshard::Result<String> {
-        let job = reshard::convert::prepare(&src, Some(&dst), &opts)?;
-        let mut in_parts = serde_json::Value::Null;
-        let mut aborted = vec![];
-        let stats = match (dry_run, part) {
-            (true, _) => None,
-            (false, None) => {
-                let stats = reshard::convert::run(&job, &dst, &opts)?;
-                aborted = stats.aborted_uploads.clone();
-                Some(stats)
-            }
-            (false, Some((p, from))) => {
-                let run = reshard::convert::run_part(&job, &dst, &opts, p)?;
-                aborted = run.aborted_uploads.clone();
-                in_parts = serde_json::json!({
-                    "part": [p.index, p.count],
-                    "from": from,
-                    "spans": run.spans.len(),
-                    "written_before": run.stats.is_none(),
-                    "missing": run.missing,
-                    "committed": run.committed.as_ref().map(|c| match c {
-                        reshard::convert::Committed::Published { .. } => "published",
-                        reshard::convert::Committed::Already => "already",
-                        reshard::convert::Committed::Busy => "busy",
-                    }),
-                });
-                run.stats
-            }
-        };
-        let files = job.output_files();
-        Ok(serde_json::json!({
-            "source": job.source.path,
-            "source_format": job.source.format.name(),
-            "source_world_size": job.source.ranks,
-            "format": job.format.name(),
-            "format_reason": job.format_reason,
-            "world_size": job.world,
-            "tensors": job.plan.tensors.len(),
-            "bytes": job.plan.tensors.iter().map(|t| t.bytes.1).sum::<u64>(),
-            "extras": job.extras,
-            "dropped": job.dropped,
-            "ties": job.ties,
-            "files": files,
-            "bytes_read": stats.as_ref().map(|s| s.bytes_read),
-            "bytes_written": stats.as_ref().map(|s| s.bytes_written),
-            "parts": in_parts,
-            "aborted_uploads": aborted,
+    let summary = py
+        .detach(move || -> reshard::Result<serde_json::Value> {
+            let job = reshard::convert::prepare(&src, Some(&dst), &opts)?;
+            let mut in_parts = serde_json::Value::Null;
+            let mut aborted = vec![];
+            let stats = match (dry_run, part) {
+                (true, _) => None,
+                (false, None) => {
+                    let stats = reshard::convert::run(&job, &dst, &opts)?;
+                    aborted = stats.aborted_uploads.clone();
+                    Some(stats)
+                }
+                (false, Some((p, from))) => {
+                    let run = reshard::convert::run_part(&job, &dst, &opts, p)?;
+                    aborted = run.aborted_uploads.clone();
+                    in_parts = serde_json::json!({
+                        "part": [p.index, p.count],
+                        "from": from,
+                        "spans": run.spans.len(),
+                        "written_before": run.stats.is_none(),
+                        "missing": run.missing,
+                        "committed": run.committed.as_ref().map(|c| match c {
+                            reshard::convert::Committed::Published { .. } => "published",
+                            reshard::convert::Committed::Already => "already",
+                            reshard::convert::Committed::Busy => "busy",
+                        }),
+                    });
+                    run.stats
+                }
+            };
+            let files = job.output_files();
+            Ok(serde_json::json!({
+                "source": job.source.path,
+                "source_format": job.source.format.name(),
+                "source_world_size": job.source.ranks,
+                "format": job.format.name(),
+                "format_reason": job.format_reason,
+                "world_size": job.world,
+                "tensors": job.plan.tensors.len(),
+                "bytes": job.plan.tensors.iter().map(|t| t.bytes.1).sum::<u64>(),
+                "extras": job.extras,
+                "dropped": job.dropped,
+                "ties": job.ties,
+                "files": files,
+                "bytes_read": stats.as_ref().map(|s| s.bytes_read),
+                "bytes_written": stats.as_ref().map(|s| s.bytes_written),
+                "parts": in_parts,
+                "aborted_uploads": aborted,
+            }))
         })
-        .to_string())
-    })
-    .map_err(py_err)
+        .map_err(py_err)?;
+    to_py(py, &summary)
 }
 
 /// Commit a conversion run in parts: every part written and checked, then `dst` published.
@@ -708,36 +709,70 @@ fn commit(
         .map_err(py_err)
 }
 
-/// Check a checkpoint's structure and every CRC-32 its files record: a JSON report.
+/// Check a checkpoint's structure and every CRC-32 its files record: a report dict.
 #[pyfunction]
-fn verify(py: Python<'_>, path: PathBuf) -> PyResult<String> {
-    py.detach(move || -> reshard::Result<String> {
-        let ck = Checkpoint::open(&path)?;
-        let report = reshard::verify::checksums(&ck)?;
-        let mismatches: Vec<String> = report
-            .mismatches
-            .iter()
-            .map(|m| m.to_error().to_string())
-            .collect();
-        Ok(serde_json::json!({
-            "path": ck.path, "format": ck.format.name(), "world_size": ck.ranks,
-            "tensors": ck.tensors.len(), "tensor_bytes": ck.nbytes(),
-            "records": report.records, "bytes": report.bytes, "mismatches": mismatches,
+fn verify(py: Python<'_>, path: PathBuf) -> PyResult<Bound<'_, PyAny>> {
+    let report = py
+        .detach(move || -> reshard::Result<serde_json::Value> {
+            let ck = Checkpoint::open(&path)?;
+            let report = reshard::verify::checksums(&ck)?;
+            let mismatches: Vec<String> = report
+                .mismatches
+                .iter()
+                .map(|m| m.to_error().to_string())
+                .collect();
+            Ok(serde_json::json!({
+                "path": ck.path, "format": ck.format.name(), "world_size": ck.ranks,
+                "tensors": ck.tensors.len(), "tensor_bytes": ck.nbytes(),
+                "records": report.records, "bytes": report.bytes, "mismatches": mismatches,
+            }))
         })
-        .to_string())
-    })
-    .map_err(py_err)
+        .map_err(py_err)?;
+    to_py(py, &report)
 }
 
-/// Compare two checkpoints tensor by tensor, whatever their formats and world sizes: JSON.
+/// Compare two checkpoints tensor by tensor, whatever their formats and world sizes: a dict.
 #[pyfunction]
-fn diff(py: Python<'_>, a: PathBuf, b: PathBuf) -> PyResult<String> {
-    py.detach(move || -> reshard::Result<String> {
-        let (ca, cb) = (Checkpoint::open(&a)?, Checkpoint::open(&b)?);
-        let d = reshard::diff::diff(&ca, &cb)?;
-        Ok(serde_json::to_string(&d).expect("a diff serializes"))
-    })
-    .map_err(py_err)
+fn diff(py: Python<'_>, a: PathBuf, b: PathBuf) -> PyResult<Bound<'_, PyAny>> {
+    let d = py
+        .detach(move || -> reshard::Result<serde_json::Value> {
+            let (ca, cb) = (Checkpoint::open(&a)?, Checkpoint::open(&b)?);
+            let d = reshard::diff::diff(&ca, &cb)?;
+            Ok(serde_json::to_value(&d).expect("a diff serializes"))
+        })
+        .map_err(py_err)?;
+    to_py(py, &d)
+}
+
+/// A JSON value as the Python value `json.loads` makes of its text: dicts (in the value's
+/// key order), lists, str, int, float, bool and None.
+fn to_py<'py>(py: Python<'py>, v: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
+    use serde_json::Value;
+    match v {
+        Value::Null => Ok(py.None().into_bound(py)),
+        Value::Bool(b) => b.into_bound_py_any(py),
+        Value::Number(n) => match (n.as_u64(), n.as_i64(), n.as_f64()) {
+            (Some(u), _, _) => u.into_bound_py_any(py),
+            (_, Some(i), _) => i.into_bound_py_any(py),
+            (_, _, Some(f)) => f.into_bound_py_any(py),
+            _ => unreachable!("a JSON number is a u64, an i64 or an f64"),
+        },
+        Value::String(s) => s.into_bound_py_any(py),
+        Value::Array(items) => {
+            let list = PyList::empty(py);
+            for item in items {
+                list.append(to_py(py, item)?)?;
+            }
+            Ok(list.into_any())
+        }
+        Value::Object(map) => {
+            let d = PyDict::new(py);
+            for (k, item) in map {
+                d.set_item(k, to_py(py, item)?)?;
+            }
+            Ok(d.into_any())
+        }
+    }
 }
 
 /// Names and summaries of the formats reshard reads and writes: `[(name, summary), ...]`.
