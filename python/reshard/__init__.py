@@ -163,8 +163,9 @@ class Checkpoint:
         return list(self._infos().values())
 
     def keys(self) -> List[str]:
-        """The names of every entry: tensors first, then non-tensor values."""
-        return list(self._infos()) + [e[0] for e in self._ck.extras()]
+        """The names of every entry: tensors first, then non-tensor values (listed without
+        reading the values)."""
+        return list(self._infos()) + self._ck.extra_names()
 
     def values(self) -> Dict[str, Any]:
         """The non-tensor entries (step counters, ``param_groups`` leaves, scheduler state,

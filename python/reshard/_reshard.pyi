@@ -42,8 +42,10 @@ class NativeCheckpoint:
     def nbytes(self) -> int: ...
     def tensors(self) -> List[Tuple[str, str, List[int], str]]:
         """Every tensor as ``(name, dtype, shape, layout summary)``."""
-    def extras(self) -> List[Tuple[str, str, Optional[bytes], bytes]]:
-        """Every non-tensor entry as ``(name, origin, raw, pickled)``."""
+    def extra_names(self) -> List[str]:
+        """The names of the non-tensor entries; nothing is read."""
+    def extras(self, names: Optional[List[str]] = None) -> List[Tuple[str, str, Optional[bytes], bytes]]:
+        """Every non-tensor entry (or those in ``names``) as ``(name, origin, raw, pickled)``."""
     def paths(self) -> Dict[str, List[Union[str, int]]]:
         """The nested path of each flat key that has one."""
     def tied_names(self) -> List[List[str]]:

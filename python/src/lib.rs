@@ -213,12 +213,29 @@ impl PyCheckpoint {
             .collect()
     }
 
-    /// Every non-tensor entry as `(name, origin, raw, pickled)`: `raw` the serialized item
-    /// as stored (a DCP `BYTE_IO` item is a `torch.save` stream), `pickled` the value as a
-    /// plain protocol-2 pickle.
-    fn extras<'py>(&self, py: Python<'py>) -> PyResult<Vec<ExtraItem<'py>>> {
+    /// The names of the non-tensor entries, in order, read from nothing: they were decoded
+    /// when the checkpoint was opened.
+    fn extra_names(&self) -> Vec<String> {
+        self.ck.extras.iter().map(|e| e.name.clone()).collect()
+    }
+
+    /// Every non-tensor entry (or those named in `names`, in the checkpoint's order) as
+    /// `(name, origin, raw, pickled)`: `raw` the serialized item as stored (a DCP `BYTE_IO`
+    /// item is a `torch.save` stream, read now), `pickled` the value as a plain protocol-2
+    /// pickle.
+    #[pyo3(signature = (names=None))]
+    fn extras<'py>(
+        &self,
+        py: Python<'py>,
+        names: Option<Vec<String>>,
+    ) -> PyResult<Vec<ExtraItem<'py>>> {
+        let wanted: Option<std::collections::HashSet<String>> =
+            names.map(|n| n.into_iter().collect());
         let mut out = vec![];
         for e in &self.ck.extras {
+            if wanted.as_ref().is_some_and(|w| !w.contains(&e.name)) {
+                continue;
+            }
             let raw = match e.raw {
                 Some((file, offset, len)) => {
                     Some(PyBytes::new(py, &read_raw(&self.ck, file, offset, len)?))
