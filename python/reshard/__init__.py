@@ -165,12 +165,12 @@ class Checkpoint:
     def keys(self) -> List[str]:
         """The names of every entry: tensors first, then non-tensor values (listed without
         reading the values)."""
-        return list(self._infos()) + self._ck.extra_names()
+        return list(self._infos()) + self._extra_names()
 
     def values(self) -> Dict[str, Any]:
         """The non-tensor entries (step counters, ``param_groups`` leaves, scheduler state,
         Lightning's ``meta.pt`` keys) as Python objects, by flat name."""
-        return {name: _values.decode(raw, pickled) for (name, _o, raw, pickled) in self._ck.extras()}
+        return {name: _values.decode(raw, pickled) for (name, raw, pickled) in self._extras()}
 
     def paths(self) -> Dict[str, List[Union[str, int]]]:
         """The nested path of each flat name that has one (``["optimizer", "state", 0]``)."""
@@ -196,13 +196,42 @@ class Checkpoint:
         except KeyError:
             raise RequestError(f"{self.path}: no tensor `{name}`") from None
 
+    # --- for the package's other modules (reshard.torch, its StorageReader) ------------------
+    def _extra_names(self) -> List[str]:
+        """The names of the non-tensor entries, in the checkpoint's order; nothing is read."""
+        return self._ck.extra_names()
+
+    def _extras(self, names: Optional[Sequence[str]] = None) -> List[Tuple[str, Optional[bytes], bytes]]:
+        """The non-tensor entries (those in ``names`` when given), in the checkpoint's order, as
+        ``(name, raw, pickled)`` for :func:`reshard._values.decode`: each stored item is read
+        (fetched, from object storage) now."""
+        items = self._ck.extras(None if names is None else list(names))
+        return [(name, raw, pickled) for (name, _origin, raw, pickled) in items]
+
+    def _keeps(
+        self, names: Sequence[str], include: Optional[Sequence[str]], exclude: Optional[Sequence[str]]
+    ) -> List[bool]:
+        """Which of ``names`` the ``include`` and ``exclude`` globs keep."""
+        return self._ck.keeps(
+            list(names), include=list(include) if include else None, exclude=list(exclude) if exclude else None
+        )
+
+    def _read_into(self, dests: List[Tuple[Any, ...]]) -> None:
+        """Fill destinations ``(name, dtype, shape, parts, address, nbytes)`` in one native
+        read (see ``NativeCheckpoint.read_into``); the caller keeps their memory alive."""
+        self._ck.read_into(dests)
+
+    def _with_framework(self, framework: str) -> "Checkpoint":
+        """The same open checkpoint, making its arrays with ``framework``."""
+        return self if framework == self._framework else Checkpoint(self._ck, framework)
+
     # --- reading -------------------------------------------------------------------------
     def _read(self, name: str, offsets: Sequence[int], sizes: Sequence[int], dtype: Optional[Any]) -> Any:
         info = self.info(name)
         dt = info.dtype if dtype is None else _dtypes.name_of(dtype)
         arr, addr, nbytes = _empty(sizes, dt, self._framework)
         at = [0] * len(sizes)
-        self._ck.read_into([(name, dt, list(sizes), [(list(offsets), list(sizes), at)], addr, nbytes)])
+        self._read_into([(name, dt, list(sizes), [(list(offsets), list(sizes), at)], addr, nbytes)])
         return arr
 
     def get_tensor(self, name: str, dtype: Optional[Any] = None) -> Any:
@@ -242,7 +271,7 @@ class Checkpoint:
             arr, addr, nbytes = _empty(sizes, dt, self._framework)
             dests.append((name, dt, list(sizes), [(offs, sizes, [0] * len(sizes))], addr, nbytes))
             out.append(LocalShard(name, tuple(gshape), tuple(offs), arr))
-        self._ck.read_into(dests)
+        self._read_into(dests)
         return out
 
     # --- context manager -----------------------------------------------------------------
@@ -452,7 +481,9 @@ def convert(
     ``hf`` output carries, with ``generation_config.json``, so that ``from_pretrained``
     loads it); ``zero_stage`` the ZeRO
     stage of a ``format="deepspeed"`` output (default: the source's).
-    Returns a summary: the format chosen (and w    return _reshard.convert(
+    Returns a summary: the format chosen (and why), files and bytes written, entries
+    dropped, tied tensors."""
+    return _reshard.convert(
         _os.fspath(src),
         _os.fspath(dst),
         world_size=world_size,
@@ -477,8 +508,6 @@ def convert(
         config=None if config is None else _os.fspath(config),
         part=_part(part),
         staging=None if staging is None else _os.fspath(staging),
-    )
-    return _json.loads(out) is None else _os.fspath(staging),
     )
 
 

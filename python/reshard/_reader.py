@@ -63,7 +63,8 @@ class StorageReader(_TorchStorageReader):
         self._format: Optional[str] = None
         self._set(path)
         self.load_id = uuid.uuid4().hex
-        self._extras: Optional[Dict[str, Tuple[Optional[bytes], bytes]]] = None
+        # the non-tensor values by name once the metadata is read: (raw, pickled) once read
+        self._extras: Optional[Dict[str, Optional[Tuple[Optional[bytes], bytes]]]] = None
         self._dtypes: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
 
     def _set(self, path: PathOrCheckpoint) -> None:
@@ -107,7 +108,7 @@ class StorageReader(_TorchStorageReader):
         ck = self.checkpoint
         sdm: Dict[str, Any] = {}
         self._dtypes = {}
-        for name, dt, shape, _layout in ck._ck.tensors():
+        for name, dt, shape, _layout in ck.tensors():
             size = torch.Size(shape)
             sdm[name] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=_torch_dtype(dt, name)),
@@ -116,9 +117,9 @@ class StorageReader(_TorchStorageReader):
             )
             self._dtypes[name] = (dt, tuple(shape))
         self._extras = {}
-        for name, _origin, raw, pickled in ck._ck.extras():
+        for name in ck._extra_names():  # the values are read when a plan asks for them
             sdm[name] = BytesStorageMetadata()
-            self._extras[name] = (raw, pickled)
+            self._extras[name] = None
         planner_data = {name: tuple(parts) for name, parts in ck.paths().items() if name in sdm}
         md = Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data={})
         if _StorageMeta is not None and hasattr(md, "storage_meta"):
@@ -149,6 +150,12 @@ class StorageReader(_TorchStorageReader):
         ck = self.checkpoint
         tensor_items = [i for i in plan.items if i.type != LoadItemType.BYTE_IO]
         byte_items = [i for i in plan.items if i.type == LoadItemType.BYTE_IO]
+
+        # The values the plan asks for, read before any target is written.
+        unread = {n for n in (i.storage_index.fqn for i in byte_items) if n in extras and extras[n] is None}
+        if unread:
+            for name, raw, pickled in ck._extras(sorted(unread)):
+                extras[name] = (raw, pickled)
 
         # Resolve every target first, then read all regions in one native call.
         resolved: List[Tuple[Any, torch.Tensor, str, str, List[int], List[int]]] = []
@@ -198,7 +205,7 @@ class StorageReader(_TorchStorageReader):
             at = [0] * len(sizes)
             dests.append((name, dt, sizes, [(offsets, sizes, at)], buf.data_ptr() if nbytes else 0, nbytes))
         if dests:
-            ck._ck.read_into(dests)
+            ck._read_into(dests)
         for target, buf in copies:
             target.copy_(buf)
         for item, target, *_ in resolved:

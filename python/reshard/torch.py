@@ -132,7 +132,7 @@ class _Fill:
 
     def run(self) -> None:
         if self.dests:
-            self.ck._ck.read_into(self.dests)
+            self.ck._read_into(self.dests)
         for dest, buf in self.after:
             dest.copy_(buf, non_blocking=buf.is_pinned())
         if any(d.device.type == "cuda" for d, _ in self.after):
@@ -230,9 +230,8 @@ def load(
     by_name = {_flat(l.path): l for l in leaves}
 
     infos = {t.name: t for t in ck.tensors()}
-    values_raw = {e[0]: e for e in ck._ck.extras()}
-    names = list(infos) + list(values_raw)
-    keep = ck._ck.keeps(names, include=list(include) if include else None, exclude=list(exclude) if exclude else None)
+    names = list(infos) + ck._extra_names()
+    keep = ck._keeps(names, include, exclude)
     ren = _rename_fn(rename)
     # "Under the state dict's top-level keys": by first name component, so that a flat
     # dict ({"model.w": ...}) and a nested one ({"model": {"w": ...}}) behave the same.
@@ -286,15 +285,18 @@ def load(
             parts.append(f"{len(unexpected)} of its entries have no place in the state dict: {_few(unexpected)}")
         raise RequestError(f"{ck.path}: " + "; ".join(parts) + " (pass strict=False to load the rest)")
 
+    # The non-tensor values that replace the state dict's: only these are read (fetched from
+    # object storage), and before any tensor is written.
+    wanted = [name for _c, _k, (kind, name) in replace if kind == "value"]
+    values_raw = {name: (raw, pickled) for (name, raw, pickled) in ck._extras(wanted)} if wanted else {}
     fill.run()
     from . import _values
 
     for container, key, (kind, name) in replace:
         if kind == "tensor":
-            value = Checkpoint(ck._ck, "pt").get_tensor(name)
+            value = ck._with_framework("pt").get_tensor(name)
         else:
-            _n, _o, raw, pickled = values_raw[name]
-            value = _values.decode(raw, pickled)
+            value = _values.decode(*values_raw[name])
         if container is None or container is view:
             # a top-level entry: ``view`` is a copy of the caller's dict
             state_dict[key] = value
