@@ -29,6 +29,7 @@ from torch.futures import Future
 
 from . import Checkpoint, CheckpointError, RequestError, _dtypes, _reshard, _values
 from . import open as _open
+from ._fill import Fill
 
 try:  # torch >= 2.4
     from torch.distributed.checkpoint.metadata import StorageMeta as _StorageMeta
@@ -150,16 +151,18 @@ class StorageReader(_TorchStorageReader):
         ck = self.checkpoint
         tensor_items = [i for i in plan.items if i.type != LoadItemType.BYTE_IO]
         byte_items = [i for i in plan.items if i.type == LoadItemType.BYTE_IO]
-
         # The values the plan asks for, read before any target is written.
         unread = {n for n in (i.storage_index.fqn for i in byte_items) if n in extras and extras[n] is None}
         if unread:
             for name, raw, pickled in ck._extras(sorted(unread)):
                 extras[name] = (raw, pickled)
 
-        # Resolve every target first, then read all regions in one native call.
-        resolved: List[Tuple[Any, torch.Tensor, str, str, List[int], List[int]]] = []
-        direct: List[Tuple[int, int, int]] = []  # (address, nbytes, index) of fitting targets
+        # Resolve every target first, then read all regions in one native call: straight into
+        # a target that is a contiguous CPU tensor of the checkpoint's dtype, else through a
+        # temporary; targets that share memory (tied parameters resolve to one tensor) are
+        # each written.
+        fill = Fill(ck, shared="each")
+        resolved: List[Tuple[Any, torch.Tensor]] = []
         for item in tensor_items:
             name = item.storage_index.fqn
             if name not in self._dtypes:
@@ -174,41 +177,10 @@ class StorageReader(_TorchStorageReader):
                     f"tensor `{name}`: the planner's target is {tuple(target.shape)}, the region "
                     f"read {tuple(sizes)}"
                 )
-            if (
-                target.device.type == "cpu"
-                and target.dtype == _dtypes.torch_dtype(dt)
-                and target.is_contiguous()
-                and target.numel() > 0
-            ):
-                direct.append((target.data_ptr(), target.numel() * target.element_size(), len(resolved)))
-            resolved.append((item, target, name, dt, offsets, sizes))
-
-        # Targets written in place must not share memory (tied parameters resolve to one
-        # tensor): of targets that overlap, one is written in place, the others through
-        # temporaries.
-        in_place = set()
-        end = 0
-        for addr, n, i in sorted(direct):
-            if addr >= end:
-                in_place.add(i)
-                end = addr + n
-
-        dests = []
-        copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        for i, (_item, target, name, dt, offsets, sizes) in enumerate(resolved):
-            if i in in_place:
-                buf = target
-            else:
-                buf = torch.empty(sizes, dtype=_dtypes.torch_dtype(dt))
-                copies.append((target, buf))
-            nbytes = buf.numel() * buf.element_size()
-            at = [0] * len(sizes)
-            dests.append((name, dt, sizes, [(offsets, sizes, at)], buf.data_ptr() if nbytes else 0, nbytes))
-        if dests:
-            ck._read_into(dests)
-        for target, buf in copies:
-            target.copy_(buf)
-        for item, target, *_ in resolved:
+            fill.add(name, target, [(offsets, sizes, [0] * len(sizes))], dtype=dt)
+            resolved.append((item, target))
+        fill.run()
+        for item, target in resolved:
             planner.commit_tensor(item, target)
 
         for item in byte_items:
