@@ -800,7 +800,6 @@ fn formats() -> Vec<(&'static str, &'static str)> {
         .collect()
 }
 
-/// Run the `reshard` command line (`argv[0]` the program name) and return its exit status.
 /// `(requests, bytes)`: the ranged GETs this process has sent to object stores so far, and
 /// the bytes they returned.
 #[pyfunction]
@@ -815,6 +814,7 @@ fn is_url(path: PathBuf) -> bool {
     reshard::remote::is_url(&path)
 }
 
+/// Run the `reshard` command line (`argv[0]` the program name) and return its exit status.
 #[pyfunction]
 fn cli_main(py: Python<'_>, argv: Vec<String>) -> u8 {
     py.detach(move || reshard::cli::main(argv))
