@@ -163,13 +163,14 @@ class Checkpoint:
         return list(self._infos().values())
 
     def keys(self) -> List[str]:
-        """The names of every entry: tensors first, then non-tensor values."""
-        return list(self._infos()) + [e[0] for e in self._ck.extras()]
+        """The names of every entry: tensors first, then non-tensor values (listed without
+        reading the values)."""
+        return list(self._infos()) + self._extra_names()
 
     def values(self) -> Dict[str, Any]:
         """The non-tensor entries (step counters, ``param_groups`` leaves, scheduler state,
         Lightning's ``meta.pt`` keys) as Python objects, by flat name."""
-        return {name: _values.decode(raw, pickled) for (name, _o, raw, pickled) in self._ck.extras()}
+        return {name: _values.decode(raw, pickled) for (name, raw, pickled) in self._extras()}
 
     def paths(self) -> Dict[str, List[Union[str, int]]]:
         """The nested path of each flat name that has one (``["optimizer", "state", 0]``)."""
@@ -195,13 +196,42 @@ class Checkpoint:
         except KeyError:
             raise RequestError(f"{self.path}: no tensor `{name}`") from None
 
+    # --- for the package's other modules (reshard.torch, its StorageReader) ------------------
+    def _extra_names(self) -> List[str]:
+        """The names of the non-tensor entries, in the checkpoint's order; nothing is read."""
+        return self._ck.extra_names()
+
+    def _extras(self, names: Optional[Sequence[str]] = None) -> List[Tuple[str, Optional[bytes], bytes]]:
+        """The non-tensor entries (those in ``names`` when given), in the checkpoint's order, as
+        ``(name, raw, pickled)`` for :func:`reshard._values.decode`: each stored item is read
+        (fetched, from object storage) now."""
+        items = self._ck.extras(None if names is None else list(names))
+        return [(name, raw, pickled) for (name, _origin, raw, pickled) in items]
+
+    def _keeps(
+        self, names: Sequence[str], include: Optional[Sequence[str]], exclude: Optional[Sequence[str]]
+    ) -> List[bool]:
+        """Which of ``names`` the ``include`` and ``exclude`` globs keep."""
+        return self._ck.keeps(
+            list(names), include=list(include) if include else None, exclude=list(exclude) if exclude else None
+        )
+
+    def _read_into(self, dests: List[Tuple[Any, ...]]) -> None:
+        """Fill destinations ``(name, dtype, shape, parts, address, nbytes)`` in one native
+        read (see ``NativeCheckpoint.read_into``); the caller keeps their memory alive."""
+        self._ck.read_into(dests)
+
+    def _with_framework(self, framework: str) -> "Checkpoint":
+        """The same open checkpoint, making its arrays with ``framework``."""
+        return self if framework == self._framework else Checkpoint(self._ck, framework)
+
     # --- reading -------------------------------------------------------------------------
     def _read(self, name: str, offsets: Sequence[int], sizes: Sequence[int], dtype: Optional[Any]) -> Any:
         info = self.info(name)
         dt = info.dtype if dtype is None else _dtypes.name_of(dtype)
         arr, addr, nbytes = _empty(sizes, dt, self._framework)
         at = [0] * len(sizes)
-        self._ck.read_into([(name, dt, list(sizes), [(list(offsets), list(sizes), at)], addr, nbytes)])
+        self._read_into([(name, dt, list(sizes), [(list(offsets), list(sizes), at)], addr, nbytes)])
         return arr
 
     def get_tensor(self, name: str, dtype: Optional[Any] = None) -> Any:
@@ -231,17 +261,17 @@ class Checkpoint:
         regions = self._ck.local_regions(
             rank,
             world_size,
-            _layout_json(layout),
-            list(include) if include else None,
-            list(exclude) if exclude else None,
-            None if dtype is None else _dtypes.name_of(dtype),
+            layout=_layout_json(layout),
+            include=list(include) if include else None,
+            exclude=list(exclude) if exclude else None,
+            dtype=None if dtype is None else _dtypes.name_of(dtype),
         )
         out, dests = [], []
         for name, dt, gshape, offs, sizes in regions:
             arr, addr, nbytes = _empty(sizes, dt, self._framework)
             dests.append((name, dt, list(sizes), [(offs, sizes, [0] * len(sizes))], addr, nbytes))
             out.append(LocalShard(name, tuple(gshape), tuple(offs), arr))
-        self._ck.read_into(dests)
+        self._read_into(dests)
         return out
 
     # --- context manager -----------------------------------------------------------------
@@ -354,7 +384,8 @@ def open(
     ``"model"`` (the model-dtype weights of ZeRO stages 1 and 2)."""
     if framework not in ("pt", "torch", "np", "numpy"):
         raise RequestError(f'framework must be "pt" or "numpy", not "{framework}"')
-    return Checkpoint(_reshard.open(_os.fspath(path), format, _tag(tag, step), weights), framework)
+    native = _reshard.open(_os.fspath(path), format=format, tag=_tag(tag, step), weights=weights)
+    return Checkpoint(native, framework)
 
 
 def _tag(tag: Optional[str], step: Optional[int]) -> Optional[str]:
@@ -452,33 +483,32 @@ def convert(
     stage of a ``format="deepspeed"`` output (default: the source's).
     Returns a summary: the format chosen (and why), files and bytes written, entries
     dropped, tied tensors."""
-    out = _reshard.convert(
+    return _reshard.convert(
         _os.fspath(src),
         _os.fspath(dst),
-        world_size,
-        format,
-        _layout_json(layout),
-        list(include) if include else None,
-        list(exclude) if exclude else None,
-        strip_prefix,
-        add_prefix,
-        None if dtype is None else _dtypes.name_of(dtype),
-        max_shard_size,
-        threads,
-        per_rank_state,
-        untie,
-        overwrite,
-        verify,
-        _progress(progress),
-        dry_run,
-        _tag(tag, step),
-        weights,
-        zero_stage,
-        None if config is None else _os.fspath(config),
-        _part(part),
-        None if staging is None else _os.fspath(staging),
+        world_size=world_size,
+        format=format,
+        layout=_layout_json(layout),
+        include=list(include) if include else None,
+        exclude=list(exclude) if exclude else None,
+        strip_prefix=strip_prefix,
+        add_prefix=add_prefix,
+        dtype=None if dtype is None else _dtypes.name_of(dtype),
+        max_shard_size=max_shard_size,
+        threads=threads,
+        per_rank_state=per_rank_state,
+        untie=untie,
+        overwrite=overwrite,
+        verify=verify,
+        progress=_progress(progress),
+        dry_run=dry_run,
+        tag=_tag(tag, step),
+        weights=weights,
+        zero_stage=zero_stage,
+        config=None if config is None else _os.fspath(config),
+        part=_part(part),
+        staging=None if staging is None else _os.fspath(staging),
     )
-    return _json.loads(out)
 
 
 def _part(part: Any) -> Optional[str]:
@@ -511,7 +541,10 @@ def commit(
     in ``staging`` (default: ``RESHARD_STAGING``), and the output is uploaded from there.
     Returns the bytes checked."""
     return _reshard.commit(
-        _os.fspath(dst), overwrite, verify, None if staging is None else _os.fspath(staging)
+        _os.fspath(dst),
+        overwrite=overwrite,
+        verify=verify,
+        staging=None if staging is None else _os.fspath(staging),
     )
 
 
@@ -519,7 +552,7 @@ def verify(path: PathLike) -> Dict[str, Any]:
     """Check a checkpoint's structure and every CRC-32 its files record. Returns a report;
     ``report["ok"]`` is False and ``report["mismatches"]`` lists the damage (one line each)
     when a record is corrupt. A checkpoint that cannot be read raises."""
-    report = _json.loads(_reshard.verify(_os.fspath(path)))
+    report = _reshard.verify(_os.fspath(path))
     report["ok"] = not report["mismatches"]
     return report
 
@@ -527,7 +560,7 @@ def verify(path: PathLike) -> Dict[str, Any]:
 def diff(a: PathLike, b: PathLike) -> Dict[str, Any]:
     """Compare two checkpoints tensor by tensor, whatever their formats and world sizes.
     ``result["equal"]`` says whether they hold the same tensors with the same values."""
-    d = _json.loads(_reshard.diff(_os.fspath(a), _os.fspath(b)))
+    d = _reshard.diff(_os.fspath(a), _os.fspath(b))
     d["equal"] = not d.get("differences")
     return d
 

@@ -29,6 +29,7 @@ from torch.futures import Future
 
 from . import Checkpoint, CheckpointError, RequestError, _dtypes, _reshard, _values
 from . import open as _open
+from ._fill import Fill
 
 try:  # torch >= 2.4
     from torch.distributed.checkpoint.metadata import StorageMeta as _StorageMeta
@@ -63,7 +64,8 @@ class StorageReader(_TorchStorageReader):
         self._format: Optional[str] = None
         self._set(path)
         self.load_id = uuid.uuid4().hex
-        self._extras: Optional[Dict[str, Tuple[Optional[bytes], bytes]]] = None
+        # the non-tensor values by name once the metadata is read: (raw, pickled) once read
+        self._extras: Optional[Dict[str, Optional[Tuple[Optional[bytes], bytes]]]] = None
         self._dtypes: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
 
     def _set(self, path: PathOrCheckpoint) -> None:
@@ -107,7 +109,7 @@ class StorageReader(_TorchStorageReader):
         ck = self.checkpoint
         sdm: Dict[str, Any] = {}
         self._dtypes = {}
-        for name, dt, shape, _layout in ck._ck.tensors():
+        for name, dt, shape, _layout in ck.tensors():
             size = torch.Size(shape)
             sdm[name] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=_torch_dtype(dt, name)),
@@ -116,9 +118,9 @@ class StorageReader(_TorchStorageReader):
             )
             self._dtypes[name] = (dt, tuple(shape))
         self._extras = {}
-        for name, _origin, raw, pickled in ck._ck.extras():
+        for name in ck._extra_names():  # the values are read when a plan asks for them
             sdm[name] = BytesStorageMetadata()
-            self._extras[name] = (raw, pickled)
+            self._extras[name] = None
         planner_data = {name: tuple(parts) for name, parts in ck.paths().items() if name in sdm}
         md = Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data={})
         if _StorageMeta is not None and hasattr(md, "storage_meta"):
@@ -149,10 +151,18 @@ class StorageReader(_TorchStorageReader):
         ck = self.checkpoint
         tensor_items = [i for i in plan.items if i.type != LoadItemType.BYTE_IO]
         byte_items = [i for i in plan.items if i.type == LoadItemType.BYTE_IO]
+        # The values the plan asks for, read before any target is written.
+        unread = {n for n in (i.storage_index.fqn for i in byte_items) if n in extras and extras[n] is None}
+        if unread:
+            for name, raw, pickled in ck._extras(sorted(unread)):
+                extras[name] = (raw, pickled)
 
-        # Resolve every target first, then read all regions in one native call.
-        resolved: List[Tuple[Any, torch.Tensor, str, str, List[int], List[int]]] = []
-        direct: List[Tuple[int, int, int]] = []  # (address, nbytes, index) of fitting targets
+        # Resolve every target first, then read all regions in one native call: straight into
+        # a target that is a contiguous CPU tensor of the checkpoint's dtype, else through a
+        # temporary; targets that share memory (tied parameters resolve to one tensor) are
+        # each written.
+        fill = Fill(ck, shared="each")
+        resolved: List[Tuple[Any, torch.Tensor]] = []
         for item in tensor_items:
             name = item.storage_index.fqn
             if name not in self._dtypes:
@@ -167,41 +177,10 @@ class StorageReader(_TorchStorageReader):
                     f"tensor `{name}`: the planner's target is {tuple(target.shape)}, the region "
                     f"read {tuple(sizes)}"
                 )
-            if (
-                target.device.type == "cpu"
-                and target.dtype == _dtypes.torch_dtype(dt)
-                and target.is_contiguous()
-                and target.numel() > 0
-            ):
-                direct.append((target.data_ptr(), target.numel() * target.element_size(), len(resolved)))
-            resolved.append((item, target, name, dt, offsets, sizes))
-
-        # Targets written in place must not share memory (tied parameters resolve to one
-        # tensor): of targets that overlap, one is written in place, the others through
-        # temporaries.
-        in_place = set()
-        end = 0
-        for addr, n, i in sorted(direct):
-            if addr >= end:
-                in_place.add(i)
-                end = addr + n
-
-        dests = []
-        copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        for i, (_item, target, name, dt, offsets, sizes) in enumerate(resolved):
-            if i in in_place:
-                buf = target
-            else:
-                buf = torch.empty(sizes, dtype=_dtypes.torch_dtype(dt))
-                copies.append((target, buf))
-            nbytes = buf.numel() * buf.element_size()
-            at = [0] * len(sizes)
-            dests.append((name, dt, sizes, [(offsets, sizes, at)], buf.data_ptr() if nbytes else 0, nbytes))
-        if dests:
-            ck._ck.read_into(dests)
-        for target, buf in copies:
-            target.copy_(buf)
-        for item, target, *_ in resolved:
+            fill.add(name, target, [(offsets, sizes, [0] * len(sizes))], dtype=dt)
+            resolved.append((item, target))
+        fill.run()
+        for item, target in resolved:
             planner.commit_tensor(item, target)
 
         for item in byte_items:

@@ -1,9 +1,12 @@
 """Type stubs of the native module (a thin PyO3 binding of the reshard library)."""
 
 from os import PathLike
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypedDict, Union
+
+from typing_extensions import Unpack
 
 __version__: str
+CONVERT_OPTIONS: Tuple[str, ...]
 
 class ReshardError(Exception):
     """Every error reshard raises: one line naming the file or tensor and the problem."""
@@ -39,20 +42,23 @@ class NativeCheckpoint:
     def nbytes(self) -> int: ...
     def tensors(self) -> List[Tuple[str, str, List[int], str]]:
         """Every tensor as ``(name, dtype, shape, layout summary)``."""
-    def extras(self) -> List[Tuple[str, str, Optional[bytes], bytes]]:
-        """Every non-tensor entry as ``(name, origin, raw, pickled)``."""
+    def extra_names(self) -> List[str]:
+        """The names of the non-tensor entries; nothing is read."""
+    def extras(self, names: Optional[List[str]] = None) -> List[Tuple[str, str, Optional[bytes], bytes]]:
+        """Every non-tensor entry (or those in ``names``) as ``(name, origin, raw, pickled)``."""
     def paths(self) -> Dict[str, List[Union[str, int]]]:
         """The nested path of each flat key that has one."""
     def tied_names(self) -> List[List[str]]:
         """Groups of tied tensors, by name."""
     def keeps(
-        self, names: List[str], include: Optional[List[str]], exclude: Optional[List[str]]
+        self, names: List[str], *, include: Optional[List[str]] = None, exclude: Optional[List[str]] = None
     ) -> List[bool]:
         """Which of ``names`` the include and exclude globs keep."""
     def local_regions(
         self,
         rank: int,
         world_size: int,
+        *,
         layout: Optional[str] = None,
         include: Optional[List[str]] = None,
         exclude: Optional[List[str]] = None,
@@ -64,6 +70,7 @@ class NativeCheckpoint:
 
 def open(
     path: Union[str, "PathLike[str]"],
+    *,
     format: Optional[str] = None,
     tag: Optional[str] = None,
     weights: Optional[str] = None,
@@ -75,42 +82,44 @@ def local_tensor(
 ) -> Tuple[List[int], List[_Part]]:
     """What a mesh coordinate holds of a tensor under placements."""
 
-def convert(
-    src: str,
-    dst: str,
-    world_size: int,
-    format: Optional[str] = None,
-    layout: Optional[str] = None,
-    include: Optional[List[str]] = None,
-    exclude: Optional[List[str]] = None,
-    strip_prefix: Optional[str] = None,
-    add_prefix: Optional[str] = None,
-    dtype: Optional[str] = None,
-    max_shard_size: Optional[int] = None,
-    threads: Optional[int] = None,
-    per_rank_state: Optional[str] = None,
-    untie: bool = False,
-    overwrite: bool = False,
-    verify: bool = True,
-    progress: Optional[Callable[[int, int], Any]] = None,
-    dry_run: bool = False,
-    tag: Optional[str] = None,
-    weights: Optional[str] = None,
-    zero_stage: Optional[int] = None,
-    config: Optional[str] = None,
-    part: Optional[str] = None,
-    staging: Optional[str] = None,
-) -> str:
-    """Convert a checkpoint (or one part of it: "K/N" or "env"); a JSON summary."""
+class _ConvertOptions(TypedDict, total=False):
+    """The keywords of ``convert`` after ``world_size`` (``CONVERT_OPTIONS``)."""
 
-def commit(dst: str, overwrite: bool = False, verify: bool = True, staging: Optional[str] = None) -> int:
+    format: Optional[str]
+    layout: Optional[str]
+    include: Optional[List[str]]
+    exclude: Optional[List[str]]
+    strip_prefix: Optional[str]
+    add_prefix: Optional[str]
+    dtype: Optional[str]
+    max_shard_size: Optional[int]
+    threads: Optional[int]
+    per_rank_state: Optional[str]
+    untie: bool
+    overwrite: bool
+    verify: bool
+    progress: Optional[Callable[[int, int], Any]]
+    dry_run: bool
+    tag: Optional[str]
+    weights: Optional[str]
+    zero_stage: Optional[int]
+    config: Optional[str]
+    part: Optional[str]
+    staging: Optional[str]
+
+def convert(src: str, dst: str, *, world_size: int, **options: Unpack[_ConvertOptions]) -> Dict[str, Any]:
+    """Convert a checkpoint (or one part of it: ``part`` "K/N" or "env"); a summary."""
+
+def commit(
+    dst: str, *, overwrite: bool = False, verify: bool = True, staging: Optional[str] = None
+) -> int:
     """Commit a conversion run in parts; the bytes checked."""
 
-def verify(path: str) -> str:
-    """Check structure and recorded CRC-32s; a JSON report."""
+def verify(path: str) -> Dict[str, Any]:
+    """Check structure and recorded CRC-32s; a report."""
 
-def diff(a: str, b: str) -> str:
-    """Compare two checkpoints; JSON."""
+def diff(a: str, b: str) -> Dict[str, Any]:
+    """Compare two checkpoints; the differences."""
 
 def formats() -> List[Tuple[str, str]]:
     """The formats reshard reads and writes."""

@@ -22,8 +22,9 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Opt
 
 import torch
 
-from . import Checkpoint, RequestError, _dtypes, _reshard
+from . import Checkpoint, RequestError, _reshard
 from . import open as _open
+from ._fill import Fill, Parts
 
 __all__ = ["load", "load_model", "load_optimizer", "LoadResult", "StorageReader"]
 
@@ -94,49 +95,13 @@ def _is_sharded_tensor(t: Any) -> bool:
     return type(t).__name__ == "ShardedTensor" and hasattr(t, "local_shards")
 
 
-class _Fill:
-    """Destinations gathered for one native read, and the copies to finish after it."""
-
-    def __init__(self, ck: Checkpoint) -> None:
-        self.ck = ck
-        self.dests: List[Tuple[Any, ...]] = []
-        self.keep: List[torch.Tensor] = []
-        self.after: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        self.alias: Dict[Tuple[int, int], int] = {}
-
-    def add(self, src: str, dest: torch.Tensor, parts: List[Tuple[List[int], List[int], List[int]]], what: str) -> None:
-        if dest.device.type == "meta":
-            raise RequestError(f"{what}: is on the meta device; allocate it (to_empty) before loading")
-        if dest.numel() == 0:
-            return  # an empty shard (chunks past a dim's end): nothing to read, its offsets unused
-        dt = _dtypes.name_of(dest.dtype)
-        if dest.device.type == "cpu" and dest.is_contiguous():
-            buf = dest
-        else:
-            # A CUDA (or strided) destination: fill a (pinned) host buffer, then copy_.
-            pin = dest.device.type == "cuda" and torch.cuda.is_available()
-            buf = torch.empty(tuple(dest.shape), dtype=dest.dtype, pin_memory=pin)
-            self.after.append((dest, buf))
-        nbytes = buf.numel() * buf.element_size()
-        entry = (src, dt, list(buf.shape), parts, buf.data_ptr(), nbytes)
-        same = self.alias.get((buf.data_ptr(), nbytes))
-        if same is not None:
-            # One tensor under two names (FSDP1 shares one `step` among parameters): the
-            # last entry wins, as with dcp.load's writes in turn. Partial overlaps are
-            # refused by the native read.
-            self.dests[same] = entry
-            return
-        self.alias[(buf.data_ptr(), nbytes)] = len(self.dests)
-        self.keep.append(buf)
-        self.dests.append(entry)
-
-    def run(self) -> None:
-        if self.dests:
-            self.ck._ck.read_into(self.dests)
-        for dest, buf in self.after:
-            dest.copy_(buf, non_blocking=buf.is_pinned())
-        if any(d.device.type == "cuda" for d, _ in self.after):
-            torch.cuda.synchronize()
+def _add(fill: Fill, src: str, dest: torch.Tensor, parts: Parts, what: str) -> None:
+    """Add target ``dest`` of checkpoint tensor ``src`` to ``fill``."""
+    if dest.device.type == "meta":
+        raise RequestError(f"{what}: is on the meta device; allocate it (to_empty) before loading")
+    if dest.numel() == 0:
+        return  # an empty shard (chunks past a dim's end): nothing to read, its offsets unused
+    fill.add(src, dest, parts)
 
 
 def _check_shape(what: str, want: Sequence[int], have: Sequence[int]) -> None:
@@ -146,7 +111,7 @@ def _check_shape(what: str, want: Sequence[int], have: Sequence[int]) -> None:
         )
 
 
-def _plan_tensor(fill: _Fill, src: str, shape: Tuple[int, ...], t: torch.Tensor, what: str) -> None:
+def _plan_tensor(fill: Fill, src: str, shape: Tuple[int, ...], t: torch.Tensor, what: str) -> None:
     """Add the destinations of target tensor ``t`` for checkpoint tensor ``src``."""
     if _is_dtensor(t):
         _check_shape(what, t.shape, shape)
@@ -158,17 +123,17 @@ def _plan_tensor(fill: _Fill, src: str, shape: Tuple[int, ...], t: torch.Tensor,
         local = t._local_tensor if hasattr(t, "_local_tensor") else t.to_local()
         lshape, parts = _reshard.local_tensor(list(shape), list(mesh.mesh.shape), placements, list(coord))
         _check_shape(f"{what} (local shard)", local.shape, lshape)
-        fill.add(src, local, [(list(o), list(s), list(a)) for (o, s, a) in parts], what)
+        _add(fill, src, local, [(list(o), list(s), list(a)) for (o, s, a) in parts], what)
     elif _is_sharded_tensor(t):
         _check_shape(what, t.size(), shape)
         for shard in t.local_shards():
             offs = list(shard.metadata.shard_offsets)
             sizes = list(shard.metadata.shard_sizes)
             _check_shape(f"{what} (local shard at {offs})", shard.tensor.shape, sizes)
-            fill.add(src, shard.tensor, [(offs, sizes, [0] * len(sizes))], what)
+            _add(fill, src, shard.tensor, [(offs, sizes, [0] * len(sizes))], what)
     else:
         _check_shape(what, t.shape, shape)
-        fill.add(src, t, [([0] * len(shape), list(shape), [0] * len(shape))], what)
+        _add(fill, src, t, [([0] * len(shape), list(shape), [0] * len(shape))], what)
 
 
 def _rename_fn(rename: Any) -> Callable[[str], Optional[str]]:
@@ -230,15 +195,16 @@ def load(
     by_name = {_flat(l.path): l for l in leaves}
 
     infos = {t.name: t for t in ck.tensors()}
-    values_raw = {e[0]: e for e in ck._ck.extras()}
-    names = list(infos) + list(values_raw)
-    keep = ck._ck.keeps(names, list(include) if include else None, list(exclude) if exclude else None)
+    names = list(infos) + ck._extra_names()
+    keep = ck._keeps(names, include, exclude)
     ren = _rename_fn(rename)
     # "Under the state dict's top-level keys": by first name component, so that a flat
     # dict ({"model.w": ...}) and a nested one ({"model": {"w": ...}}) behave the same.
     tops = {str(k).split(".", 1)[0] for k in view}
 
-    fill = _Fill(ck)
+    # One tensor under two names (FSDP1 shares one `step` among parameters) gets the last
+    # name's values, as with dcp.load's writes in turn.
+    fill = Fill(ck, shared="last")
     matched: set = set()
     unexpected: List[str] = []
     replace: List[Tuple[Any, Any, Any]] = []
@@ -286,15 +252,18 @@ def load(
             parts.append(f"{len(unexpected)} of its entries have no place in the state dict: {_few(unexpected)}")
         raise RequestError(f"{ck.path}: " + "; ".join(parts) + " (pass strict=False to load the rest)")
 
+    # The non-tensor values that replace the state dict's: only these are read (fetched from
+    # object storage), and before any tensor is written.
+    wanted = [name for _c, _k, (kind, name) in replace if kind == "value"]
+    values_raw = {name: (raw, pickled) for (name, raw, pickled) in ck._extras(wanted)} if wanted else {}
     fill.run()
     from . import _values
 
     for container, key, (kind, name) in replace:
         if kind == "tensor":
-            value = Checkpoint(ck._ck, "pt").get_tensor(name)
+            value = ck._with_framework("pt").get_tensor(name)
         else:
-            _n, _o, raw, pickled = values_raw[name]
-            value = _values.decode(raw, pickled)
+            value = _values.decode(*values_raw[name])
         if container is None or container is view:
             # a top-level entry: ``view`` is a copy of the caller's dict
             state_dict[key] = value

@@ -8,9 +8,10 @@
 //! (`data_ptr()`, `nbytes`), which the Python side passes in and keeps alive for the call.
 
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::pybacked::PyBackedStr;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use pyo3::IntoPyObjectExt;
 use reshard::layout::{DType, Mesh, Placement, Region, Sharding};
 use reshard::load::{self, LocalPart, LocalTensor};
@@ -212,12 +213,29 @@ impl PyCheckpoint {
             .collect()
     }
 
-    /// Every non-tensor entry as `(name, origin, raw, pickled)`: `raw` the serialized item
-    /// as stored (a DCP `BYTE_IO` item is a `torch.save` stream), `pickled` the value as a
-    /// plain protocol-2 pickle.
-    fn extras<'py>(&self, py: Python<'py>) -> PyResult<Vec<ExtraItem<'py>>> {
+    /// The names of the non-tensor entries, in order, read from nothing: they were decoded
+    /// when the checkpoint was opened.
+    fn extra_names(&self) -> Vec<String> {
+        self.ck.extras.iter().map(|e| e.name.clone()).collect()
+    }
+
+    /// Every non-tensor entry (or those named in `names`, in the checkpoint's order) as
+    /// `(name, origin, raw, pickled)`: `raw` the serialized item as stored (a DCP `BYTE_IO`
+    /// item is a `torch.save` stream, read now), `pickled` the value as a plain protocol-2
+    /// pickle.
+    #[pyo3(signature = (names=None))]
+    fn extras<'py>(
+        &self,
+        py: Python<'py>,
+        names: Option<Vec<String>>,
+    ) -> PyResult<Vec<ExtraItem<'py>>> {
+        let wanted: Option<std::collections::HashSet<String>> =
+            names.map(|n| n.into_iter().collect());
         let mut out = vec![];
         for e in &self.ck.extras {
+            if wanted.as_ref().is_some_and(|w| !w.contains(&e.name)) {
+                continue;
+            }
             let raw = match e.raw {
                 Some((file, offset, len)) => {
                     Some(PyBytes::new(py, &read_raw(&self.ck, file, offset, len)?))
@@ -260,6 +278,7 @@ impl PyCheckpoint {
     }
 
     /// Which of `names` the include and exclude globs keep.
+    #[pyo3(signature = (names, *, include=None, exclude=None))]
     fn keeps(
         &self,
         names: Vec<String>,
@@ -273,7 +292,7 @@ impl PyCheckpoint {
 
     /// The regions rank `rank` of `world_size` holds under a layout (JSON text, or
     /// `Shard(0)`), as `(name, dtype, global shape, offsets, sizes)`.
-    #[pyo3(signature = (rank, world_size, layout=None, include=None, exclude=None, dtype=None))]
+    #[pyo3(signature = (rank, world_size, *, layout=None, include=None, exclude=None, dtype=None))]
     fn local_regions(
         &self,
         rank: u64,
@@ -380,7 +399,7 @@ fn read_raw(ck: &Checkpoint, file: u32, offset: u64, len: u64) -> PyResult<Vec<u
 /// Open a checkpoint of any supported format (detected, or `format` by name) for reading: the
 /// layouts are validated now, a DCP item's own header when a read needs that item.
 #[pyfunction]
-#[pyo3(signature = (path, format=None, tag=None, weights=None))]
+#[pyo3(signature = (path, *, format=None, tag=None, weights=None))]
 fn open(
     py: Python<'_>,
     path: PathBuf,
@@ -462,43 +481,126 @@ impl reshard::Progress for Callback {
     }
 }
 
-/// Convert `src` into `dst` at `world_size` ranks (or a layout JSON text), returning a JSON
-/// summary: format (and why), world size, files written, bytes, dropped entries, ties.
+/// Declares the struct of a native function's `**options` and its extraction from the
+/// keyword dict: each field is the keyword of its name, extracted as the field's type, its
+/// default when absent. Any other keyword is refused with the `TypeError` Python gives for a
+/// keyword a function lacks, so that the Python side and this one cannot drift silently.
+macro_rules! keyword_options {
+    ($(#[$doc:meta])* struct $name:ident for $func:literal {
+        $($(#[$fdoc:meta])* $field:ident: $ty:ty = $default:expr,)*
+    }) => {
+        $(#[$doc])*
+        struct $name {
+            $($(#[$fdoc])* $field: $ty,)*
+        }
+
+        impl $name {
+            /// The keywords, in declaration order.
+            const NAMES: &'static [&'static str] = &[$(stringify!($field)),*];
+
+            fn extract(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+                let mut out = Self { $($field: $default,)* };
+                for (key, value) in kwargs.into_iter().flatten() {
+                    let key = key.extract::<PyBackedStr>()?;
+                    match &*key {
+                        $(stringify!($field) => {
+                            out.$field = value.extract::<$ty>().map_err(|e| {
+                                argument_error(value.py(), stringify!($field), e.into())
+                            })?;
+                        })*
+                        other => {
+                            return Err(PyTypeError::new_err(format!(
+                                concat!($func, "() got an unexpected keyword argument '{}'"),
+                                other
+                            )))
+                        }
+                    }
+                }
+                Ok(out)
+            }
+        }
+    };
+}
+
+/// An argument's extraction error as PyO3 words it for a named parameter: a `TypeError`
+/// prefixed with the argument's name, any other error as it is.
+fn argument_error(py: Python<'_>, name: &str, e: PyErr) -> PyErr {
+    if e.is_instance_of::<PyTypeError>(py) {
+        let named = PyTypeError::new_err(format!("argument '{name}': {}", e.value(py)));
+        named.set_cause(py, e.cause(py));
+        named
+    } else {
+        e
+    }
+}
+
+keyword_options! {
+    /// The options of `convert` after `world_size`, as `reshard.convert` names them.
+    struct ConvertArgs for "convert" {
+        format: Option<String> = None,
+        /// A layout JSON text.
+        layout: Option<String> = None,
+        include: Option<Vec<String>> = None,
+        exclude: Option<Vec<String>> = None,
+        strip_prefix: Option<String> = None,
+        add_prefix: Option<String> = None,
+        dtype: Option<String> = None,
+        max_shard_size: Option<u64> = None,
+        threads: Option<usize> = None,
+        per_rank_state: Option<String> = None,
+        untie: bool = false,
+        overwrite: bool = false,
+        verify: bool = true,
+        /// A callable `(done_bytes, total_bytes)`.
+        progress: Option<Py<PyAny>> = None,
+        dry_run: bool = false,
+        tag: Option<String> = None,
+        weights: Option<String> = None,
+        zero_stage: Option<u8> = None,
+        config: Option<PathBuf> = None,
+        /// `"env"` (from the launcher's environment) or `"K/N"`.
+        part: Option<String> = None,
+        staging: Option<PathBuf> = None,
+    }
+}
+
+/// Convert `src` into `dst` at `world_size` ranks (or a layout JSON text), returning a
+/// summary dict: format (and why), world size, files written, bytes, dropped entries, ties.
+/// The other options are keywords (`ConvertArgs`, listed in `CONVERT_OPTIONS`).
 #[pyfunction]
-#[pyo3(signature = (src, dst, world_size, format=None, layout=None, include=None, exclude=None,
-    strip_prefix=None, add_prefix=None, dtype=None, max_shard_size=None, threads=None,
-    per_rank_state=None, untie=false, overwrite=false, verify=true, progress=None, dry_run=false,
-    tag=None, weights=None, zero_stage=None, config=None, part=None, staging=None))]
-#[allow(clippy::too_many_arguments)]
-fn convert(
-    py: Python<'_>,
+#[pyo3(signature = (src, dst, *, world_size, **options))]
+fn convert<'py>(
+    py: Python<'py>,
     src: PathBuf,
     dst: PathBuf,
     world_size: u64,
-    format: Option<&str>,
-    layout: Option<&str>,
-    include: Option<Vec<String>>,
-    exclude: Option<Vec<String>>,
-    strip_prefix: Option<String>,
-    add_prefix: Option<String>,
-    dtype: Option<&str>,
-    max_shard_size: Option<u64>,
-    threads: Option<usize>,
-    per_rank_state: Option<&str>,
-    untie: bool,
-    overwrite: bool,
-    verify: bool,
-    progress: Option<Py<PyAny>>,
-    dry_run: bool,
-    tag: Option<String>,
-    weights: Option<&str>,
-    zero_stage: Option<u8>,
-    config: Option<PathBuf>,
-    part: Option<&str>,
-    staging: Option<PathBuf>,
-) -> PyResult<String> {
+    options: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let ConvertArgs {
+        format,
+        layout,
+        include,
+        exclude,
+        strip_prefix,
+        add_prefix,
+        dtype,
+        max_shard_size,
+        threads,
+        per_rank_state,
+        untie,
+        overwrite,
+        verify,
+        progress,
+        dry_run,
+        tag,
+        weights,
+        zero_stage,
+        config,
+        part,
+        staging,
+    } = ConvertArgs::extract(options)?;
     // "env": from the launcher's environment; "K/N": that part; None: the whole conversion
-    let part = match part {
+    let part = match part.as_deref() {
         None => None,
         Some("env") => reshard::parts::choose(None).map_err(py_err)?,
         Some(p) => {
@@ -507,7 +609,7 @@ fn convert(
         }
     };
     let mut opts = ConvertOptions::to(1);
-    opts.open = open_options(tag, weights)?;
+    opts.open = open_options(tag, weights.as_deref())?;
     if let Some(s) = zero_stage {
         if !(1..=3).contains(&s) {
             return Err(request(format!("zero_stage must be 1, 2 or 3, not {s}")));
@@ -518,15 +620,15 @@ fn convert(
         let bytes = reshard::read_model_config(&p).map_err(py_err)?;
         opts.write.companions = vec![("config.json".into(), bytes)];
     }
-    opts.layout = layout_spec(world_size, layout)?;
-    opts.format = format.map(format_named).transpose()?;
+    opts.layout = layout_spec(world_size, layout.as_deref())?;
+    opts.format = format.as_deref().map(format_named).transpose()?;
     opts.select = Selection {
         include: include.unwrap_or_default(),
         exclude: exclude.unwrap_or_default(),
         strip_prefix,
         add_prefix,
     };
-    opts.dtype = dtype.map(self::dtype).transpose()?;
+    opts.dtype = dtype.as_deref().map(self::dtype).transpose()?;
     if let Some(n) = max_shard_size {
         if n == 0 {
             return Err(request("max_shard_size must be at least 1 byte"));
@@ -551,63 +653,64 @@ fn convert(
             done: 0.into(),
         }) as Arc<dyn reshard::Progress>
     });
-    py.detach(move || -> reshard::Result<String> {
-        let job = reshard::convert::prepare(&src, Some(&dst), &opts)?;
-        let mut in_parts = serde_json::Value::Null;
-        let mut aborted = vec![];
-        let stats = match (dry_run, part) {
-            (true, _) => None,
-            (false, None) => {
-                let stats = reshard::convert::run(&job, &dst, &opts)?;
-                aborted = stats.aborted_uploads.clone();
-                Some(stats)
-            }
-            (false, Some((p, from))) => {
-                let run = reshard::convert::run_part(&job, &dst, &opts, p)?;
-                aborted = run.aborted_uploads.clone();
-                in_parts = serde_json::json!({
-                    "part": [p.index, p.count],
-                    "from": from,
-                    "spans": run.spans.len(),
-                    "written_before": run.stats.is_none(),
-                    "missing": run.missing,
-                    "committed": run.committed.as_ref().map(|c| match c {
-                        reshard::convert::Committed::Published { .. } => "published",
-                        reshard::convert::Committed::Already => "already",
-                        reshard::convert::Committed::Busy => "busy",
-                    }),
-                });
-                run.stats
-            }
-        };
-        let files = job.output_files();
-        Ok(serde_json::json!({
-            "source": job.source.path,
-            "source_format": job.source.format.name(),
-            "source_world_size": job.source.ranks,
-            "format": job.format.name(),
-            "format_reason": job.format_reason,
-            "world_size": job.world,
-            "tensors": job.plan.tensors.len(),
-            "bytes": job.plan.tensors.iter().map(|t| t.bytes.1).sum::<u64>(),
-            "extras": job.extras,
-            "dropped": job.dropped,
-            "ties": job.ties,
-            "files": files,
-            "bytes_read": stats.as_ref().map(|s| s.bytes_read),
-            "bytes_written": stats.as_ref().map(|s| s.bytes_written),
-            "parts": in_parts,
-            "aborted_uploads": aborted,
+    let summary = py
+        .detach(move || -> reshard::Result<serde_json::Value> {
+            let job = reshard::convert::prepare(&src, Some(&dst), &opts)?;
+            let mut in_parts = serde_json::Value::Null;
+            let mut aborted = vec![];
+            let stats = match (dry_run, part) {
+                (true, _) => None,
+                (false, None) => {
+                    let stats = reshard::convert::run(&job, &dst, &opts)?;
+                    aborted = stats.aborted_uploads.clone();
+                    Some(stats)
+                }
+                (false, Some((p, from))) => {
+                    let run = reshard::convert::run_part(&job, &dst, &opts, p)?;
+                    aborted = run.aborted_uploads.clone();
+                    in_parts = serde_json::json!({
+                        "part": [p.index, p.count],
+                        "from": from,
+                        "spans": run.spans.len(),
+                        "written_before": run.stats.is_none(),
+                        "missing": run.missing,
+                        "committed": run.committed.as_ref().map(|c| match c {
+                            reshard::convert::Committed::Published { .. } => "published",
+                            reshard::convert::Committed::Already => "already",
+                            reshard::convert::Committed::Busy => "busy",
+                        }),
+                    });
+                    run.stats
+                }
+            };
+            let files = job.output_files();
+            Ok(serde_json::json!({
+                "source": job.source.path,
+                "source_format": job.source.format.name(),
+                "source_world_size": job.source.ranks,
+                "format": job.format.name(),
+                "format_reason": job.format_reason,
+                "world_size": job.world,
+                "tensors": job.plan.tensors.len(),
+                "bytes": job.plan.tensors.iter().map(|t| t.bytes.1).sum::<u64>(),
+                "extras": job.extras,
+                "dropped": job.dropped,
+                "ties": job.ties,
+                "files": files,
+                "bytes_read": stats.as_ref().map(|s| s.bytes_read),
+                "bytes_written": stats.as_ref().map(|s| s.bytes_written),
+                "parts": in_parts,
+                "aborted_uploads": aborted,
+            }))
         })
-        .to_string())
-    })
-    .map_err(py_err)
+        .map_err(py_err)?;
+    to_py(py, &summary)
 }
 
 /// Commit a conversion run in parts: every part written and checked, then `dst` published.
 /// Returns the bytes checked against the parts' CRC-32s (0 when it was already committed).
 #[pyfunction]
-#[pyo3(signature = (dst, overwrite=false, verify=true, staging=None))]
+#[pyo3(signature = (dst, *, overwrite=false, verify=true, staging=None))]
 fn commit(
     py: Python<'_>,
     dst: PathBuf,
@@ -623,36 +726,70 @@ fn commit(
         .map_err(py_err)
 }
 
-/// Check a checkpoint's structure and every CRC-32 its files record: a JSON report.
+/// Check a checkpoint's structure and every CRC-32 its files record: a report dict.
 #[pyfunction]
-fn verify(py: Python<'_>, path: PathBuf) -> PyResult<String> {
-    py.detach(move || -> reshard::Result<String> {
-        let ck = Checkpoint::open(&path)?;
-        let report = reshard::verify::checksums(&ck)?;
-        let mismatches: Vec<String> = report
-            .mismatches
-            .iter()
-            .map(|m| m.to_error().to_string())
-            .collect();
-        Ok(serde_json::json!({
-            "path": ck.path, "format": ck.format.name(), "world_size": ck.ranks,
-            "tensors": ck.tensors.len(), "tensor_bytes": ck.nbytes(),
-            "records": report.records, "bytes": report.bytes, "mismatches": mismatches,
+fn verify(py: Python<'_>, path: PathBuf) -> PyResult<Bound<'_, PyAny>> {
+    let report = py
+        .detach(move || -> reshard::Result<serde_json::Value> {
+            let ck = Checkpoint::open(&path)?;
+            let report = reshard::verify::checksums(&ck)?;
+            let mismatches: Vec<String> = report
+                .mismatches
+                .iter()
+                .map(|m| m.to_error().to_string())
+                .collect();
+            Ok(serde_json::json!({
+                "path": ck.path, "format": ck.format.name(), "world_size": ck.ranks,
+                "tensors": ck.tensors.len(), "tensor_bytes": ck.nbytes(),
+                "records": report.records, "bytes": report.bytes, "mismatches": mismatches,
+            }))
         })
-        .to_string())
-    })
-    .map_err(py_err)
+        .map_err(py_err)?;
+    to_py(py, &report)
 }
 
-/// Compare two checkpoints tensor by tensor, whatever their formats and world sizes: JSON.
+/// Compare two checkpoints tensor by tensor, whatever their formats and world sizes: a dict.
 #[pyfunction]
-fn diff(py: Python<'_>, a: PathBuf, b: PathBuf) -> PyResult<String> {
-    py.detach(move || -> reshard::Result<String> {
-        let (ca, cb) = (Checkpoint::open(&a)?, Checkpoint::open(&b)?);
-        let d = reshard::diff::diff(&ca, &cb)?;
-        Ok(serde_json::to_string(&d).expect("a diff serializes"))
-    })
-    .map_err(py_err)
+fn diff(py: Python<'_>, a: PathBuf, b: PathBuf) -> PyResult<Bound<'_, PyAny>> {
+    let d = py
+        .detach(move || -> reshard::Result<serde_json::Value> {
+            let (ca, cb) = (Checkpoint::open(&a)?, Checkpoint::open(&b)?);
+            let d = reshard::diff::diff(&ca, &cb)?;
+            Ok(serde_json::to_value(&d).expect("a diff serializes"))
+        })
+        .map_err(py_err)?;
+    to_py(py, &d)
+}
+
+/// A JSON value as the Python value `json.loads` makes of its text: dicts (in the value's
+/// key order), lists, str, int, float, bool and None.
+fn to_py<'py>(py: Python<'py>, v: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
+    use serde_json::Value;
+    match v {
+        Value::Null => Ok(py.None().into_bound(py)),
+        Value::Bool(b) => b.into_bound_py_any(py),
+        Value::Number(n) => match (n.as_u64(), n.as_i64(), n.as_f64()) {
+            (Some(u), _, _) => u.into_bound_py_any(py),
+            (_, Some(i), _) => i.into_bound_py_any(py),
+            (_, _, Some(f)) => f.into_bound_py_any(py),
+            _ => unreachable!("a JSON number is a u64, an i64 or an f64"),
+        },
+        Value::String(s) => s.into_bound_py_any(py),
+        Value::Array(items) => {
+            let list = PyList::empty(py);
+            for item in items {
+                list.append(to_py(py, item)?)?;
+            }
+            Ok(list.into_any())
+        }
+        Value::Object(map) => {
+            let d = PyDict::new(py);
+            for (k, item) in map {
+                d.set_item(k, to_py(py, item)?)?;
+            }
+            Ok(d.into_any())
+        }
+    }
 }
 
 /// Names and summaries of the formats reshard reads and writes: `[(name, summary), ...]`.
@@ -663,7 +800,6 @@ fn formats() -> Vec<(&'static str, &'static str)> {
         .collect()
 }
 
-/// Run the `reshard` command line (`argv[0]` the program name) and return its exit status.
 /// `(requests, bytes)`: the ranged GETs this process has sent to object stores so far, and
 /// the bytes they returned.
 #[pyfunction]
@@ -678,6 +814,7 @@ fn is_url(path: PathBuf) -> bool {
     reshard::remote::is_url(&path)
 }
 
+/// Run the `reshard` command line (`argv[0]` the program name) and return its exit status.
 #[pyfunction]
 fn cli_main(py: Python<'_>, argv: Vec<String>) -> u8 {
     py.detach(move || reshard::cli::main(argv))
@@ -701,6 +838,7 @@ fn _reshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fetch_stats, m)?)?;
     m.add_function(wrap_pyfunction!(is_url, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add("CONVERT_OPTIONS", PyTuple::new(py, ConvertArgs::NAMES)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
