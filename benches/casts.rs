@@ -16,7 +16,7 @@
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 use half::{bf16, f16};
 use reshard::convert::{prepare, ConvertOptions};
-use reshard::exec::{read_into, ExecOptions};
+use reshard::exec::{read_into, ExecOptions, Sources};
 use reshard::formats::Format;
 use reshard::layout::DType;
 use reshard::plan::{Cast, CopyOp};
@@ -93,7 +93,7 @@ fn bench_read_into(c: &mut Criterion, dir: &Path) {
         let src = [path(from)];
         let mut out = vec![0u8; N * to.size()];
         g.bench_function(name, |b| {
-            b.iter(|| read_into(&ops, &src, black_box(&mut out)).unwrap())
+            b.iter(|| read_into(&ops, Sources::local(&src), black_box(&mut out)).unwrap())
         });
         // The cast is exact for these values: check the first elements came out right.
         for i in [0, 1, 4095, N - 1] {

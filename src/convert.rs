@@ -15,6 +15,7 @@ use crate::plan::{plan_named, Plan};
 use crate::remote;
 pub use crate::select::Selection;
 use crate::target::LayoutSpec;
+use reshard_storage::Location;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -321,7 +322,7 @@ fn write_options(
         wopts.paths = source.paths.clone();
     }
     if format.capabilities().aliasing == Aliasing::StoresOnce && !opts.untie {
-        wopts.ties = crate::ties::find(&source.files, selected)?
+        wopts.ties = crate::ties::find(source.sources(), selected)?
             .into_iter()
             .map(|g| g.into_iter().map(|i| tensor_names[i].clone()).collect())
             .collect();
@@ -331,7 +332,8 @@ fn write_options(
 
 /// Refuse destinations that are, contain, or lie inside the source.
 fn check_paths(src: &Path, dst: &Path) -> Result<()> {
-    if remote::is_url(src) || remote::is_url(dst) {
+    let local = |p: &Path| matches!(reshard_storage::locate(p), Location::Local(_));
+    if !local(src) || !local(dst) {
         let (s, d) = (url_text(src), url_text(dst));
         let inside = |a: &str, b: &str| a == b || a.starts_with(&format!("{b}/"));
         if inside(&s, &d) || inside(&d, &s) {
@@ -372,7 +374,7 @@ fn url_text(p: &Path) -> String {
 fn check_destination(job: &Job, dst: &Path) -> Result<bool> {
     check_paths(&job.source.path, dst)?;
     let is_dir = job.format.is_dir();
-    if !is_dir && !remote::is_url(dst) && dst.is_dir() {
+    if !is_dir && matches!(reshard_storage::locate(dst), Location::Local(_)) && dst.is_dir() {
         return Err(Error::usage(format!(
             "{}: is a directory; give a file name for a {} output",
             dst.display(),
@@ -386,10 +388,10 @@ fn check_destination(job: &Job, dst: &Path) -> Result<bool> {
 /// built in a local scratch folder, then uploaded, the objects that make it loadable last.
 pub fn run(job: &Job, dst: impl AsRef<Path>, opts: &ConvertOptions) -> Result<ExecStats> {
     let dst = dst.as_ref();
-    if remote::is_url(dst) {
-        return run_remote(job, dst, opts);
+    match reshard_storage::locate(dst) {
+        Location::Remote(url) => run_remote(job, &url, opts),
+        Location::Local(path) => run_local(job, &path, opts),
     }
-    run_local(job, &remote::local_path(dst), opts)
 }
 
 /// Destination bytes written between two sends of an upload's chunks (more when the output
@@ -528,7 +530,7 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
                     };
                     let w = exec::execute_part(
                         &job.plan,
-                        &job.source.files,
+                        job.source.sources(),
                         outputs,
                         &dest_paths,
                         &exec_opts,
@@ -667,7 +669,7 @@ fn run_local(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats> 
         });
         let stats = exec::execute_scheduled(
             &job.plan,
-            &job.source.files,
+            job.source.sources(),
             &job.output.files,
             &dest_paths,
             &opts.exec,
@@ -741,7 +743,7 @@ pub fn fingerprint(job: &Job, parts: u32) -> Result<String> {
     h.text(&job.format.to_string());
     h.num(job.world as u64);
     for p in &job.source.files {
-        if let Some((url, size, e_tag)) = job.source.remote.as_ref().and_then(|m| m.identity(p)) {
+        if let Some((url, size, e_tag)) = job.source.storage().identity(p) {
             h.text(&url);
             h.num(size);
             h.text(&e_tag);
@@ -808,18 +810,19 @@ pub fn run_part(
     opts: &ConvertOptions,
     part: Part,
 ) -> Result<PartRun> {
-    let dst = dst.as_ref();
-    if remote::is_url(dst) {
-        check_paths(&job.source.path, dst)?;
-        remote::upload::check_destination(dst, opts.force)?;
-        let local = staged_destination(dst, opts.staging.as_deref())?;
-        let mut run = run_part_local(job, &local, opts, part)?;
-        if let Some(Committed::Published { .. }) = run.committed {
-            run.aborted_uploads = remote::upload::upload_tree(&local, dst, upload_options(opts))?;
-        }
-        return Ok(run);
+    let dst = match reshard_storage::locate(dst.as_ref()) {
+        Location::Local(path) => return run_part_local(job, &path, opts, part),
+        Location::Remote(url) => url,
+    };
+    let dst = dst.as_path();
+    check_paths(&job.source.path, dst)?;
+    remote::upload::check_destination(dst, opts.force)?;
+    let local = staged_destination(dst, opts.staging.as_deref())?;
+    let mut run = run_part_local(job, &local, opts, part)?;
+    if let Some(Committed::Published { .. }) = run.committed {
+        run.aborted_uploads = remote::upload::upload_tree(&local, dst, upload_options(opts))?;
     }
-    run_part_local(job, &remote::local_path(dst), opts, part)
+    Ok(run)
 }
 
 /// The local destination the parts of a conversion to the URL `url` meet at: in `staging`
@@ -924,7 +927,7 @@ fn run_part_local(job: &Job, dst: &Path, opts: &ConvertOptions, part: Part) -> R
         });
         let written = exec::execute_part(
             &plan,
-            &job.source.files,
+            job.source.sources(),
             &job.output.files,
             &paths,
             &opts.exec,
@@ -971,10 +974,11 @@ pub fn commit_parts(
     force: bool,
     check: bool,
 ) -> Result<Committed> {
-    let dst = dst.as_ref();
-    if !remote::is_url(dst) {
-        return commit::parts::commit(&remote::local_path(dst), force, check, true);
-    }
+    let dst = match reshard_storage::locate(dst.as_ref()) {
+        Location::Local(path) => return commit::parts::commit(&path, force, check, true),
+        Location::Remote(url) => url,
+    };
+    let dst = dst.as_path();
     let local = staged_destination(dst, staging)?;
     let staged = PartsArea::dir_of(&local)?.exists();
     let published = std::fs::symlink_metadata(&local).is_ok();

@@ -123,7 +123,7 @@ pub fn local_shards_into(
         .zip(regions)
         .map(|(t, r)| (&**t, &r.region, r.dtype))
         .collect();
-    read_regions_into(&ck.files, &want, outs)
+    read_regions_into(ck.sources(), &want, outs)
 }
 
 /// The local shards rank `rank` holds under `layout`, with their bytes: [`local_regions`]
@@ -320,7 +320,7 @@ pub fn read_local_tensors_into(
             ops
         })
         .collect();
-    read_many_into(&jobs, &ck.files, outs)
+    read_many_into(&jobs, ck.sources(), outs)
 }
 
 /// The tensor of `ck` the destination `lt` is filled from (`None` when it has no parts) and

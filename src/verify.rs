@@ -159,21 +159,15 @@ fn check(ck: &Checkpoint, records: &[&RecordCrc], how: RecordRead) -> Result<Rep
         .par_iter()
         .map(|r| {
             let path = &ck.files[r.file as usize];
-            crate::remote::mirror::ensure(path, &[(r.offset, r.offset.saturating_add(r.len))])?;
+            ck.storage()
+                .ensure(path, &[(r.offset, r.offset.saturating_add(r.len))])?;
             // Small records are read: through the mapping, each would cost two madvise
             // calls (populate, release) and a TLB shootdown, a million of them seconds.
             let actual = match &maps[r.file as usize] {
                 Some(m) if r.len > SMALL_RECORD => crc_of_map(m, path, r.offset, r.len)?,
                 _ => crc_of(&files[r.file as usize], path, r.offset, r.len)?,
             };
-            let shown = &ck.files[r.shown.unwrap_or(r.file) as usize];
-            let shown = match &ck.remote {
-                Some(m) => m
-                    .shown(shown)
-                    .map(PathBuf::from)
-                    .unwrap_or_else(|| shown.clone()),
-                None => shown.clone(),
-            };
+            let shown = ck.shown(&ck.files[r.shown.unwrap_or(r.file) as usize]);
             Ok((actual != r.crc).then(|| Mismatch {
                 file: shown,
                 what: r.what.to_string(),

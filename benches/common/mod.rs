@@ -28,7 +28,7 @@ pub fn execute_into(job: &Job, dst: &Path, opts: &ExecOptions) -> ExecStats {
     let dests: Vec<PathBuf> = vec![dst.to_path_buf()];
     execute(
         &job.plan,
-        &job.source.files,
+        job.source.sources(),
         &job.output.files,
         &dests,
         opts,

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 from . import _dtypes, _values
 from ._reshard import (
     CheckpointError,
+    InternalError,
     RequestError,
     ReshardError,
     ReshardIOError,
@@ -41,6 +42,7 @@ __all__ = [
     "CheckpointError",
     "RequestError",
     "ReshardIOError",
+    "InternalError",
     "__version__",
 ]
 

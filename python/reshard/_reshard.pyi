@@ -20,6 +20,9 @@ class RequestError(ReshardError):
 class ReshardIOError(ReshardError):
     """An operating-system error on a named file."""
 
+class InternalError(ReshardError):
+    """A bug in reshard (please report it)."""
+
 _Part = Tuple[List[int], List[int], List[int]]
 _Dest = Tuple[str, str, List[int], List[_Part], int, int]
 

@@ -39,6 +39,12 @@ create_exception!(
 );
 create_exception!(
     reshard,
+    InternalError,
+    ReshardError,
+    "A bug in reshard: a state its own checks should have made impossible (please report it)."
+);
+create_exception!(
+    reshard,
     ReshardIOError,
     ReshardError,
     "An operating-system error on a named file (permissions, no space, unreadable)."
@@ -69,6 +75,7 @@ fn py_err(e: Error) -> PyErr {
     match e {
         Error::Io { .. } => ReshardIOError::new_err(msg),
         Error::Format { .. } | Error::Layout { .. } => CheckpointError::new_err(msg),
+        Error::Internal(_) => InternalError::new_err(msg),
         _ => RequestError::new_err(msg),
     }
 }
@@ -827,6 +834,7 @@ fn _reshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CheckpointError", py.get_type::<CheckpointError>())?;
     m.add("RequestError", py.get_type::<RequestError>())?;
     m.add("ReshardIOError", py.get_type::<ReshardIOError>())?;
+    m.add("InternalError", py.get_type::<InternalError>())?;
     m.add_class::<PyCheckpoint>()?;
     m.add_function(wrap_pyfunction!(open, m)?)?;
     m.add_function(wrap_pyfunction!(local_tensor, m)?)?;

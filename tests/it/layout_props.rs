@@ -3,7 +3,7 @@
 
 use ndarray::{ArrayD, IxDyn, Slice};
 use proptest::prelude::*;
-use reshard::exec::{execute, ExecOptions, OutputFile};
+use reshard::exec::{execute, ExecOptions, OutputFile, Sources};
 use reshard::layout::{
     flat_ranges, DType, Loc, Mesh, Piece, Placement, Region, Sharding, TensorLayout,
 };
@@ -195,7 +195,14 @@ fn run(plan: &Plan, srcs: &[Vec<u8>], dst_sizes: &[usize]) -> Vec<Vec<u8>> {
         progress: None,
         sync: false,
     };
-    execute(plan, &src_paths, &outputs, &dst_paths, &opts).unwrap();
+    execute(
+        plan,
+        Sources::local(&src_paths),
+        &outputs,
+        &dst_paths,
+        &opts,
+    )
+    .unwrap();
     dst_paths
         .iter()
         .map(|p| std::fs::read(p).unwrap())

@@ -14,7 +14,7 @@ use crate::common::archive::{
 };
 use crate::common::{fixture, root};
 use proptest::prelude::*;
-use reshard::exec::{execute, ExecOptions, OutputFile};
+use reshard::exec::{execute, ExecOptions, OutputFile, Sources};
 use reshard::formats::torch::dtype::torch_dtype_name;
 use reshard::formats::torch::pickle::{
     self, from_pickle, torch_save_globals, validate, validate_torch21, PyValue,
@@ -669,7 +669,14 @@ fn write_with_executor(
         sync: false,
         ..Default::default()
     };
-    execute(&plan, &[src], &[out], &[dest.to_path_buf()], &opts).unwrap();
+    execute(
+        &plan,
+        Sources::local(&[src]),
+        &[out],
+        &[dest.to_path_buf()],
+        &opts,
+    )
+    .unwrap();
 }
 
 #[test]

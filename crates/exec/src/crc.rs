@@ -261,7 +261,7 @@ mod tests {
         let (src, dst) = (src.to_path_buf(), dst.to_path_buf());
         execute_with_known(
             plan,
-            &[src],
+            crate::Sources::local(&[src]),
             &[out],
             std::slice::from_ref(&dst),
             &opts,
@@ -326,7 +326,14 @@ mod tests {
             sync: false,
             ..Default::default()
         };
-        execute(&plan, &[src], &[out], std::slice::from_ref(&dst), &opts).unwrap();
+        execute(
+            &plan,
+            crate::Sources::local(&[src]),
+            &[out],
+            std::slice::from_ref(&dst),
+            &opts,
+        )
+        .unwrap();
         let got = std::fs::read(&dst).unwrap();
         let want = crc32fast::hash(&got[8..]);
         assert_eq!(&got[0..4], &want.to_le_bytes());

@@ -29,8 +29,9 @@ mod window;
 
 /// The core floor's modules, at the paths this crate's code names them by.
 pub(crate) use reshard_core::{error, parts, plan};
+pub use reshard_storage::Sources;
 /// The storage floor's modules, at the paths this crate's code names them by.
-pub(crate) use reshard_storage::{read, remote, sys};
+pub(crate) use reshard_storage::{read, sys};
 
 pub use crc::KnownCrc;
 pub use reshard_core::output::{Checksum, Literal, OutputFile};
@@ -124,7 +125,7 @@ pub struct ExecStats {
 #[cfg(any(test, feature = "internals"))]
 pub fn execute(
     plan: &Plan,
-    sources: &[PathBuf],
+    sources: Sources,
     outputs: &[OutputFile],
     dest_paths: &[PathBuf],
     opts: &ExecOptions,
@@ -137,7 +138,7 @@ pub fn execute(
 #[cfg(any(test, feature = "internals"))]
 pub fn execute_with_known(
     plan: &Plan,
-    sources: &[PathBuf],
+    sources: Sources,
     outputs: &[OutputFile],
     dest_paths: &[PathBuf],
     opts: &ExecOptions,
@@ -195,13 +196,13 @@ pub fn prepare<'a>(
 /// `sources`, write each of `outputs` to `dest_paths` (same order), which must already exist.
 pub fn execute_scheduled(
     plan: &Plan,
-    sources: &[PathBuf],
+    sources: Sources,
     outputs: &[OutputFile],
     dest_paths: &[PathBuf],
     opts: &ExecOptions,
     sched: Schedule,
 ) -> Result<ExecStats> {
-    let (maps, src_files) = open_sources(plan, sources)?;
+    let (maps, src_files) = open_sources(plan, sources.paths)?;
     let files = open_outputs(outputs, dest_paths)?;
     let Schedule {
         wins,
@@ -213,13 +214,13 @@ pub fn execute_scheduled(
     let shared = Shared {
         srcs: &maps,
         src_files: &src_files,
-        src_paths: sources,
+        sources,
         dsts: &files,
         dest_paths,
         ranges: &ranges,
         skip: &skip,
         whole: false,
-        remote: crate::remote::mirror::any_mirrored(sources),
+        remote: sources.storage.fetches(),
     };
     let total = wins.iter().map(Window::size).sum();
     let (mut parts, threads) = run_on_pool(threads, &wins, &shared, opts, total)?;
@@ -293,7 +294,7 @@ pub struct PartWritten {
 /// for the commit ([`write_checksum_shares`]).
 pub fn execute_part(
     plan: &Plan,
-    sources: &[PathBuf],
+    sources: Sources,
     outputs: &[OutputFile],
     dest_paths: &[PathBuf],
     opts: &ExecOptions,
@@ -319,7 +320,7 @@ pub fn execute_part(
     let threads = opts
         .threads
         .unwrap_or_else(|| schedule::default_threads(&wins, &ranges, &skip));
-    let (maps, src_files) = open_sources(plan, sources)?;
+    let (maps, src_files) = open_sources(plan, sources.paths)?;
     // open the files of the spans, their sizes set and the spans' blocks allocated
     let mut files: Vec<Option<File>> = (0..outputs.len()).map(|_| None).collect();
     let mut pending = 0u64;
@@ -345,13 +346,13 @@ pub fn execute_part(
     let shared = Shared {
         srcs: &maps,
         src_files: &src_files,
-        src_paths: sources,
+        sources,
         dsts: &files,
         dest_paths,
         ranges: &ranges,
         skip: &skip,
         whole: true,
-        remote: crate::remote::mirror::any_mirrored(sources),
+        remote: sources.storage.fetches(),
     };
     let total = spans.iter().map(|s| s.len()).sum();
     let (mut parts, threads) = run_on_pool(threads, &wins, &shared, opts, total)?;
@@ -517,15 +518,15 @@ pub fn thread_pool(threads: usize) -> Result<rayon::ThreadPool> {
 struct Shared<'a> {
     srcs: &'a [Mmap],
     src_files: &'a [File],
-    src_paths: &'a [PathBuf],
+    sources: Sources<'a>,
     dsts: &'a [Option<File>],
     dest_paths: &'a [PathBuf],
     ranges: &'a [Vec<CkRange>],
     skip: &'a [Vec<(u64, u64)>],
     /// Hash every byte each window writes ([`crc::WHOLE`]), for a part's records.
     whole: bool,
-    /// Some sources are mirrors of remote objects: each window fetches its source bytes
-    /// before reading them.
+    /// The sources' storage fetches (an object store's mirror): each window fetches its
+    /// source bytes before reading them, and the pool is sized for waiting on the network.
     remote: bool,
 }
 
@@ -545,7 +546,7 @@ fn run_windows(
             let wio = WindowIo {
                 srcs: io.srcs,
                 src_files: io.src_files,
-                src_paths: io.src_paths,
+                src_paths: io.sources.paths,
                 dst,
                 dst_path: &io.dest_paths[f],
             };
@@ -554,7 +555,7 @@ fn run_windows(
                     schedule::Frag::Op(o) => Some(o),
                     schedule::Frag::Lit { .. } => None,
                 });
-                crate::remote::mirror::ensure_ops(io.src_paths, ops)?;
+                io.sources.ensure_ops(ops)?;
             }
             let parts = run_window(w, &wio, (&io.ranges[f], &io.skip[f]), io.whole)?;
             if let Some(p) = progress {

@@ -493,7 +493,7 @@ mod tests {
                     };
                     let w = super::super::execute_part(
                         &sub,
-                        std::slice::from_ref(&src_path),
+                        crate::Sources::local(std::slice::from_ref(&src_path)),
                         std::slice::from_ref(&out),
                         std::slice::from_ref(&dst),
                         &opts,
@@ -546,7 +546,7 @@ mod tests {
                 };
                 execute_with_known(
                     &plan,
-                    std::slice::from_ref(&src_path),
+                    crate::Sources::local(std::slice::from_ref(&src_path)),
                     std::slice::from_ref(&out),
                     std::slice::from_ref(&dst),
                     &opts,

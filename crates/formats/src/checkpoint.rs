@@ -1,7 +1,7 @@
 //! The checkpoint a reader produces and every other part of reshard consumes — the files,
 //! each tensor's [`TensorLayout`] over them, non-tensor entries ([`Extra`]), the nesting of
 //! flat keys ([`KeyPart`]) and the checksums the files record ([`RecordCrc`]), with the
-//! format it was read as and the storage it holds on to (a remote mirror, scratch files, a
+//! format it was read as and the storage it holds on to (local files or an object store's mirror, scratch files, a
 //! lazy reader's locator). Opening detects the format through the registry at this crate's
 //! root and validates the result; nothing in this module knows a file format.
 
@@ -9,6 +9,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::layout::{DType, Loc, Piece, Region, TensorLayout};
 use crate::Format;
 use reshard_core::model::{Extra, KeyPart, RecordCrc, Weights};
+use reshard_storage::{Opened, Sources, Storage};
 use serde::Serialize;
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -109,10 +110,11 @@ pub struct Checkpoint {
     /// piece is located.
     #[serde(skip)]
     pub locator: Option<Arc<dyn Locate>>,
-    /// The local mirror of a checkpoint read from object storage (its files are the
-    /// mirror's); kept as long as the checkpoint is.
+    /// Where the files are ([`Storage::ensure`] before reading their bytes): local files,
+    /// or the mirror of a checkpoint read from object storage, kept as long as the
+    /// checkpoint is.
     #[serde(skip)]
-    pub remote: Option<Arc<crate::remote::mirror::Mirror>>,
+    pub(crate) storage: Arc<dyn Storage>,
 }
 
 /// Finds where the pieces a lazy reader left pending ([`Loc::pending`]) really are: the
@@ -133,11 +135,11 @@ impl Checkpoint {
 
     /// Open `path` as a checkpoint of `format` (no detection), and validate it.
     pub fn open_as(path: impl AsRef<Path>, format: Format) -> Result<Checkpoint> {
-        let path = path.as_ref();
-        if crate::remote::is_url(path) {
-            return Self::open_with(path, Some(format), &OpenOptions::default());
+        let opened = reshard_storage::open(path.as_ref())?;
+        match opened.url {
+            None => Self::opened(&opened.root, format, false, None),
+            Some(_) => Self::resolved_at(opened, Some(format), &OpenOptions::default(), false),
         }
-        Self::opened(&crate::remote::local_path(path), format, false, None)
     }
 
     /// [`Checkpoint::open`] under `opts`: the checkpoint tagged `opts.tag` inside `path`, with
@@ -178,48 +180,70 @@ impl Checkpoint {
         opts: &OpenOptions,
         lazy: bool,
     ) -> Result<Checkpoint> {
-        if !crate::remote::is_url(path) {
-            return Self::resolved_in(&crate::remote::local_path(path), format, opts, lazy, None);
-        }
-        let mirror = crate::remote::mirror::Mirror::open(path)?;
-        let mut ck = Self::resolved_in(mirror.root(), format, opts, lazy, Some(&mirror))
-            .map_err(|e| mirror.rename(e))?;
-        ck.path = PathBuf::from(mirror.url());
-        ck.remote = Some(mirror);
+        Self::resolved_at(reshard_storage::open(path)?, format, opts, lazy)
+    }
+
+    /// [`Checkpoint::resolved`] of a location opened.
+    fn resolved_at(
+        opened: Opened,
+        format: Option<Format>,
+        opts: &OpenOptions,
+        lazy: bool,
+    ) -> Result<Checkpoint> {
+        let Some(url) = opened.url else {
+            return Self::resolved_in(&opened.root, format, opts, lazy, None);
+        };
+        let storage = opened.storage;
+        let mut ck = Self::resolved_in(&opened.root, format, opts, lazy, Some(&*storage))
+            .map_err(|e| storage.rename(e))?;
+        ck.path = PathBuf::from(url);
+        ck.storage = storage;
         Ok(ck)
     }
 
-    /// [`Checkpoint::resolved`] of a local path; `mirror` when it is a remote checkpoint's.
+    /// [`Checkpoint::resolved`] of a local path; `remote` the storage that fetches its bytes
+    /// (an object store's mirror), when it is a URL's stand-in.
     fn resolved_in(
         path: &Path,
         format: Option<Format>,
         opts: &OpenOptions,
         lazy: bool,
-        mirror: Option<&crate::remote::mirror::Mirror>,
+        remote: Option<&dyn Storage>,
     ) -> Result<Checkpoint> {
-        if let Some(m) = mirror {
-            // the files beside the checkpoint's folders first: DeepSpeed's `latest`, which
-            // the resolution reads, and the companions (`config.json`)
+        let fetch = |m: &dyn Storage, p: &Path, spans: &[(u64, u64)]| m.ensure(p, spans);
+        if let Some(m) = remote {
+            // the small files beside the checkpoint's folders first: DeepSpeed's `latest`,
+            // which the resolution reads, and the companions (`config.json`)
             let top: Vec<(PathBuf, u64)> = m
                 .files()
                 .into_iter()
                 .filter(|(p, _)| p.parent() == Some(path))
                 .collect();
-            crate::index::prefetch(&top, &|p, spans| m.fetch(p, spans))?;
+            crate::index::small_whole_else(&top, &|p, s| fetch(m, p, s), crate::index::later)?;
         }
         let resolved = opts.resolve(path)?;
-        if let Some(m) = mirror {
-            let files: Vec<(PathBuf, u64)> = m
+        let files: Vec<(PathBuf, u64)> = match remote {
+            Some(m) => m
                 .files()
                 .into_iter()
-                .filter(|(p, _)| p.starts_with(&resolved) && p.parent() != Some(path))
-                .collect();
-            crate::index::prefetch(&files, &|p, spans| m.fetch(p, spans))?;
+                .filter(|(p, _)| p.starts_with(&resolved))
+                .collect(),
+            None => vec![],
+        };
+        if let (Some(m), [(file, size)]) = (remote, files.as_slice()) {
+            // one object: the first bytes, by which its format is told
+            if *file == resolved {
+                fetch(m, file, &[(0, (*size).min(16))])?;
+            }
         }
         let format = match format {
             Some(f) => f,
             None => crate::detect(&resolved)?,
         };
+        if let Some(m) = remote {
+            // what the format's reader reads before any tensor data
+            format.codec().index(&files, &|p, s| fetch(m, p, s))?;
+        }
         let mut ck = Self::opened(&resolved, format, lazy, opts.weights)?;
         if ck.tag.is_none() && resolved != path {
             ck.tag = resolved
@@ -274,7 +298,7 @@ impl Checkpoint {
             scratch: vec![],
             checksums: vec![],
             locator: None,
-            remote: None,
+            storage: reshard_storage::local(),
         }
     }
 
@@ -385,6 +409,28 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// The checkpoint's files and where they are, as the readers of their bytes take them.
+    pub fn sources(&self) -> Sources<'_> {
+        Sources {
+            paths: &self.files,
+            storage: &*self.storage,
+        }
+    }
+
+    /// Where the checkpoint's files are.
+    pub fn storage(&self) -> &dyn Storage {
+        &*self.storage
+    }
+
+    /// How to name the checkpoint's file `path` to the user: its object's URL for a
+    /// checkpoint read from object storage, else the path.
+    pub fn shown(&self, path: &Path) -> PathBuf {
+        self.storage
+            .shown(path)
+            .map(PathBuf::from)
+            .unwrap_or_else(|| path.to_path_buf())
+    }
+
     /// Groups of tied tensors (same dtype, shape and bytes), by name.
     pub fn tied_names(&self) -> Result<Vec<Vec<String>>> {
         crate::ties::tied_names(self)
@@ -409,7 +455,7 @@ impl Checkpoint {
         let mut out = vec![0u8; (region.volume() as usize) * dtype.size()];
         crate::read::read_into(
             &crate::plan::region_ops(&t, region, dtype),
-            &self.files,
+            self.sources(),
             &mut out,
         )?;
         Ok(out)
@@ -429,7 +475,7 @@ impl Checkpoint {
         check_buffer(name, region, dtype, out.len())?;
         let t = self.located(t, Some(&[region]))?;
         let ops = crate::plan::region_ops(&t, region, dtype);
-        crate::read::read_into(&ops, &self.files, out)
+        crate::read::read_into(&ops, self.sources(), out)
     }
 
     /// The tensor `name`, when `region` lies within its shape and it casts to `dtype` (its
@@ -467,14 +513,7 @@ impl Checkpoint {
     /// The checkpoint's files as its user names them: their URLs when it is in object
     /// storage (where [`Checkpoint::files`] are the local copies fetched into), else the paths.
     pub fn file_names(&self) -> Vec<PathBuf> {
-        match &self.remote {
-            Some(m) => self
-                .files
-                .iter()
-                .map(|f| m.shown(f).map(PathBuf::from).unwrap_or_else(|| f.clone()))
-                .collect(),
-            None => self.files.clone(),
-        }
+        self.files.iter().map(|f| self.shown(f)).collect()
     }
 
     /// `len` bytes at `offset` of the checkpoint's file number `file` (a non-tensor item's
@@ -496,9 +535,7 @@ impl Checkpoint {
                 format!("is truncated: an item needs bytes up to {end}, the file has {size}"),
             ));
         }
-        if self.remote.is_some() {
-            crate::remote::mirror::ensure(path, &[(offset, end)])?;
-        }
+        self.storage.ensure(path, &[(offset, end)])?;
         f.seek(SeekFrom::Start(offset)).at(path)?;
         let mut buf = vec![0u8; len as usize];
         f.read_exact(&mut buf).at(path)?;

@@ -1,13 +1,13 @@
 //! Which bytes opening a checkpoint reads — for a checkpoint read from object storage
 //! through a mirror of sparse files (`crate::remote`), whose bytes must be fetched before a
-//! reader looks at them. Tensor data is not here: the executor and the loader fetch it as
-//! they copy, from the plan.
+//! reader looks at them. Each format says it of its own files ([`crate::Codec::index`]),
+//! composing the pieces here; tensor data is not here: the executor and the loader fetch it
+//! as they copy, from the plan.
 //!
-//! By file: small files and files that are not tensor data (`.metadata`, JSON, `latest`,
-//! pickles) are fetched whole; a `.safetensors` file, its header; a `torch.save` archive
-//! (`.pt`, `.bin`, `.pth`, `.ckpt`), its end records, central directory, local headers and
-//! every record that is not a large storage; a `.distcp` file, each item's records around
-//! its tensor data, as the DCP metadata places them.
+//! The pieces: small files whole ([`small_whole_else`]); a `.safetensors` file's header
+//! ([`safetensors_header`]); a `torch.save` archive's end records, central directory, local
+//! headers and every record that is not a large storage ([`zip_index`]); a DCP folder's
+//! metadata and each item's records around its tensor data ([`dcp`]).
 
 use super::torch::zip;
 use crate::error::Result;
@@ -28,27 +28,64 @@ const ZIP_TAIL: u64 = 22 + 0xFFFF + 56 + 20;
 /// this many bytes beyond the name in the central directory.
 const LOCAL_EXTRA: u64 = 30 + 256;
 
-/// Fetch what opening the checkpoint made of `files` (local paths and sizes) reads.
-pub fn prefetch(files: &[(PathBuf, u64)], fetch: Fetch) -> Result<()> {
-    let mut dcp_dirs: Vec<PathBuf> = vec![];
+/// Fetch every file of `files` (local paths and sizes) whole: what a codec that does not
+/// say otherwise reads.
+pub fn whole(files: &[(PathBuf, u64)], fetch: Fetch) -> Result<()> {
+    for (path, size) in files {
+        fetch(path, &[(0, *size)])?;
+    }
+    Ok(())
+}
+
+/// Fetch the files of `files` of at most 1 MiB whole (metadata, JSON, `latest`, small
+/// pickles), and what `large` says of each larger one.
+pub fn small_whole_else(
+    files: &[(PathBuf, u64)],
+    fetch: Fetch,
+    large: fn(&Path, u64, Fetch) -> Result<()>,
+) -> Result<()> {
+    for (path, size) in files {
+        if *size > SMALL {
+            large(path, *size, fetch)?;
+        } else {
+            fetch(path, &[(0, *size)])?;
+        }
+    }
+    Ok(())
+}
+
+/// Nothing fetched now: for [`small_whole_else`], large files a later step fetches.
+pub fn later(_path: &Path, _size: u64, _fetch: Fetch) -> Result<()> {
+    Ok(())
+}
+
+/// What opening a DCP checkpoint (or one around it: megatron-core's) reads of `files`: the
+/// metadata whole, `.distcp` files not at all at first, other files whole when small and
+/// as `torch.save` archives ([`zip_index`]) when large; then, per folder holding a
+/// `.metadata`, each item's records around its tensor data as the metadata places them.
+pub fn dcp(files: &[(PathBuf, u64)], fetch: Fetch) -> Result<()> {
+    let mut dirs: Vec<PathBuf> = vec![];
     for (path, size) in files {
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        let ext = name.rsplit_once('.').map(|(_, e)| e).unwrap_or("");
-        if name == ".metadata" || (name.starts_with("__") && name.ends_with(".metadata")) {
+        let metadata =
+            name == ".metadata" || (name.starts_with("__") && name.ends_with(".metadata"));
+        if metadata {
             if let Some(d) = path.parent() {
-                if !dcp_dirs.iter().any(|x| x == d) {
-                    dcp_dirs.push(d.to_path_buf());
+                if !dirs.iter().any(|x| x == d) {
+                    dirs.push(d.to_path_buf());
                 }
             }
         }
-        match ext {
-            "distcp" => {}
-            "safetensors" if *size > SMALL => safetensors_header(path, *size, fetch)?,
-            "pt" | "bin" | "pth" | "ckpt" if *size > SMALL => zip_index(path, *size, fetch)?,
-            _ => fetch(path, &[(0, *size)])?,
+        if name.ends_with(".distcp") {
+            continue;
+        }
+        if metadata || *size <= SMALL {
+            fetch(path, &[(0, *size)])?;
+        } else {
+            zip_index(path, *size, fetch)?;
         }
     }
-    for dir in dcp_dirs {
+    for dir in dirs {
         // A folder whose metadata does not parse is left to the reader to report.
         if let Ok(spans) = super::dcp::index_ranges(&dir) {
             for (path, spans) in spans {
@@ -60,7 +97,7 @@ pub fn prefetch(files: &[(PathBuf, u64)], fetch: Fetch) -> Result<()> {
 }
 
 /// A `.safetensors` file's length prefix and header.
-fn safetensors_header(path: &Path, size: u64, fetch: Fetch) -> Result<()> {
+pub fn safetensors_header(path: &Path, size: u64, fetch: Fetch) -> Result<()> {
     fetch(path, &[(0, 8.min(size))])?;
     let mut len = [0u8; 8];
     if read_at(path, &mut len, 0).is_err() {
@@ -77,7 +114,7 @@ fn safetensors_header(path: &Path, size: u64, fetch: Fetch) -> Result<()> {
 /// A `torch.save` archive's end records, central directory, local headers, and the records
 /// that are not large storages. An archive that does not parse is fetched whole, for the
 /// reader to report on.
-fn zip_index(path: &Path, size: u64, fetch: Fetch) -> Result<()> {
+pub fn zip_index(path: &Path, size: u64, fetch: Fetch) -> Result<()> {
     fetch(path, &[(size.saturating_sub(ZIP_TAIL), size)])?;
     let map = crate::sys::map_readonly(path, memmap2::Advice::Random)?;
     let Ok((offset, len)) = zip::directory_span(&map) else {

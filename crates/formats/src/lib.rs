@@ -47,7 +47,7 @@ pub mod torch;
 /// The core floor's modules, at the paths this crate's code names them by.
 pub(crate) use reshard_core::{error, layout, plan};
 /// The storage floor's modules, at the paths this crate's code names them by.
-pub(crate) use reshard_storage::{read, remote, sys};
+pub(crate) use reshard_storage::{read, sys};
 
 pub use self::safetensors::{EXTRAS_KEY, EXTRAS_PICKLE_KEY, PATHS_KEY};
 pub use crate::checkpoint::{Checkpoint, Locate, OpenOptions};
@@ -105,6 +105,13 @@ pub trait Codec: Sync + std::panic::RefUnwindSafe + 'static {
     /// Lay out `target`, held by `world` ranks, as this format's files. `world` is within
     /// [`Capabilities::max_world`].
     fn write(&self, target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output>;
+    /// Fetch, through `fetch`, the bytes of `files` (the checkpoint's local files and their
+    /// sizes, laid out by an object store's mirror) that [`Codec::read`] reads before any
+    /// tensor data: the format's index. The default fetches every file whole; the pieces
+    /// formats compose are in [`index`].
+    fn index(&self, files: &[(std::path::PathBuf, u64)], fetch: index::Fetch) -> Result<()> {
+        index::whole(files, fetch)
+    }
 }
 
 /// What a [`Codec`] says of a path.

@@ -76,6 +76,9 @@ impl Codec for Megatron {
     fn write(&self, target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
         write(target, world, opts)
     }
+    fn index(&self, files: &[(std::path::PathBuf, u64)], fetch: crate::index::Fetch) -> Result<()> {
+        crate::index::dcp(files, fetch)
+    }
 }
 
 /// Read a megatron-core checkpoint folder: its backends checked, the DCP part, and the

@@ -12,8 +12,8 @@
 use crate::error::Result;
 use crate::layout::{Region, TensorLayout};
 use crate::read::read_regions;
+use reshard_storage::Sources;
 use std::collections::HashMap;
-use std::path::PathBuf;
 
 /// Bytes read from each candidate before any full comparison.
 const PROBE: u64 = 64 << 10;
@@ -23,7 +23,7 @@ const BLOCK: u64 = 8 << 20;
 const PROBE_BATCH: usize = 256;
 
 /// Read `want` (tensor, region) of `files`, each in its tensor's dtype, in one mapping.
-fn read(files: &[PathBuf], want: &[(&TensorLayout, Region)]) -> Result<Vec<Vec<u8>>> {
+fn read(files: Sources, want: &[(&TensorLayout, Region)]) -> Result<Vec<Vec<u8>>> {
     let want: Vec<_> = want.iter().map(|(t, r)| (*t, r, t.dtype)).collect();
     read_regions(files, &want)
 }
@@ -34,7 +34,7 @@ fn constant(bytes: &[u8], elem: usize) -> bool {
 }
 
 /// Whether tensors `a` and `b` (same dtype and shape) hold the same bytes.
-fn equal(files: &[PathBuf], a: &TensorLayout, b: &TensorLayout) -> Result<bool> {
+fn equal(files: Sources, a: &TensorLayout, b: &TensorLayout) -> Result<bool> {
     for r in Region::row_blocks(&a.shape, a.dtype.size() as u64, BLOCK) {
         let got = read(files, &[(a, r.clone()), (b, r)])?;
         if got[0] != got[1] {
@@ -64,7 +64,7 @@ fn candidates<T: std::borrow::Borrow<TensorLayout>>(tensors: &[T]) -> Vec<Vec<us
 
 /// Groups (two or more, as indices into `tensors`, ascending) of tied tensors among
 /// `tensors`, whose pieces lie in `files`.
-pub fn find(files: &[PathBuf], tensors: &[&TensorLayout]) -> Result<Vec<Vec<usize>>> {
+pub fn find(files: Sources, tensors: &[&TensorLayout]) -> Result<Vec<Vec<usize>>> {
     let mut groups: Vec<Vec<usize>> = vec![];
     for members in candidates(tensors) {
         let aliased = aliased(tensors, &members);
@@ -104,7 +104,7 @@ fn aliased(tensors: &[&TensorLayout], members: &[usize]) -> Vec<Vec<usize>> {
 /// constant: the candidates for a full comparison, as indices into `aliased`, bucket by
 /// bucket in order of first member.
 fn probe_buckets(
-    files: &[PathBuf],
+    files: Sources,
     tensors: &[&TensorLayout],
     aliased: &[Vec<usize>],
 ) -> Result<Vec<Vec<usize>>> {
@@ -145,7 +145,7 @@ fn probe_buckets(
 /// Compare the candidates `cands` (indices into `aliased`, equal probes) in full and move
 /// each group of `merged` into the first earlier candidate it equals.
 fn merge_equal(
-    files: &[PathBuf],
+    files: Sources,
     tensors: &[&TensorLayout],
     aliased: &[Vec<usize>],
     cands: &[usize],
@@ -241,7 +241,7 @@ mod tests {
             whole("other_shape", &[n], 0),
         ];
         let refs: Vec<&TensorLayout> = t.iter().collect();
-        let g = find(std::slice::from_ref(&f), &refs).unwrap();
+        let g = find(Sources::local(std::slice::from_ref(&f)), &refs).unwrap();
         assert_eq!(g, vec![vec![0, 1], vec![3, 5]]);
     }
 }
@@ -264,7 +264,7 @@ pub fn tied_names(ck: &crate::Checkpoint) -> Result<Vec<Vec<String>>> {
         .collect();
     let located = ck.located_many(&want)?;
     let all: Vec<&TensorLayout> = located.iter().map(|t| &**t).collect();
-    Ok(find(&ck.files, &all)?
+    Ok(find(ck.sources(), &all)?
         .into_iter()
         .map(|g| g.into_iter().map(|i| all[i].name.clone()).collect())
         .collect())

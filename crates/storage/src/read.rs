@@ -7,6 +7,7 @@ use crate::layout::cast;
 use crate::layout::{DType, Region, TensorLayout};
 use crate::plan::{region_ops, CopyOp};
 use crate::sys::{map_readonly, release};
+use crate::Sources;
 use memmap2::Mmap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -45,7 +46,7 @@ fn apply_from(o: &CopyOp, src: &[u8], base: u64, buf: &mut [u8], lo: u64) {
 
 /// Run `ops` whose destination is a single buffer `out` (destination file index ignored,
 /// offsets relative to `out`), reading `sources`. For reading a region into memory.
-pub fn read_into(ops: &[CopyOp], sources: &[PathBuf], out: &mut [u8]) -> Result<()> {
+pub fn read_into(ops: &[CopyOp], sources: Sources, out: &mut [u8]) -> Result<()> {
     read_many_into(&[ops.to_vec()], sources, &mut [out])
 }
 
@@ -56,19 +57,20 @@ pub fn read_into(ops: &[CopyOp], sources: &[PathBuf], out: &mut [u8]) -> Result<
 /// carved into disjoint slices, one per task, when its ops' destinations do not interleave.
 pub fn read_many_into(
     jobs: &[Vec<CopyOp>],
-    sources: &[PathBuf],
+    sources: Sources,
     outs: &mut [&mut [u8]],
 ) -> Result<()> {
     use rayon::prelude::*;
     if jobs.len() != outs.len() {
         return Err(Error::usage("copy jobs and buffers differ in number"));
     }
+    let (src, sources) = (sources, sources.paths);
     let maps = map_sources_with(sources, memmap2::Advice::Random)?;
     for (ops, out) in jobs.iter().zip(outs.iter()) {
         check_ops(ops, sources, &maps, out.len() as u64)?;
     }
     // (remote sources: their mirror files have their full sizes before any byte is fetched)
-    crate::remote::mirror::ensure_ops(sources, jobs.iter().flatten())?;
+    src.ensure_ops(jobs.iter().flatten())?;
     let files: Vec<File> = sources
         .iter()
         .map(|p| File::open(p).at(p))
@@ -255,7 +257,7 @@ fn check_ops(ops: &[CopyOp], sources: &[PathBuf], maps: &[Mmap], out_len: u64) -
 /// pieces name) into a buffer of its own, row-major, cast to `dtype` where it differs
 /// ([`region_ops`]), mapping the sources once.
 pub fn read_regions(
-    sources: &[PathBuf],
+    sources: Sources,
     want: &[(&TensorLayout, &Region, DType)],
 ) -> Result<Vec<Vec<u8>>> {
     let mut outs: Vec<Vec<u8>> = want
@@ -270,7 +272,7 @@ pub fn read_regions(
 /// [`read_regions`] into the caller's buffers, one per entry of `want`, each exactly the
 /// size of its region in its dtype.
 pub fn read_regions_into(
-    sources: &[PathBuf],
+    sources: Sources,
     want: &[(&TensorLayout, &Region, DType)],
     outs: &mut [&mut [u8]],
 ) -> Result<()> {

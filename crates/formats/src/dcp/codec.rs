@@ -44,4 +44,7 @@ impl Codec for Dcp {
     fn write(&self, target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
         dcp::write::write(target, world, opts)
     }
+    fn index(&self, files: &[(std::path::PathBuf, u64)], fetch: crate::index::Fetch) -> Result<()> {
+        crate::index::dcp(files, fetch)
+    }
 }

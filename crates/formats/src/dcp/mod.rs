@@ -431,7 +431,7 @@ fn read_with(dir: &Path, lazy: bool) -> Result<Checkpoint> {
         scratch,
         checksums,
         locator,
-        remote: None,
+        storage: reshard_storage::local(),
     })
 }
 

@@ -308,7 +308,7 @@ pub fn read(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
         scratch: vec![],
         checksums: r.checksums,
         locator: None,
-        remote: None,
+        storage: reshard_storage::local(),
     })
 }
 

@@ -103,7 +103,7 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
         scratch: vec![],
         checksums: w.checksums,
         locator: None,
-        remote: None,
+        storage: reshard_storage::local(),
     })
 }
 

@@ -6,27 +6,26 @@
 //! holds in memory is bounded by `IN_FLIGHT × PIECE` whatever it asks for.
 //!
 //! The mirror lives as long as the checkpoint opened from it; its folder is
-//! removed when the last reference goes. Live mirrors are registered, so the executor and
-//! the loader can ask for source bytes by local path ([`ensure`]) without knowing where the
-//! path came from.
+//! removed when the last reference goes. It is the [`Storage`](crate::Storage) of the
+//! checkpoint's files: the executor and the loader, handed it with the files, ask it for
+//! source bytes by local path before they read them.
 
 use super::{block_on, error, Remote};
 use crate::error::{Error, IoContext, Result};
-use crate::plan::CopyOp;
 use futures::stream::{self, StreamExt, TryStreamExt};
 use object_store::ObjectStoreExt;
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// Ranges closer than this are fetched as one request (the bytes between are fetched too).
 const GAP: u64 = 4 << 10;
 /// Rows of a strided copy closer than this are fetched as one range with the bytes between
 /// (a request costs about what this many bytes take to arrive).
-const ROW_GAP: u64 = 256 << 10;
+pub const ROW_GAP: u64 = 256 << 10;
 /// The largest single ranged GET.
 const PIECE: u64 = 8 << 20;
 /// Ranged GETs one call keeps in flight.
@@ -101,10 +100,6 @@ pub struct Mirror {
     files: Vec<MirrorFile>,
     by_path: HashMap<PathBuf, usize>,
 }
-
-/// Live mirrors, for [`ensure`].
-static LIVE: RwLock<Vec<Weak<Mirror>>> = RwLock::new(Vec::new());
-static LIVE_COUNT: AtomicUsize = AtomicUsize::new(0);
 
 impl Mirror {
     /// List the objects under `url` (or the one object it names) and lay out their sparse
@@ -211,18 +206,13 @@ impl Mirror {
         } else {
             dir.path().to_path_buf()
         };
-        let m = Arc::new(Mirror {
+        Ok(Arc::new(Mirror {
             remote,
             dir,
             root,
             files,
             by_path,
-        });
-        let mut live = LIVE.write().unwrap_or_else(|e| e.into_inner());
-        live.retain(|w| w.strong_count() > 0);
-        live.push(Arc::downgrade(&m));
-        LIVE_COUNT.fetch_add(1, Ordering::Relaxed);
-        Ok(m)
+        }))
     }
 
     /// The local path standing for the URL (a folder, or the one file's path).
@@ -398,9 +388,34 @@ impl Mirror {
     }
 }
 
-impl Drop for Mirror {
-    fn drop(&mut self) {
-        LIVE_COUNT.fetch_sub(1, Ordering::Relaxed);
+impl crate::Storage for Mirror {
+    /// Fetch the bytes of `spans` of `path` not fetched yet; nothing for a path that is not
+    /// one of the mirror's files.
+    fn ensure(&self, path: &Path, spans: &[(u64, u64)]) -> Result<()> {
+        if spans.is_empty() || !self.by_path.contains_key(path) {
+            return Ok(());
+        }
+        self.fetch(path, spans)
+    }
+
+    fn fetches(&self) -> bool {
+        true
+    }
+
+    fn shown(&self, path: &Path) -> Option<String> {
+        Mirror::shown(self, path)
+    }
+
+    fn identity(&self, path: &Path) -> Option<(String, u64, String)> {
+        Mirror::identity(self, path)
+    }
+
+    fn files(&self) -> Vec<(PathBuf, u64)> {
+        Mirror::files(self)
+    }
+
+    fn rename(&self, e: Error) -> Error {
+        Mirror::rename(self, e)
     }
 }
 
@@ -466,7 +481,7 @@ fn own_uid() -> u32 {
 }
 
 /// Sorted ranges with those closer than `gap` merged.
-fn coalesce(sorted: &[(u64, u64)], gap: u64) -> Vec<(u64, u64)> {
+pub fn coalesce(sorted: &[(u64, u64)], gap: u64) -> Vec<(u64, u64)> {
     let mut out: Vec<(u64, u64)> = Vec::with_capacity(sorted.len());
     for &(a, b) in sorted {
         match out.last_mut() {
@@ -500,70 +515,6 @@ fn missing(want: &[(u64, u64)], have: &[(u64, u64)]) -> Vec<(u64, u64)> {
         }
     }
     out
-}
-
-/// Make sure the bytes `spans` (`(start, end)` pairs) of `path` can be read: when `path` is a
-/// file of a live mirror, fetch those not fetched yet; otherwise nothing to do.
-pub fn ensure(path: &Path, spans: &[(u64, u64)]) -> Result<()> {
-    if LIVE_COUNT.load(Ordering::Relaxed) == 0 || spans.is_empty() {
-        return Ok(());
-    }
-    let m = {
-        let live = LIVE.read().unwrap_or_else(|e| e.into_inner());
-        live.iter()
-            .filter_map(Weak::upgrade)
-            .find(|m| m.by_path.contains_key(path))
-    };
-    match m {
-        Some(m) => m.fetch(path, spans),
-        None => Ok(()),
-    }
-}
-
-/// Make sure the source bytes `ops` read from `sources` (indexed by [`CopyOp::src`]) can be
-/// read: row by row, so a strided copy fetches only its rows. Nothing to do (and nothing
-/// computed) when no mirror is live.
-pub fn ensure_ops<'a>(
-    sources: &[PathBuf],
-    ops: impl IntoIterator<Item = &'a CopyOp>,
-) -> Result<()> {
-    if LIVE_COUNT.load(Ordering::Relaxed) == 0 {
-        return Ok(());
-    }
-    let mut spans: Vec<Vec<(u64, u64)>> = vec![vec![]; sources.len()];
-    for o in ops {
-        let Some(s) = spans.get_mut(o.src as usize) else {
-            continue;
-        };
-        if o.count <= 1 || o.src_stride == o.len || o.src_stride.saturating_sub(o.len) <= ROW_GAP {
-            // rows close together: one range over all of them (fewer requests)
-            s.push(o.src_span());
-        } else {
-            s.extend((0..o.count).map(|r| {
-                let a = o.src_offset + r * o.src_stride;
-                (a, a + o.len)
-            }));
-        }
-    }
-    for (path, mut s) in sources.iter().zip(spans) {
-        if !s.is_empty() {
-            s.sort_unstable();
-            ensure(path, &coalesce(&s, 0))?;
-        }
-    }
-    Ok(())
-}
-
-/// Whether any of `paths` is a file of a live mirror.
-pub fn any_mirrored(paths: &[PathBuf]) -> bool {
-    if LIVE_COUNT.load(Ordering::Relaxed) == 0 {
-        return false;
-    }
-    let live = LIVE.read().unwrap_or_else(|e| e.into_inner());
-    let live: Vec<Arc<Mirror>> = live.iter().filter_map(Weak::upgrade).collect();
-    paths
-        .iter()
-        .any(|p| live.iter().any(|m| m.by_path.contains_key(p)))
 }
 
 #[cfg(test)]

@@ -7,7 +7,8 @@
 //! folder of *sparse* files of the objects' sizes, into which ranged GETs write only what is
 //! read — first the bytes the formats need to open the checkpoint (the formats' index reads),
 //! then the source bytes of each copy, asked for by the executor and the loader just before
-//! they read them ([`mirror::ensure`]). Everything else in the crate reads the mirror as local files.
+//! they read them (the mirror is their [`Storage`](crate::Storage)). Everything else reads
+//! the mirror as local files.
 //! Writing, the destination is built in a local scratch folder as any other, then each file
 //! is sent as a multipart upload, the object that makes the checkpoint loadable last
 //! ([`upload`]).
@@ -30,6 +31,25 @@ const SCHEMES: [&str; 9] = [
     "s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "http", "https",
 ];
 
+/// The object stores, as a [`Backend`](crate::source::Backend): `s3://`, `gs://`, `az://`,
+/// `http(s)://` URLs opened as local mirrors of their objects.
+pub struct ObjectStores;
+
+impl crate::source::Backend for ObjectStores {
+    fn schemes(&self) -> &'static [&'static str] {
+        &SCHEMES
+    }
+
+    fn open(&self, url: &Path) -> Result<crate::Opened> {
+        let m = mirror::Mirror::open(url)?;
+        Ok(crate::Opened {
+            root: m.root().to_path_buf(),
+            url: Some(m.url().to_string()),
+            storage: m,
+        })
+    }
+}
+
 /// Whether `path` is an object-store URL (`s3://…` and the other `SCHEMES`), not a path.
 pub fn is_url(path: &Path) -> bool {
     scheme(path).is_some_and(|s| SCHEMES.contains(&s.as_str()))
@@ -44,7 +64,7 @@ pub fn local_path(path: &Path) -> PathBuf {
 }
 
 /// The lower-cased scheme of `path` when it reads `scheme://…`.
-fn scheme(path: &Path) -> Option<String> {
+pub fn scheme(path: &Path) -> Option<String> {
     let s = path.to_str()?;
     let (scheme, _) = s.split_once("://")?;
     (!scheme.is_empty()
