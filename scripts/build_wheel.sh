@@ -9,6 +9,7 @@
 #   scripts/build_wheel.sh --out DIR           into DIR (emptied of reshard-* files first)
 #   scripts/build_wheel.sh --target TRIPLE     another target (aarch64-unknown-linux-gnu;
 #                                              needs `rustup target add` of it)
+#   scripts/build_wheel.sh --quiet             without cargo's log (errors still shown)
 #
 # maturin (>= 1.15: older ones pass zig a linker flag Rust >= 1.98 sets for aarch64 that zig
 # refuses) and ziglang (zig from PyPI) are installed into the venv ($RESHARD_VENV or .venv,
@@ -18,13 +19,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-out=target/wheels sdist=0 triple=""
+out=target/wheels sdist=0 triple="" quiet=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --sdist) sdist=1 ;;
+    -q|--quiet) quiet=1 ;;
     --out) out="$2"; shift ;;
     --target) triple="$2"; shift ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "build_wheel.sh: unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -53,5 +55,6 @@ rm -f "$out"/reshard-*.whl "$out"/reshard-*.tar.gz
 args=(build --release --strip --zig --compatibility manylinux2014 -m python/Cargo.toml -o "$out")
 [ -n "$triple" ] && args+=(--target "$triple")
 [ "$sdist" = 1 ] && args+=(--sdist)
+[ "$quiet" = 1 ] && args+=(--quiet)
 "$py" -m maturin "${args[@]}" >&2
 ls "$out"/reshard-*.whl
