@@ -49,12 +49,20 @@ if [ "$python" = 1 ]; then
   # The venv's real path, not the .venv link: pip writes the interpreter's path into the
   # `reshard` command's shebang, and the venv is shared by every clone that links it.
   py="$(cd "$venv" && pwd -P)/bin/python"
-  echo "== Python: pip install ./python (maturin builds the native module in release mode)"
   start=$(date +%s)
-  # One wheel, built once: installed here, and into venvs of the other CPython versions
-  # found on the machine by python/tests/test_abi3.py (RESHARD_WHEEL).
+  # One wheel, built once: the release wheel itself (scripts/build_wheel.sh: abi3, manylinux2014
+  # by maturin --zig, which installs maturin and ziglang into the venv the first time),
+  # installed here, checked and installed into a venv with no Rust toolchain by
+  # python/tests/test_wheel.py, and into venvs of the other CPython versions found on the
+  # machine by python/tests/test_abi3.py (RESHARD_WHEEL). Elsewhere than Linux: pip wheel.
   rm -rf target/wheels/test && mkdir -p target/wheels/test
-  "$py" -m pip wheel --disable-pip-version-check -q --no-deps -w target/wheels/test ./python
+  if [ "$(uname -s)" = Linux ]; then
+    echo "== Python: the release wheel (scripts/build_wheel.sh), installed with pip"
+    RESHARD_VENV="$venv" bash scripts/build_wheel.sh --quiet --out target/wheels/test >/dev/null
+  else
+    echo "== Python: pip wheel ./python (maturin builds the native module in release mode)"
+    "$py" -m pip wheel --disable-pip-version-check -q --no-deps -w target/wheels/test ./python
+  fi
   wheel="$(ls target/wheels/test/reshard-*.whl)"
   "$py" -m pip install --disable-pip-version-check -q --no-deps --force-reinstall "$wheel"
   export RESHARD_WHEEL="$PWD/$wheel"
