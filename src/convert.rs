@@ -12,9 +12,9 @@ use crate::layout::{DType, TensorLayout};
 use crate::parts::{split, Part, Span};
 use crate::per_rank::{classify, Policy};
 use crate::plan::{plan_named, Plan};
-use crate::remote;
 pub use crate::select::Selection;
 use crate::target::LayoutSpec;
+use reshard_storage::remote;
 use reshard_storage::Location;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -424,34 +424,24 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
     let root = scratch.path().join(name);
     let outputs = &job.output.files;
     let single = !job.format.is_dir();
-    let mut dest_paths = Vec::with_capacity(outputs.len());
-    for o in outputs {
-        let p = if single {
-            root.clone()
-        } else {
-            root.join(&o.path)
-        };
-        if let Some(parent) = p.parent() {
-            std::fs::create_dir_all(parent)
-                .map_err(|e| Error::format(parent, format!("cannot make a scratch folder: {e}")))?;
-        }
-        let f = std::fs::File::create(&p).map_err(|e| crate::sys::write_error(&p, e))?;
-        f.set_len(o.size)
-            .map_err(|e| crate::sys::write_error(&p, e))?;
-        dest_paths.push(p);
-    }
+    let dest_paths = scratch_outputs(&root, outputs, single)?;
     let total: u64 = outputs.iter().map(|o| o.size).sum();
-    let batch = opts
-        .upload_batch
-        .unwrap_or(UPLOAD_BATCH)
-        .max(total.div_ceil(2_000));
     let progress = opts.exec.progress.clone();
-    let exec_opts = ExecOptions {
-        progress: progress
-            .clone()
-            .map(|p| Arc::new(Advance(p)) as Arc<dyn exec::Progress>),
-        sync: false,
-        ..opts.exec.clone()
+    let batches = Batches {
+        job,
+        dest_paths: &dest_paths,
+        batch: opts
+            .upload_batch
+            .unwrap_or(UPLOAD_BATCH)
+            .max(total.div_ceil(2_000)),
+        exec: ExecOptions {
+            progress: progress
+                .clone()
+                .map(|p| Arc::new(Advance(p)) as Arc<dyn exec::Progress>),
+            sync: false,
+            ..opts.exec.clone()
+        },
+        dst,
     };
     // each file's object name under the URL ("" for a one-file output: the URL itself)
     let rels: Vec<String> = outputs
@@ -489,107 +479,8 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
                         h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?;
                     }
                 }
-                let size = outputs[f].size;
-                let up = current.insert(upload.file(rel, &dest_paths[f], size, true)?);
-                let chunk = up.chunk();
-                // The chunks holding an output checksum (a zip CRC) wait until it is
-                // written: once every byte of its range is.
-                let cks = &outputs[f].checksums;
-                let slots = |c: &exec::Checksum| -> Vec<usize> {
-                    let n = if c.hex { 8 } else { 4 };
-                    c.at.iter()
-                        .flat_map(|&at| ((at / chunk) as usize)..=((at + n - 1) / chunk) as usize)
-                        .collect()
-                };
-                let mut waiting: std::collections::BTreeMap<usize, usize> = Default::default();
-                for c in cks {
-                    for k in slots(c) {
-                        *waiting.entry(k).or_default() += 1;
-                    }
-                }
-                // a checksum is written once its range and its slots are written (a later
-                // batch writing a slot's placeholder must not overwrite it)
-                let ready_at = |c: &exec::Checksum| {
-                    let n = if c.hex { 8 } else { 4 };
-                    c.at.iter().map(|&at| at + n).fold(c.range.1, u64::max)
-                };
-                let mut order_ck: Vec<usize> = (0..cks.len()).collect();
-                order_ck.sort_by_key(|&i| ready_at(&cks[i]));
-                let mut next_ck = 0;
-                let chunks = size.div_ceil(chunk) as usize;
-                let per = (batch / chunk).max(1) as usize;
-                let mut shares = vec![];
-                // written chunks that wait for a checksum
-                let mut parked: std::collections::BTreeSet<usize> = Default::default();
-                for first in (0..chunks).step_by(per) {
-                    let ks: Vec<usize> = (first..chunks.min(first + per)).collect();
-                    let span = Span {
-                        file: f as u32,
-                        start: first as u64 * chunk,
-                        end: size.min((first + ks.len()) as u64 * chunk),
-                    };
-                    let w = exec::execute_part(
-                        &job.plan,
-                        job.source.sources(),
-                        outputs,
-                        &dest_paths,
-                        &exec_opts,
-                        &[span],
-                    )?;
-                    stats.windows += w.stats.windows;
-                    stats.threads = stats.threads.max(w.stats.threads);
-                    shares.extend(w.shares);
-                    parked.extend(ks.iter().copied().filter(|k| waiting.contains_key(k)));
-                    let mut go: Vec<usize> = ks
-                        .into_iter()
-                        .filter(|k| !waiting.contains_key(k))
-                        .collect();
-                    // the checksums whose bytes are all written now
-                    let mut ready = vec![];
-                    while next_ck < order_ck.len() && ready_at(&cks[order_ck[next_ck]]) <= span.end
-                    {
-                        ready.push(order_ck[next_ck]);
-                        next_ck += 1;
-                    }
-                    if !ready.is_empty() {
-                        ready.sort_unstable();
-                        exec::write_checksum_shares_in(
-                            outputs,
-                            &shares,
-                            &dest_paths,
-                            Some(f),
-                            Some(&ready),
-                        )?;
-                        for &i in &ready {
-                            for k in slots(&cks[i]) {
-                                if let Some(n) = waiting.get_mut(&k) {
-                                    *n -= 1;
-                                    if *n == 0 {
-                                        waiting.remove(&k);
-                                    }
-                                }
-                            }
-                        }
-                        let free: Vec<usize> = parked
-                            .iter()
-                            .copied()
-                            .filter(|k| !waiting.contains_key(k))
-                            .collect();
-                        for k in &free {
-                            parked.remove(k);
-                        }
-                        go.extend(free);
-                        go.sort_unstable();
-                    }
-                    up.send(go)?;
-                }
-                if !waiting.is_empty() || !parked.is_empty() {
-                    return Err(Error::internal(format!(
-                        "{}: an output checksum of {} was never complete",
-                        dst.display(),
-                        outputs[f].path.display()
-                    )));
-                }
+                let up = current.insert(upload.file(rel, &dest_paths[f], outputs[f].size, true)?);
+                batches.send_file(f, up, &mut stats)?;
                 let up = current.take().expect("set above");
                 upload.sent(up)?;
             }
@@ -616,6 +507,208 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
         p.finish();
     }
     Ok(stats)
+}
+
+/// The sparse scratch files an upload's outputs are written into, under `root` (`root`
+/// itself for a one-file output), each of its final size.
+fn scratch_outputs(
+    root: &Path,
+    outputs: &[exec::OutputFile],
+    single: bool,
+) -> Result<Vec<PathBuf>> {
+    let mut dest_paths = Vec::with_capacity(outputs.len());
+    for o in outputs {
+        let p = if single {
+            root.to_path_buf()
+        } else {
+            root.join(&o.path)
+        };
+        if let Some(parent) = p.parent() {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| Error::format(parent, format!("cannot make a scratch folder: {e}")))?;
+        }
+        let f = std::fs::File::create(&p).map_err(|e| crate::sys::write_error(&p, e))?;
+        f.set_len(o.size)
+            .map_err(|e| crate::sys::write_error(&p, e))?;
+        dest_paths.push(p);
+    }
+    Ok(dest_paths)
+}
+
+/// How a conversion to a URL writes each output file: a batch of chunks at a time into its
+/// scratch file ([`exec::execute_part`] over the batch's span), each batch's chunks sent as
+/// soon as they are final ([`CrcParking`]).
+struct Batches<'a> {
+    job: &'a Job,
+    dest_paths: &'a [PathBuf],
+    /// Destination bytes written per batch.
+    batch: u64,
+    exec: ExecOptions,
+    /// The URL, for messages.
+    dst: &'a Path,
+}
+
+impl Batches<'_> {
+    /// Write output file `f` batch by batch and send its chunks through `up`.
+    fn send_file(
+        &self,
+        f: usize,
+        up: &mut remote::upload::FileUpload,
+        stats: &mut ExecStats,
+    ) -> Result<()> {
+        let outputs = &self.job.output.files;
+        let size = outputs[f].size;
+        let chunk = up.chunk();
+        let mut parking = CrcParking::new(&outputs[f].checksums, chunk);
+        let chunks = size.div_ceil(chunk) as usize;
+        let per = (self.batch / chunk).max(1) as usize;
+        let mut shares = vec![];
+        for first in (0..chunks).step_by(per) {
+            let ks: Vec<usize> = (first..chunks.min(first + per)).collect();
+            let span = Span {
+                file: f as u32,
+                start: first as u64 * chunk,
+                end: size.min((first + ks.len()) as u64 * chunk),
+            };
+            let w = exec::execute_part(
+                &self.job.plan,
+                self.job.source.sources(),
+                outputs,
+                self.dest_paths,
+                &self.exec,
+                &[span],
+            )?;
+            stats.windows += w.stats.windows;
+            stats.threads = stats.threads.max(w.stats.threads);
+            shares.extend(w.shares);
+            let mut go = parking.written(ks);
+            // the checksums whose bytes are all written now
+            let ready = parking.ready_upto(span.end);
+            if !ready.is_empty() {
+                exec::write_checksum_shares_in(
+                    outputs,
+                    &shares,
+                    self.dest_paths,
+                    Some(f),
+                    Some(&ready),
+                )?;
+                go.extend(parking.release(&ready));
+                go.sort_unstable();
+            }
+            up.send(go)?;
+        }
+        if !parking.is_clear() {
+            return Err(Error::internal(format!(
+                "{}: an output checksum of {} was never complete",
+                self.dst.display(),
+                outputs[f].path.display()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The chunks of an output file that hold one of its checksums (a zip CRC) are parked until
+/// that checksum is written: once every byte of its range and of its slots is (a later batch
+/// writing a slot's placeholder must not overwrite it).
+struct CrcParking<'a> {
+    cks: &'a [exec::Checksum],
+    chunk: u64,
+    /// Per chunk, the checksums it holds that are not written yet.
+    waiting: std::collections::BTreeMap<usize, usize>,
+    /// The checksums by the byte after which they can be written.
+    order: Vec<usize>,
+    next: usize,
+    /// Written chunks that wait for a checksum.
+    parked: std::collections::BTreeSet<usize>,
+}
+
+impl<'a> CrcParking<'a> {
+    fn new(cks: &'a [exec::Checksum], chunk: u64) -> Self {
+        let mut p = CrcParking {
+            cks,
+            chunk,
+            waiting: Default::default(),
+            order: (0..cks.len()).collect(),
+            next: 0,
+            parked: Default::default(),
+        };
+        for c in cks {
+            for k in p.slots(c) {
+                *p.waiting.entry(k).or_default() += 1;
+            }
+        }
+        p.order.sort_by_key(|&i| Self::ready_at(&cks[i]));
+        p
+    }
+
+    /// The chunks holding `c`'s CRC.
+    fn slots(&self, c: &exec::Checksum) -> Vec<usize> {
+        let n = if c.hex { 8 } else { 4 };
+        c.at.iter()
+            .flat_map(|&at| ((at / self.chunk) as usize)..=((at + n - 1) / self.chunk) as usize)
+            .collect()
+    }
+
+    /// The byte after which `c` can be written: the end of its range and of its slots.
+    fn ready_at(c: &exec::Checksum) -> u64 {
+        let n = if c.hex { 8 } else { 4 };
+        c.at.iter().map(|&at| at + n).fold(c.range.1, u64::max)
+    }
+
+    /// Chunks `ks` are written: those that hold no pending checksum may go; the others
+    /// are parked.
+    fn written(&mut self, ks: Vec<usize>) -> Vec<usize> {
+        let waiting = &self.waiting;
+        self.parked
+            .extend(ks.iter().copied().filter(|k| waiting.contains_key(k)));
+        ks.into_iter()
+            .filter(|k| !waiting.contains_key(k))
+            .collect()
+    }
+
+    /// The checksums (indices, sorted) whose bytes are all written once bytes up to `end`
+    /// are, not handed out before.
+    fn ready_upto(&mut self, end: u64) -> Vec<usize> {
+        let mut ready = vec![];
+        while self.next < self.order.len()
+            && Self::ready_at(&self.cks[self.order[self.next]]) <= end
+        {
+            ready.push(self.order[self.next]);
+            self.next += 1;
+        }
+        ready.sort_unstable();
+        ready
+    }
+
+    /// Checksums `ready` are written: the parked chunks that no longer wait for one.
+    fn release(&mut self, ready: &[usize]) -> Vec<usize> {
+        for &i in ready {
+            for k in self.slots(&self.cks[i]) {
+                if let Some(n) = self.waiting.get_mut(&k) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.waiting.remove(&k);
+                    }
+                }
+            }
+        }
+        let free: Vec<usize> = self
+            .parked
+            .iter()
+            .copied()
+            .filter(|k| !self.waiting.contains_key(k))
+            .collect();
+        for k in &free {
+            self.parked.remove(k);
+        }
+        free
+    }
+
+    /// Every checksum written and every chunk sent.
+    fn is_clear(&self) -> bool {
+        self.waiting.is_empty() && self.parked.is_empty()
+    }
 }
 
 /// A progress report passed on to the executor's runs of one conversion: their advances

@@ -50,7 +50,13 @@ pub mod verify;
 
 pub use reshard_core::{layout, parts, per_rank, plan, target};
 pub use reshard_formats as formats;
-pub use reshard_storage::remote;
+
+/// Object storage (`s3://`, `gs://`, `az://`, `http(s)://` checkpoints): what a front end
+/// sets and reports. Reading and writing URLs needs nothing else: every function that takes
+/// a path takes a URL.
+pub mod remote {
+    pub use reshard_storage::remote::{fetch_stats, is_url, set_endpoint_url, FetchStats};
+}
 
 /// Re-exported at their old paths for the project's tests, benches and fuzz targets.
 #[cfg(feature = "internals")]

@@ -6,7 +6,7 @@
 //! ([`Checkpoint::companions`]) and are written beside an output's weights.
 
 use super::safetensors::{
-    align_order, full_layouts, output_file, read_header, recorded_crcs, Entry,
+    aligned_entries, full_layouts, output_file, read_header, recorded_crcs, Entry,
 };
 use super::safetensors::{checkpoint, header_metadata};
 use super::{
@@ -173,15 +173,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
 /// Lay out a consolidated target as Hugging Face shards of at most `max_shard_size` bytes
 /// (a tensor larger than that gets a file of its own) plus the index.
 pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
-    let mut entries: Vec<Entry> = target
-        .iter()
-        .map(|t| Entry {
-            name: t.name.clone(),
-            dtype: t.dtype,
-            shape: t.shape.clone(),
-        })
-        .collect();
-    align_order(&mut entries);
+    let entries = aligned_entries(target);
     let mut groups: Vec<Vec<Entry>> = vec![];
     let mut cur = 0u64;
     for e in entries {

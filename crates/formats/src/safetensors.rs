@@ -509,8 +509,8 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
     Ok(ck)
 }
 
-/// Lay out a consolidated target as one safetensors file.
-pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
+/// `target`'s tensors as header entries, in the order that aligns their data.
+pub fn aligned_entries(target: &[TargetTensor]) -> Vec<Entry> {
     let mut entries: Vec<Entry> = target
         .iter()
         .map(|t| Entry {
@@ -520,6 +520,12 @@ pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
         })
         .collect();
     align_order(&mut entries);
+    entries
+}
+
+/// Lay out a consolidated target as one safetensors file.
+pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
+    let entries = aligned_entries(target);
     let metadata = header_metadata(target, opts)?;
     let (file, offsets) = output_file(PathBuf::from("model.safetensors"), &entries, &metadata)?;
     Ok(Output {

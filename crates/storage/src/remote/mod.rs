@@ -112,6 +112,12 @@ impl std::fmt::Debug for Remote {
 impl Remote {
     /// The store and prefix `url` names, configured from the environment.
     pub fn parse(url: &Path) -> Result<Remote> {
+        // TLS is rustls with ring's crypto (Cargo.toml), which reqwest needs installed as the
+        // process default before it builds a client. Err only when one is installed already
+        // (by an earlier call, or by the program embedding reshard): that one serves.
+        // (rustls deprecates ring's provider for want of post-quantum key exchange.)
+        #[allow(deprecated)]
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let shown = url.display().to_string().trim_end_matches('/').to_string();
         let bad = |msg: String| Error::format(&shown, msg);
         let text = url
