@@ -52,27 +52,9 @@ pub(super) fn json_shape(v: &Json) -> Option<Vec<u64>> {
 }
 
 impl<'a> Job<'a> {
+    /// Read the job from the source's entries in `opts`.
     pub(super) fn of(opts: &'a WriteOptions) -> Result<Job<'a>> {
-        let shapes = extra(opts, "param_shapes").ok_or_else(|| {
-            needs(
-                "needs a DeepSpeed source: its parameter groups, stage and engine state \
-                 (`param_shapes`, `ds_config`) say what the engine at M ranks expects",
-            )
-        })?;
-        let groups = shapes
-            .value
-            .as_array()
-            .and_then(|gs| {
-                gs.iter()
-                    .map(|g| {
-                        g.as_object()?
-                            .iter()
-                            .map(|(k, s)| Some((k.clone(), json_shape(s)?)))
-                            .collect::<Option<Vec<_>>>()
-                    })
-                    .collect::<Option<Vec<_>>>()
-            })
-            .ok_or_else(|| needs("needs `param_shapes` as a list of {name: shape} dicts"))?;
+        let groups = param_shapes(opts)?;
         let buffers = extra(opts, "buffer_names")
             .and_then(|e| e.value.as_array())
             .map(|a| {
@@ -89,65 +71,15 @@ impl<'a> Job<'a> {
                     .collect()
             })
             .unwrap_or_default();
-        let config = extra(opts, "ds_config").map(|e| &e.value);
-        let at = |path: &[&str]| -> Option<&Json> {
-            let mut v = config?;
-            for k in path {
-                v = v.get(k)?;
-            }
-            Some(v)
-        };
-        let enabled = |k: &str| at(&[k, "enabled"]).and_then(Json::as_bool) == Some(true);
-        let model_dtype = if enabled("bf16") || enabled("bfloat16") {
-            DType::BF16
-        } else if enabled("fp16") {
-            DType::F16
-        } else {
-            DType::F32
-        };
-        let source_stage = at(&["zero_optimization", "stage"])
-            .and_then(Json::as_u64)
-            .or_else(|| {
-                extra(opts, "optimizer_state_dict.zero_stage").and_then(|e| e.value.as_u64())
-            });
-        let stage = match opts.zero_stage.map(u64::from).or(source_stage) {
-            Some(s @ 1..=3) => s as u8,
-            Some(s) => return Err(needs(format!("needs ZeRO stage 1, 2 or 3, not {s}"))),
-            None => {
-                return Err(needs(
-                    "needs the source's ZeRO stage (`ds_config`), or one chosen",
-                ))
-            }
-        };
-        let fp32_accumulation = matches!(
-            at(&["data_types", "grad_accum_dtype"]).and_then(Json::as_str),
-            Some("fp32" | "float32" | "float" | "torch.float32")
-        );
-        let offload = at(&["zero_optimization", "offload_optimizer", "device"])
-            .and_then(Json::as_str)
-            .is_some_and(|d| d != "none");
-        let kind = match stage {
-            3 => Kind::Zero3,
-            1 if model_dtype == DType::BF16 && fp32_accumulation && !offload => Kind::Bf16,
-            s => Kind::Zero12(s),
-        };
-        // a count the config may write as a float (`1e9`)
-        let count = |v: &Json| {
-            v.as_u64().or_else(|| {
-                v.as_f64()
-                    .filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f < 1.8e19)
-                    .map(|f| f as u64)
-            })
-        };
-        let sub_group_size = at(&["zero_optimization", "sub_group_size"])
-            .and_then(count)
+        let config = Config(extra(opts, "ds_config").map(|e| &e.value));
+        let model_dtype = config.model_dtype();
+        let stage = config.stage(opts)?;
+        let kind = config.kind(stage, model_dtype);
+        let sub_group_size = config
+            .count(&["zero_optimization", "sub_group_size"])
             .unwrap_or(1_000_000_000);
-        let parameter_alignment = at(&["zero_optimization", "parameter_alignment"])
-            .and_then(Json::as_bool)
-            .unwrap_or(false);
-        let round_robin = at(&["zero_optimization", "round_robin_gradients"])
-            .and_then(Json::as_bool)
-            .unwrap_or(false);
+        let parameter_alignment = config.flag(&["zero_optimization", "parameter_alignment"]);
+        let round_robin = config.flag(&["zero_optimization", "round_robin_gradients"]);
         let entries = opts
             .extras
             .iter()
@@ -157,98 +89,8 @@ impl<'a> Job<'a> {
                     && !e.name.starts_with("optimizer_state_dict.")
             })
             .collect();
-        // the optimizer's parameter groups: hyperparameters, and the parameters of each
-        // (`params`; param_shapes lists flat tensors, which at stage 3 are sub-groups)
-        let mut hyper: Vec<Vec<(String, PyValue)>> = vec![];
-        let mut members: Vec<Option<Vec<String>>> = vec![];
-        for e in &opts.extras {
-            let Some(rest) = e.name.strip_prefix("optimizer.param_groups.") else {
-                continue;
-            };
-            let (g, key) = match opts.paths.get(&e.name).map(Vec::as_slice) {
-                Some([_, _, KeyPart::Index(g), KeyPart::Key(k)]) => (*g as usize, k.clone()),
-                _ => match rest.split_once('.') {
-                    Some((g, k)) => (g.parse().unwrap_or(usize::MAX), k.to_string()),
-                    None => continue,
-                },
-            };
-            if g > 1 << 20 {
-                return Err(needs(format!("cannot hold parameter group {g}")));
-            }
-            if hyper.len() <= g {
-                hyper.resize(g + 1, vec![]);
-                members.resize(g + 1, None);
-            }
-            if key == "params" {
-                let names = e.value.as_array().and_then(|a| {
-                    a.iter()
-                        .map(|v| v.as_str().map(str::to_string))
-                        .collect::<Option<Vec<_>>>()
-                });
-                members[g] = Some(names.ok_or_else(|| {
-                    needs(format!(
-                        "needs `{}` as a list of parameter names",
-                        short(&e.name)
-                    ))
-                })?);
-            } else {
-                hyper[g].push((key, extra_value(e)));
-            }
-        }
-        if hyper.is_empty() {
-            return Err(needs(
-                "needs the optimizer's parameter groups (`optimizer.param_groups.*`)",
-            ));
-        }
-        if let Some(g) = hyper.iter().position(Vec::is_empty) {
-            return Err(needs(format!(
-                "needs the hyperparameters of parameter group {g} (`optimizer.param_groups.{g}.*`)"
-            )));
-        }
-        let groups = if members.iter().all(Option::is_some) {
-            let shape_of: HashMap<&str, &Vec<u64>> = groups
-                .iter()
-                .flatten()
-                .map(|(n, s)| (n.as_str(), s))
-                .collect();
-            let regrouped = members
-                .into_iter()
-                .flatten()
-                .map(|names| {
-                    names
-                        .into_iter()
-                        .map(|n| {
-                            let s = shape_of.get(n.as_str()).map(|s| (*s).clone());
-                            s.map(|s| (n.clone(), s)).ok_or_else(|| {
-                                needs(format!(
-                                    "has no shape for parameter `{}` of the optimizer's groups \
-                                     in `param_shapes`",
-                                    short(&n)
-                                ))
-                            })
-                        })
-                        .collect::<Result<Vec<_>>>()
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let listed: usize = regrouped.iter().map(Vec::len).sum();
-            if listed != shape_of.len() {
-                return Err(needs(format!(
-                    "needs every parameter of `param_shapes` in one optimizer group ({} of {} are)",
-                    listed,
-                    shape_of.len()
-                )));
-            }
-            regrouped
-        } else if groups.len() == hyper.len() && !round_robin {
-            groups
-        } else {
-            return Err(needs(format!(
-                "needs the parameters of each optimizer group (`optimizer.param_groups.<g>.params`): \
-                 param_shapes has {} groups, the optimizer {}",
-                groups.len(),
-                hyper.len()
-            )));
-        };
+        let (hyper, members) = optimizer_groups(opts)?;
+        let groups = regroup(groups, members, hyper.len(), round_robin)?;
         let wrapper = opts
             .extras
             .iter()
@@ -313,6 +155,224 @@ impl<'a> Job<'a> {
             name: name.into(),
             state: Some(Box::new(state)),
         }
+    }
+}
+
+/// Per parameter group, its trainable parameters and their shapes.
+type Groups = Vec<Vec<(String, Vec<u64>)>>;
+
+/// `param_shapes`: per parameter group (the source's flat tensors), its trainable parameters
+/// and their shapes.
+fn param_shapes(opts: &WriteOptions) -> Result<Groups> {
+    let shapes = extra(opts, "param_shapes").ok_or_else(|| {
+        needs(
+            "needs a DeepSpeed source: its parameter groups, stage and engine state \
+             (`param_shapes`, `ds_config`) say what the engine at M ranks expects",
+        )
+    })?;
+    shapes
+        .value
+        .as_array()
+        .and_then(|gs| {
+            gs.iter()
+                .map(|g| {
+                    g.as_object()?
+                        .iter()
+                        .map(|(k, s)| Some((k.clone(), json_shape(s)?)))
+                        .collect::<Option<Vec<_>>>()
+                })
+                .collect::<Option<Vec<_>>>()
+        })
+        .ok_or_else(|| needs("needs `param_shapes` as a list of {name: shape} dicts"))
+}
+
+/// The source's `ds_config` (if any), read by path.
+struct Config<'c>(Option<&'c Json>);
+
+impl<'c> Config<'c> {
+    /// The value at `path`.
+    fn at(&self, path: &[&str]) -> Option<&'c Json> {
+        let mut v = self.0?;
+        for k in path {
+            v = v.get(k)?;
+        }
+        Some(v)
+    }
+
+    /// The bool at `path`, false where absent.
+    fn flag(&self, path: &[&str]) -> bool {
+        self.at(path).and_then(Json::as_bool).unwrap_or(false)
+    }
+
+    /// The count at `path`, which the config may write as a float (`1e9`).
+    fn count(&self, path: &[&str]) -> Option<u64> {
+        self.at(path).and_then(|v| {
+            v.as_u64().or_else(|| {
+                v.as_f64()
+                    .filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f < 1.8e19)
+                    .map(|f| f as u64)
+            })
+        })
+    }
+
+    /// The model's training dtype: bf16 / fp16 when enabled, else fp32.
+    fn model_dtype(&self) -> DType {
+        let enabled = |k: &str| self.at(&[k, "enabled"]).and_then(Json::as_bool) == Some(true);
+        if enabled("bf16") || enabled("bfloat16") {
+            DType::BF16
+        } else if enabled("fp16") {
+            DType::F16
+        } else {
+            DType::F32
+        }
+    }
+
+    /// The ZeRO stage to write: the one chosen, else the source's.
+    fn stage(&self, opts: &WriteOptions) -> Result<u8> {
+        let source_stage = self
+            .at(&["zero_optimization", "stage"])
+            .and_then(Json::as_u64)
+            .or_else(|| {
+                extra(opts, "optimizer_state_dict.zero_stage").and_then(|e| e.value.as_u64())
+            });
+        match opts.zero_stage.map(u64::from).or(source_stage) {
+            Some(s @ 1..=3) => Ok(s as u8),
+            Some(s) => Err(needs(format!("needs ZeRO stage 1, 2 or 3, not {s}"))),
+            None => Err(needs(
+                "needs the source's ZeRO stage (`ds_config`), or one chosen",
+            )),
+        }
+    }
+
+    /// The optimizer DeepSpeed's engine chooses at `stage` for `model_dtype`:
+    /// `BF16_Optimizer` for bf16 at stage 1 with fp32 gradient accumulation, not offloaded.
+    fn kind(&self, stage: u8, model_dtype: DType) -> Kind {
+        let fp32_accumulation = matches!(
+            self.at(&["data_types", "grad_accum_dtype"])
+                .and_then(Json::as_str),
+            Some("fp32" | "float32" | "float" | "torch.float32")
+        );
+        let offload = self
+            .at(&["zero_optimization", "offload_optimizer", "device"])
+            .and_then(Json::as_str)
+            .is_some_and(|d| d != "none");
+        match stage {
+            3 => Kind::Zero3,
+            1 if model_dtype == DType::BF16 && fp32_accumulation && !offload => Kind::Bf16,
+            s => Kind::Zero12(s),
+        }
+    }
+}
+
+/// Per optimizer parameter group: its hyperparameters, and its parameters' names (`params`)
+/// where the source lists them.
+type OptimizerGroups = (Vec<Vec<(String, PyValue)>>, Vec<Option<Vec<String>>>);
+
+/// The optimizer's parameter groups (`optimizer.param_groups.<g>.<key>`), each checked to
+/// have hyperparameters.
+fn optimizer_groups(opts: &WriteOptions) -> Result<OptimizerGroups> {
+    let mut hyper: Vec<Vec<(String, PyValue)>> = vec![];
+    let mut members: Vec<Option<Vec<String>>> = vec![];
+    for e in &opts.extras {
+        let Some(rest) = e.name.strip_prefix("optimizer.param_groups.") else {
+            continue;
+        };
+        let (g, key) = match opts.paths.get(&e.name).map(Vec::as_slice) {
+            Some([_, _, KeyPart::Index(g), KeyPart::Key(k)]) => (*g as usize, k.clone()),
+            _ => match rest.split_once('.') {
+                Some((g, k)) => (g.parse().unwrap_or(usize::MAX), k.to_string()),
+                None => continue,
+            },
+        };
+        if g > 1 << 20 {
+            return Err(needs(format!("cannot hold parameter group {g}")));
+        }
+        if hyper.len() <= g {
+            hyper.resize(g + 1, vec![]);
+            members.resize(g + 1, None);
+        }
+        if key == "params" {
+            let names = e.value.as_array().and_then(|a| {
+                a.iter()
+                    .map(|v| v.as_str().map(str::to_string))
+                    .collect::<Option<Vec<_>>>()
+            });
+            members[g] = Some(names.ok_or_else(|| {
+                needs(format!(
+                    "needs `{}` as a list of parameter names",
+                    short(&e.name)
+                ))
+            })?);
+        } else {
+            hyper[g].push((key, extra_value(e)));
+        }
+    }
+    if hyper.is_empty() {
+        return Err(needs(
+            "needs the optimizer's parameter groups (`optimizer.param_groups.*`)",
+        ));
+    }
+    if let Some(g) = hyper.iter().position(Vec::is_empty) {
+        return Err(needs(format!(
+            "needs the hyperparameters of parameter group {g} (`optimizer.param_groups.{g}.*`)"
+        )));
+    }
+    Ok((hyper, members))
+}
+
+/// The trainable parameters of each of the `n_groups` optimizer groups: `groups`
+/// (`param_shapes`) regrouped by the groups' `members` where every group lists them, else
+/// `groups` itself where it matches the optimizer's groups one to one (and is in their own
+/// order: not under `round_robin`).
+fn regroup(
+    groups: Groups,
+    members: Vec<Option<Vec<String>>>,
+    n_groups: usize,
+    round_robin: bool,
+) -> Result<Groups> {
+    if members.iter().all(Option::is_some) {
+        let shape_of: HashMap<&str, &Vec<u64>> = groups
+            .iter()
+            .flatten()
+            .map(|(n, s)| (n.as_str(), s))
+            .collect();
+        let regrouped = members
+            .into_iter()
+            .flatten()
+            .map(|names| {
+                names
+                    .into_iter()
+                    .map(|n| {
+                        let s = shape_of.get(n.as_str()).map(|s| (*s).clone());
+                        s.map(|s| (n.clone(), s)).ok_or_else(|| {
+                            needs(format!(
+                                "has no shape for parameter `{}` of the optimizer's groups \
+                                 in `param_shapes`",
+                                short(&n)
+                            ))
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let listed: usize = regrouped.iter().map(Vec::len).sum();
+        if listed != shape_of.len() {
+            return Err(needs(format!(
+                "needs every parameter of `param_shapes` in one optimizer group ({} of {} are)",
+                listed,
+                shape_of.len()
+            )));
+        }
+        Ok(regrouped)
+    } else if groups.len() == n_groups && !round_robin {
+        Ok(groups)
+    } else {
+        Err(needs(format!(
+            "needs the parameters of each optimizer group (`optimizer.param_groups.<g>.params`): \
+             param_shapes has {} groups, the optimizer {}",
+            groups.len(),
+            n_groups
+        )))
     }
 }
 
