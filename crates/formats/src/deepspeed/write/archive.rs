@@ -112,6 +112,16 @@ pub(super) fn int(i: u64) -> PyValue {
 }
 
 impl Writer<'_> {
+    /// Note output tensor `name` and where it is stored.
+    pub(super) fn place(&mut self, name: String, dtype: DType, shape: Vec<u64>, place: Place) {
+        self.outs.push(Out {
+            name,
+            dtype,
+            shape,
+            place,
+        });
+    }
+
     /// Lay out every file and resolve the tensors' pieces.
     pub(super) fn finish(self, tag: String) -> Result<Output> {
         let mut files = vec![];

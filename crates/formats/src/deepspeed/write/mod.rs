@@ -13,6 +13,10 @@
 //! `param_slice_mappings`, `param_shapes` (per sub-group at stage 3), and in `ds_config` the
 //! micro batch (for the same global batch, when it divides) and `zero_optimization.stage`.
 //! Padding elements are zeros.
+//!
+//! By concept: [`job`] reads what the source says of the job, [`flats`] places the
+//! parameters in the flat tensors, [`optim`] and [`model`] build the optim and model states
+//! files, and [`archive`] lays the files out and resolves each tensor's pieces in them.
 
 mod archive;
 mod flats;
@@ -47,76 +51,8 @@ fn extra<'a>(opts: &'a WriteOptions, name: &str) -> Option<&'a Extra> {
 pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
     let m = world.max(1) as u64;
     let job = Job::of(opts)?;
-    let index: HashMap<&str, usize> = target
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.name.as_str(), i))
-        .collect();
-    // trainable parameters: in the target, fp32
-    let mut trainable: HashSet<&str> = HashSet::new();
-    for (name, shape) in job.groups.iter().flatten() {
-        let i = *index.get(name.as_str()).ok_or_else(|| {
-            needs(format!(
-                "needs every parameter of the source; `{}` is not selected",
-                short(name)
-            ))
-        })?;
-        let t = &target[i];
-        if &t.shape != shape {
-            return Err(Error::layout(
-                name,
-                format!("has shape {:?}, param_shapes {shape:?}", t.shape),
-            ));
-        }
-        if t.dtype != DType::F32 {
-            return Err(Error::layout(
-                name,
-                format!(
-                    "is {} in the target: a deepspeed output holds fp32 master weights (read \
-                     the source's master weights, without a cast)",
-                    t.dtype
-                ),
-            ));
-        }
-        trainable.insert(name.as_str());
-    }
-    // optimizer state, by parameter: `optimizer.state.<param>.<key>` (by its path when it has
-    // one, else the longest parameter name it starts with)
-    let owner = |name: &str| -> Option<(String, String)> {
-        if let Some([KeyPart::Key(a), KeyPart::Key(b), KeyPart::Key(p), KeyPart::Key(k)]) =
-            opts.paths.get(name).map(Vec::as_slice)
-        {
-            if a == "optimizer" && b == "state" && trainable.contains(p.as_str()) {
-                return Some((p.clone(), k.clone()));
-            }
-        }
-        let rest = name.strip_prefix("optimizer.state.")?;
-        rest.char_indices()
-            .filter(|&(_, c)| c == '.')
-            .map(|(i, _)| i)
-            .rev()
-            .find(|&i| trainable.contains(&rest[..i]))
-            .map(|i| (rest[..i].to_string(), rest[i + 1..].to_string()))
-    };
-    let mut state: HashMap<String, ParamState> = HashMap::new();
-    let mut module: Vec<usize> = vec![];
-    for (i, t) in target.iter().enumerate() {
-        match owner(&t.name) {
-            Some((p, k)) => state.entry(p).or_default().tensors.push((k, i)),
-            None if t.name.starts_with("optimizer.state.") => {
-                return Err(needs(format!(
-                    "keeps optimizer state of trainable parameters only; `{}` is not one's",
-                    short(&t.name)
-                )))
-            }
-            None => module.push(i),
-        }
-    }
-    for e in &opts.extras {
-        if let Some((p, k)) = owner(&e.name) {
-            state.entry(p).or_default().values.push((k, extra_value(e)));
-        }
-    }
+    let trainable = trainable(target, &job)?;
+    let (state, module) = optimizer_state(target, opts, &trainable)?;
     let shared: HashMap<&str, &str> = job
         .shared
         .iter()
@@ -156,23 +92,115 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
     w.finish(tag)
 }
 
+/// The trainable parameters (the job's `param_shapes`), each checked to be in the target,
+/// of its shape, fp32.
+fn trainable<'j>(target: &[TargetTensor], job: &'j Job) -> Result<HashSet<&'j str>> {
+    let index: HashMap<&str, usize> = target
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.name.as_str(), i))
+        .collect();
+    let mut trainable: HashSet<&str> = HashSet::new();
+    for (name, shape) in job.groups.iter().flatten() {
+        let i = *index.get(name.as_str()).ok_or_else(|| {
+            needs(format!(
+                "needs every parameter of the source; `{}` is not selected",
+                short(name)
+            ))
+        })?;
+        let t = &target[i];
+        if &t.shape != shape {
+            return Err(Error::layout(
+                name,
+                format!("has shape {:?}, param_shapes {shape:?}", t.shape),
+            ));
+        }
+        if t.dtype != DType::F32 {
+            return Err(Error::layout(
+                name,
+                format!(
+                    "is {} in the target: a deepspeed output holds fp32 master weights (read \
+                     the source's master weights, without a cast)",
+                    t.dtype
+                ),
+            ));
+        }
+        trainable.insert(name.as_str());
+    }
+    Ok(trainable)
+}
+
+/// The optimizer state of each trainable parameter (target tensors and non-tensor entries
+/// named `optimizer.state.<param>.<key>`), and the other target tensors (by index): those of
+/// the model states' `module`.
+fn optimizer_state(
+    target: &[TargetTensor],
+    opts: &WriteOptions,
+    trainable: &HashSet<&str>,
+) -> Result<(HashMap<String, ParamState>, Vec<usize>)> {
+    // by the entry's path when it has one, else the longest parameter name it starts with
+    let owner = |name: &str| -> Option<(String, String)> {
+        if let Some([KeyPart::Key(a), KeyPart::Key(b), KeyPart::Key(p), KeyPart::Key(k)]) =
+            opts.paths.get(name).map(Vec::as_slice)
+        {
+            if a == "optimizer" && b == "state" && trainable.contains(p.as_str()) {
+                return Some((p.clone(), k.clone()));
+            }
+        }
+        let rest = name.strip_prefix("optimizer.state.")?;
+        rest.char_indices()
+            .filter(|&(_, c)| c == '.')
+            .map(|(i, _)| i)
+            .rev()
+            .find(|&i| trainable.contains(&rest[..i]))
+            .map(|i| (rest[..i].to_string(), rest[i + 1..].to_string()))
+    };
+    let mut state: HashMap<String, ParamState> = HashMap::new();
+    let mut module: Vec<usize> = vec![];
+    for (i, t) in target.iter().enumerate() {
+        match owner(&t.name) {
+            Some((p, k)) => state.entry(p).or_default().tensors.push((k, i)),
+            None if t.name.starts_with("optimizer.state.") => {
+                return Err(needs(format!(
+                    "keeps optimizer state of trainable parameters only; `{}` is not one's",
+                    short(&t.name)
+                )))
+            }
+            None => module.push(i),
+        }
+    }
+    for e in &opts.extras {
+        if let Some((p, k)) = owner(&e.name) {
+            state.entry(p).or_default().values.push((k, extra_value(e)));
+        }
+    }
+    Ok((state, module))
+}
+
+/// The output being laid out: its files, and the target tensors' places in them.
 struct Writer<'a> {
     job: &'a Job<'a>,
     target: &'a [TargetTensor],
+    /// The number of data-parallel ranks.
     m: u64,
     archives: Vec<Archive>,
     /// The pickle of each archive, once built.
     values: Vec<PyValue>,
+    /// The output tensors and where they are stored.
     outs: Vec<Out>,
+    /// (copy, the tensor it copies) of the output's second copies.
     copies: Vec<(String, String)>,
 }
 
-impl<'a> Writer<'a> {
+impl Writer<'_> {
+    /// A new archive at `path`; its index.
     fn archive(&mut self, path: PathBuf) -> usize {
         self.archives.push(Archive::new(path));
         self.archives.len() - 1
     }
 
+    /// A new storage in archive `file`, holding a contiguous tensor: the value that pickles
+    /// it, and where it is.
     fn tensor(&mut self, file: usize, dtype: DType, shape: Vec<u64>) -> (PyValue, At) {
         let (v, k) = self.archives[file].tensor(dtype, shape);
         (v, (file, k))
