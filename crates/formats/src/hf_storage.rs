@@ -11,7 +11,7 @@
 
 use super::safetensors::{
     align_order, checkpoint, files_in, header_metadata, is_shard_name, output_file, read_header,
-    recorded_crcs, Entry,
+    recorded_crcs, Entry, HeaderTensor,
 };
 use super::{
     Aliasing, Capabilities, Checkpoint, Codec, Container, Family, Format, Output, Probe,
@@ -78,8 +78,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
     if files.is_empty() {
         return Err(Error::format(dir, "has no *.safetensors files"));
     }
-    let mut order: Vec<String> = vec![];
-    let mut by_name: HashMap<String, TensorLayout> = HashMap::new();
+    let mut tensors = Gathered::default();
     let mut metadata = BTreeMap::new();
     let mut ranks_seen = HashSet::new();
     let mut checksums = vec![];
@@ -102,51 +101,14 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             fi as u32
         };
         ranks_seen.insert(rank);
-        let info: serde_json::Map<String, serde_json::Value> = match h.metadata.get(SHARDING_INFO) {
-            Some(s) => match serde_json::from_str(s) {
-                Ok(serde_json::Value::Object(m)) => m,
-                _ => {
-                    return Err(Error::format(
-                        path,
-                        format!("`{SHARDING_INFO}` in the header is not a JSON object"),
-                    ))
-                }
-            },
-            None => Default::default(),
-        };
+        let info = sharding_info(path, &h.metadata)?;
         for (k, v) in &h.metadata {
             if !k.starts_with("DCP_") && k != "format" {
                 metadata.entry(k.clone()).or_insert_with(|| v.clone());
             }
         }
         for t in h.tensors {
-            let offsets: Vec<u64> = match info.get(&t.name) {
-                Some(v) => v
-                    .get("saved_offsets")
-                    .and_then(|o| o.as_array())
-                    .and_then(|a| a.iter().map(|x| x.as_u64()).collect::<Option<Vec<u64>>>())
-                    .ok_or_else(|| {
-                        Error::format(
-                            path,
-                            format!(
-                                "`{SHARDING_INFO}` of `{}` has no list of saved_offsets",
-                                t.name
-                            ),
-                        )
-                    })?,
-                None => vec![0; t.shape.len()],
-            };
-            if offsets.len() != t.shape.len() {
-                return Err(Error::format(
-                    path,
-                    format!(
-                        "tensor `{}` has {} dims but {} saved_offsets",
-                        t.name,
-                        t.shape.len(),
-                        offsets.len()
-                    ),
-                ));
-            }
+            let offsets = saved_offsets(path, &info, &t)?;
             let piece = Piece {
                 rank,
                 region: Region::new(offsets, t.shape.clone()),
@@ -157,51 +119,158 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
                     pending: None,
                 },
             };
-            match by_name.get_mut(&t.name) {
-                Some(l) => {
-                    let ndim = l.pieces[0].region.ndim();
-                    if l.dtype != t.dtype || ndim != t.shape.len() {
-                        return Err(Error::format(
-                            path,
-                            format!("tensor `{}` is {} with {} dims here but {} with {} dims in another shard",
-                                t.name, t.dtype, t.shape.len(), l.dtype, ndim),
-                        ));
-                    }
-                    if let Some(twin) = l
-                        .pieces
-                        .iter()
-                        .find(|p| p.region == piece.region && !p.region.is_empty())
-                    {
-                        return Err(Error::format(
-                            path,
-                            format!(
-                                "tensor `{}`: chunk {} is stored twice (also in {})",
-                                t.name,
-                                piece.region,
-                                files[twin.loc.file as usize]
-                                    .file_name()
-                                    .unwrap_or_default()
-                                    .to_string_lossy()
-                            ),
-                        ));
-                    }
-                    l.pieces.push(piece);
-                }
-                None => {
-                    order.push(t.name.clone());
-                    by_name.insert(
-                        t.name.clone(),
-                        TensorLayout {
-                            name: t.name,
-                            dtype: t.dtype,
-                            shape: vec![],
-                            pieces: vec![piece],
-                        },
-                    );
-                }
-            }
+            tensors.add(path, &files, t, piece)?;
         }
     }
+    let ranks = rank_count(dir, &ranks_seen, world, named)?;
+    let tensors = tensors.layouts();
+    let mut ck = checkpoint(Format::HF_STORAGE, dir, files, ranks, tensors, metadata)?;
+    ck.checksums = checksums;
+    Ok(ck)
+}
+
+/// A header's `DCP_SHARDING_INFO` (an empty map when it has none).
+fn sharding_info(
+    path: &Path,
+    metadata: &BTreeMap<String, String>,
+) -> Result<serde_json::Map<String, serde_json::Value>> {
+    Ok(match metadata.get(SHARDING_INFO) {
+        Some(s) => match serde_json::from_str(s) {
+            Ok(serde_json::Value::Object(m)) => m,
+            _ => {
+                return Err(Error::format(
+                    path,
+                    format!("`{SHARDING_INFO}` in the header is not a JSON object"),
+                ))
+            }
+        },
+        None => Default::default(),
+    })
+}
+
+/// The global offsets of the chunk `t` stores: its `saved_offsets` in `info`, else the
+/// origin; one per dimension.
+fn saved_offsets(
+    path: &Path,
+    info: &serde_json::Map<String, serde_json::Value>,
+    t: &HeaderTensor,
+) -> Result<Vec<u64>> {
+    let offsets: Vec<u64> = match info.get(&t.name) {
+        Some(v) => v
+            .get("saved_offsets")
+            .and_then(|o| o.as_array())
+            .and_then(|a| a.iter().map(|x| x.as_u64()).collect::<Option<Vec<u64>>>())
+            .ok_or_else(|| {
+                Error::format(
+                    path,
+                    format!(
+                        "`{SHARDING_INFO}` of `{}` has no list of saved_offsets",
+                        t.name
+                    ),
+                )
+            })?,
+        None => vec![0; t.shape.len()],
+    };
+    if offsets.len() != t.shape.len() {
+        return Err(Error::format(
+            path,
+            format!(
+                "tensor `{}` has {} dims but {} saved_offsets",
+                t.name,
+                t.shape.len(),
+                offsets.len()
+            ),
+        ));
+    }
+    Ok(offsets)
+}
+
+/// The tensors of the shards, their chunks gathered by name in order of first mention.
+#[derive(Default)]
+struct Gathered {
+    order: Vec<String>,
+    by_name: HashMap<String, TensorLayout>,
+}
+
+impl Gathered {
+    /// Add chunk `piece` of the header tensor `t` of the shard at `path` (one of `files`),
+    /// checked to agree with the tensor's other chunks and not to repeat one.
+    fn add(&mut self, path: &Path, files: &[PathBuf], t: HeaderTensor, piece: Piece) -> Result<()> {
+        let Some(l) = self.by_name.get_mut(&t.name) else {
+            self.order.push(t.name.clone());
+            self.by_name.insert(
+                t.name.clone(),
+                TensorLayout {
+                    name: t.name,
+                    dtype: t.dtype,
+                    shape: vec![],
+                    pieces: vec![piece],
+                },
+            );
+            return Ok(());
+        };
+        let ndim = l.pieces[0].region.ndim();
+        if l.dtype != t.dtype || ndim != t.shape.len() {
+            return Err(Error::format(
+                path,
+                format!(
+                    "tensor `{}` is {} with {} dims here but {} with {} dims in another shard",
+                    t.name,
+                    t.dtype,
+                    t.shape.len(),
+                    l.dtype,
+                    ndim
+                ),
+            ));
+        }
+        if let Some(twin) = l
+            .pieces
+            .iter()
+            .find(|p| p.region == piece.region && !p.region.is_empty())
+        {
+            return Err(Error::format(
+                path,
+                format!(
+                    "tensor `{}`: chunk {} is stored twice (also in {})",
+                    t.name,
+                    piece.region,
+                    files[twin.loc.file as usize]
+                        .file_name()
+                        .unwrap_or_default()
+                        .to_string_lossy()
+                ),
+            ));
+        }
+        l.pieces.push(piece);
+        Ok(())
+    }
+
+    /// The layouts in order, each tensor's shape the largest extent of its chunks.
+    fn layouts(mut self) -> Vec<TensorLayout> {
+        self.order
+            .into_iter()
+            .map(|n| {
+                let mut l = self
+                    .by_name
+                    .remove(&n)
+                    .expect("every ordered name has a layout");
+                l.shape = (0..l.pieces[0].region.ndim())
+                    .map(|d| l.pieces.iter().map(|p| p.region.end(d)).max().unwrap_or(0))
+                    .collect();
+                l
+            })
+            .collect()
+    }
+}
+
+/// The number of ranks: one past the highest seen, or the world size reshard recorded; with
+/// rank-named files, every rank's checked present.
+fn rank_count(
+    dir: &Path,
+    ranks_seen: &HashSet<u32>,
+    world: Option<u32>,
+    named: bool,
+) -> Result<u32> {
     let mut ranks = ranks_seen.iter().max().map_or(1, |m| m + 1);
     if let Some(w) = world.filter(|&w| w > ranks && named) {
         // reshard records the world size: the last ranks' files cannot go missing unseen
@@ -219,19 +288,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             ));
         }
     }
-    let tensors = order
-        .into_iter()
-        .map(|n| {
-            let mut l = by_name.remove(&n).expect("every ordered name has a layout");
-            l.shape = (0..l.pieces[0].region.ndim())
-                .map(|d| l.pieces.iter().map(|p| p.region.end(d)).max().unwrap_or(0))
-                .collect();
-            l
-        })
-        .collect();
-    let mut ck = checkpoint(Format::HF_STORAGE, dir, files, ranks, tensors, metadata)?;
-    ck.checksums = checksums;
-    Ok(ck)
+    Ok(ranks)
 }
 
 /// A chunk to store: its entry (name, dtype, local shape) and its global offsets.
@@ -242,49 +299,7 @@ type Chunk = (Entry, Vec<u64>);
 /// regions of one tensor (`StridedShard`, flat ranges) writes them to successive files
 /// `…-model-0000i-of-0000n`. Every rank gets at least one file, so the world size survives.
 pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
-    // per rank, per file index: the chunks it stores
-    let mut per_rank: Vec<Vec<Vec<Chunk>>> = vec![vec![]; world as usize];
-    for t in target {
-        if Region::full(&t.shape).is_empty() {
-            // No data: one chunk as large as the tensor, on rank 0, records its shape (readers,
-            // torch's included, take a tensor's shape from its chunks' extents).
-            let files = &mut per_rank[0];
-            if files.is_empty() {
-                files.push(vec![]);
-            }
-            files[0].push((
-                Entry {
-                    name: t.name.clone(),
-                    dtype: t.dtype,
-                    shape: t.shape.clone(),
-                },
-                vec![0; t.shape.len()],
-            ));
-            continue;
-        }
-        let mut written: HashSet<&Region> = HashSet::new();
-        for (r, files) in per_rank.iter_mut().enumerate() {
-            let regions = t.ranks.get(r).map(Vec::as_slice).unwrap_or(&[]);
-            let mut k = 0;
-            for reg in regions {
-                if reg.is_empty() || !written.insert(reg) {
-                    continue;
-                }
-                if files.len() <= k {
-                    files.push(vec![]);
-                }
-                files[k].push((
-                    Entry {
-                        name: t.name.clone(),
-                        dtype: t.dtype,
-                        shape: reg.sizes.to_vec(),
-                    },
-                    reg.offsets.to_vec(),
-                ));
-                k += 1;
-            }
-        }
-    }
+    let mut per_rank = chunks_by_rank(target, world);
     let metadata = header_metadata(target, opts)?;
     let mut files = vec![];
     let mut pieces: HashMap<String, Vec<Piece>> = HashMap::new();
@@ -346,4 +361,52 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
         tensors,
         copies: vec![],
     })
+}
+
+/// Per rank, per file index: the chunks it stores (each region once, by the lowest rank
+/// holding it; a tensor without data as one chunk on rank 0).
+fn chunks_by_rank(target: &[TargetTensor], world: u32) -> Vec<Vec<Vec<Chunk>>> {
+    let mut per_rank: Vec<Vec<Vec<Chunk>>> = vec![vec![]; world as usize];
+    for t in target {
+        if Region::full(&t.shape).is_empty() {
+            // No data: one chunk as large as the tensor, on rank 0, records its shape (readers,
+            // torch's included, take a tensor's shape from its chunks' extents).
+            let files = &mut per_rank[0];
+            if files.is_empty() {
+                files.push(vec![]);
+            }
+            files[0].push((
+                Entry {
+                    name: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                },
+                vec![0; t.shape.len()],
+            ));
+            continue;
+        }
+        let mut written: HashSet<&Region> = HashSet::new();
+        for (r, files) in per_rank.iter_mut().enumerate() {
+            let regions = t.ranks.get(r).map(Vec::as_slice).unwrap_or(&[]);
+            let mut k = 0;
+            for reg in regions {
+                if reg.is_empty() || !written.insert(reg) {
+                    continue;
+                }
+                if files.len() <= k {
+                    files.push(vec![]);
+                }
+                files[k].push((
+                    Entry {
+                        name: t.name.clone(),
+                        dtype: t.dtype,
+                        shape: reg.sizes.to_vec(),
+                    },
+                    reg.offsets.to_vec(),
+                ));
+                k += 1;
+            }
+        }
+    }
+    per_rank
 }

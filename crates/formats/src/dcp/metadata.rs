@@ -481,42 +481,56 @@ fn tensor_metadata(name: &str, v: Obj) -> Result<Kind, String> {
 /// Merge per-rank metadata (`use_collectives=False`): union of keys in rank order, identical
 /// chunks de-duplicated, the first item of a chunk kept.
 fn merge(paths: &[PathBuf], metas: Vec<Meta>) -> Result<Meta> {
-    let mut out = Meta::new();
-    let mut files = Interner::default();
-    let mut transforms = Interner::default();
-    let mut index: HashMap<String, usize> = HashMap::new();
-    let mut planned: HashSet<String> = HashSet::new();
-    // Per merged tensor, its chunks (offsets and sizes) → chunk index.
-    type ChunkIndex = HashMap<(Vec<u64>, Vec<u64>), usize>;
-    let mut seen: HashMap<usize, ChunkIndex> = HashMap::new();
+    let mut merged = Merged::new(paths);
     for (mi, m) in metas.into_iter().enumerate() {
-        // This file's data file and transform indices in the merged tables.
-        let file_map = m
-            .files
-            .iter()
-            .map(|f| files.of(&mut out.files, f.clone()))
-            .collect::<Result<Vec<u32>, String>>()
-            .map_err(|e| Error::format(&paths[0], e))?;
-        let tr_map = m
-            .transforms
-            .iter()
-            .map(|t| {
-                if t.is_empty() {
-                    Ok(0)
-                } else {
-                    transforms.of(&mut out.transforms, t.clone())
-                }
-            })
-            .collect::<Result<Vec<u32>, String>>()
-            .map_err(|e| Error::format(&paths[0], e))?;
-        let remap = |it: Option<Item>| {
-            it.map(|it| Item {
-                file: file_map[it.file as usize],
-                transforms: tr_map[it.transforms as usize],
-                ..it
-            })
-        };
-        for mut e in m.entries {
+        merged.add(mi, m)?;
+    }
+    Ok(merged.out)
+}
+
+/// Per merged tensor, its chunks (offsets and sizes) → chunk index.
+type ChunkIndex = HashMap<(Vec<u64>, Vec<u64>), usize>;
+
+/// Per-rank metadata files merged into one [`Meta`], one file at a time.
+struct Merged<'p> {
+    /// The metadata files (an entry's `origin` indexes them).
+    paths: &'p [PathBuf],
+    out: Meta,
+    files: Interner<String>,
+    transforms: Interner<Vec<String>>,
+    /// Entry name → index in `out.entries`.
+    index: HashMap<String, usize>,
+    /// Planner keys already listed.
+    planned: HashSet<String>,
+    /// By merged tensor (index in `out.entries`), once a second file lists it.
+    seen: HashMap<usize, ChunkIndex>,
+}
+
+impl<'p> Merged<'p> {
+    fn new(paths: &'p [PathBuf]) -> Merged<'p> {
+        Merged {
+            paths,
+            out: Meta::new(),
+            files: Interner::default(),
+            transforms: Interner::default(),
+            index: HashMap::new(),
+            planned: HashSet::new(),
+            seen: HashMap::new(),
+        }
+    }
+
+    /// Merge `m`, the metadata file `mi`.
+    fn add(&mut self, mi: usize, m: Meta) -> Result<()> {
+        let Meta {
+            entries,
+            planner,
+            files,
+            transforms,
+            version,
+            reformulated,
+        } = m;
+        let remap = self.remap(&files, &transforms)?;
+        for mut e in entries {
             match &mut e.kind {
                 Kind::Tensor { items, .. } => {
                     for it in items.iter_mut() {
@@ -525,88 +539,16 @@ fn merge(paths: &[PathBuf], metas: Vec<Meta>) -> Result<Meta> {
                 }
                 Kind::Bytes { item } => *item = remap(*item),
             }
-            let Some(&i) = index.get(&e.name) else {
-                index.insert(e.name.clone(), out.entries.len());
-                out.entries.push(e);
-                continue;
-            };
-            let path = &paths[e.origin];
-            let first = &paths[out.entries[i].origin];
-            match (&mut out.entries[i].kind, e.kind) {
-                (
-                    Kind::Tensor {
-                        dtype,
-                        size,
-                        chunks,
-                        items,
-                        count,
-                    },
-                    Kind::Tensor {
-                        dtype: d2,
-                        size: s2,
-                        chunks: c2,
-                        items: i2,
-                        count: n2,
-                    },
-                ) => {
-                    if *dtype != d2 || *size != s2 {
-                        return Err(Error::format(
-                            path,
-                            format!(
-                                "tensor `{}` is {d2} {s2:?} here but {dtype} {size:?} in {}",
-                                short(&e.name),
-                                first.display()
-                            ),
-                        ));
-                    }
-                    // A hash map per merged tensor: a linear search made merging
-                    // 2 × 100k chunks take over 5 minutes (tests/bounds.rs).
-                    let seen = seen.entry(i).or_insert_with(|| {
-                        (0..*count)
-                            .map(|c| ((chunks.offsets(c).to_vec(), chunks.sizes(c).to_vec()), c))
-                            .collect()
-                    });
-                    for (c, it) in i2.into_iter().enumerate().take(n2) {
-                        let key = (c2.offsets(c).to_vec(), c2.sizes(c).to_vec());
-                        match seen.get(&key) {
-                            Some(&at) => {
-                                if items[at].is_none() {
-                                    items[at] = it;
-                                }
-                            }
-                            None => {
-                                chunks.push(&key.0, &key.1);
-                                seen.insert(key, *count);
-                                items.push(it);
-                                *count += 1;
-                            }
-                        }
-                    }
-                }
-                (Kind::Bytes { item }, Kind::Bytes { item: i2 }) => {
-                    if item.is_none() {
-                        *item = i2;
-                    }
-                }
-                _ => {
-                    return Err(Error::format(
-                        path,
-                        format!(
-                            "`{}` is a tensor in one rank's metadata and a non-tensor in another",
-                            short(&e.name)
-                        ),
-                    ))
-                }
-            }
+            self.entry(e)?;
         }
-        for (k, shape) in m.reformulated {
-            match out.reformulated.get(&k) {
+        for (k, shape) in reformulated {
+            match self.out.reformulated.get(&k) {
                 None => {
-                    out.reformulated.insert(k, shape);
+                    self.out.reformulated.insert(k, shape);
                 }
                 Some(first) if *first != shape => {
                     return Err(Error::format(
-                        &paths[mi],
+                        &self.paths[mi],
                         format!(
                             "the real shape of `{}` is {shape:?} here but {first:?} in another \
                              rank's metadata",
@@ -617,16 +559,127 @@ fn merge(paths: &[PathBuf], metas: Vec<Meta>) -> Result<Meta> {
                 Some(_) => {}
             }
         }
-        for (k, p) in m.planner {
-            if planned.insert(k.clone()) {
-                out.planner.push((k, p));
+        for (k, p) in planner {
+            if self.planned.insert(k.clone()) {
+                self.out.planner.push((k, p));
             }
         }
-        if out.version.is_none() {
-            out.version = m.version;
+        if self.out.version.is_none() {
+            self.out.version = version;
         }
+        Ok(())
     }
-    Ok(out)
+
+    /// How a file's items map into the merged tables: its data file and transform indices
+    /// (`files`, `transforms`) interned in the merged ones.
+    fn remap(
+        &mut self,
+        files: &[String],
+        transforms: &[Vec<String>],
+    ) -> Result<impl Fn(Option<Item>) -> Option<Item>> {
+        let file_map = files
+            .iter()
+            .map(|f| self.files.of(&mut self.out.files, f.clone()))
+            .collect::<Result<Vec<u32>, String>>()
+            .map_err(|e| Error::format(&self.paths[0], e))?;
+        let tr_map = transforms
+            .iter()
+            .map(|t| {
+                if t.is_empty() {
+                    Ok(0)
+                } else {
+                    self.transforms.of(&mut self.out.transforms, t.clone())
+                }
+            })
+            .collect::<Result<Vec<u32>, String>>()
+            .map_err(|e| Error::format(&self.paths[0], e))?;
+        Ok(move |it: Option<Item>| {
+            it.map(|it| Item {
+                file: file_map[it.file as usize],
+                transforms: tr_map[it.transforms as usize],
+                ..it
+            })
+        })
+    }
+
+    /// Merge entry `e` (its items already remapped): a new name is appended; a tensor listed
+    /// before gains the chunks it lacked, and items for chunks that had none.
+    fn entry(&mut self, e: Entry) -> Result<()> {
+        let Some(&i) = self.index.get(&e.name) else {
+            self.index.insert(e.name.clone(), self.out.entries.len());
+            self.out.entries.push(e);
+            return Ok(());
+        };
+        let path = &self.paths[e.origin];
+        let first = &self.paths[self.out.entries[i].origin];
+        match (&mut self.out.entries[i].kind, e.kind) {
+            (
+                Kind::Tensor {
+                    dtype,
+                    size,
+                    chunks,
+                    items,
+                    count,
+                },
+                Kind::Tensor {
+                    dtype: d2,
+                    size: s2,
+                    chunks: c2,
+                    items: i2,
+                    count: n2,
+                },
+            ) => {
+                if *dtype != d2 || *size != s2 {
+                    return Err(Error::format(
+                        path,
+                        format!(
+                            "tensor `{}` is {d2} {s2:?} here but {dtype} {size:?} in {}",
+                            short(&e.name),
+                            first.display()
+                        ),
+                    ));
+                }
+                // A hash map per merged tensor: a linear search made merging
+                // 2 × 100k chunks take over 5 minutes (tests/bounds.rs).
+                let seen = self.seen.entry(i).or_insert_with(|| {
+                    (0..*count)
+                        .map(|c| ((chunks.offsets(c).to_vec(), chunks.sizes(c).to_vec()), c))
+                        .collect()
+                });
+                for (c, it) in i2.into_iter().enumerate().take(n2) {
+                    let key = (c2.offsets(c).to_vec(), c2.sizes(c).to_vec());
+                    match seen.get(&key) {
+                        Some(&at) => {
+                            if items[at].is_none() {
+                                items[at] = it;
+                            }
+                        }
+                        None => {
+                            chunks.push(&key.0, &key.1);
+                            seen.insert(key, *count);
+                            items.push(it);
+                            *count += 1;
+                        }
+                    }
+                }
+            }
+            (Kind::Bytes { item }, Kind::Bytes { item: i2 }) => {
+                if item.is_none() {
+                    *item = i2;
+                }
+            }
+            _ => {
+                return Err(Error::format(
+                    path,
+                    format!(
+                        "`{}` is a tensor in one rank's metadata and a non-tensor in another",
+                        short(&e.name)
+                    ),
+                ))
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Read `.metadata`, or merge every `__<R>.metadata`; returns the files read.

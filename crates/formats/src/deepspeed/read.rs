@@ -228,24 +228,8 @@ pub fn read(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
     let n_model = layout.model.len();
 
     // Decode every file (in parallel: each is a pickle of a few KB, and maps its file).
-    use rayon::prelude::*;
-    let model_rest: Vec<(File, ModelStates)> = layout.model[1..]
-        .par_iter()
-        .map(|p| {
-            let f = File::open(p)?;
-            let s = ModelStates::decode(&f)?;
-            Ok((f, s))
-        })
-        .collect::<Result<_>>()?;
-    let optims: Vec<(File, OptimStates)> = layout
-        .optim
-        .par_iter()
-        .map(|p| {
-            let f = File::open(p)?;
-            let s = OptimStates::decode(&f)?;
-            Ok((f, s))
-        })
-        .collect::<Result<_>>()?;
+    let model_rest = decode_all(&layout.model[1..], ModelStates::decode)?;
+    let optims = decode_all(&layout.optim, OptimStates::decode)?;
     let mut models = vec![(model0, states0)];
     models.extend(model_rest);
 
@@ -277,22 +261,7 @@ pub fn read(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
         records: HashSet::new(),
     };
     let (optimizer, r) = r.run(stage3)?;
-    let ds_version = models[0]
-        .1
-        .others
-        .iter()
-        .find(|(k, _)| k == "ds_version")
-        .and_then(|(_, v)| v.as_str().map(short));
-    let producer = format!(
-        "DeepSpeed{} ZeRO stage {} ({}), {dp} data-parallel rank(s)",
-        ds_version.map(|v| format!(" {v}")).unwrap_or_default(),
-        optimizer.stage(),
-        match optimizer {
-            Optimizer::Zero12 { .. } => "DeepSpeedZeroOptimizer",
-            Optimizer::Bf16 => "BF16_Optimizer",
-            Optimizer::Zero3 => "DeepSpeedZeroOptimizer_Stage3",
-        }
-    );
+    let producer = producer(&models[0].1, optimizer, dp);
     Ok(Checkpoint {
         format: Format::DEEPSPEED,
         path: path.to_path_buf(),
@@ -310,6 +279,42 @@ pub fn read(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
         locator: None,
         storage: reshard_storage::local(),
     })
+}
+
+/// Open and decode each file of `paths` with `decode`, in parallel.
+fn decode_all<T: Send>(
+    paths: &[PathBuf],
+    decode: fn(&File) -> Result<T>,
+) -> Result<Vec<(File, T)>> {
+    use rayon::prelude::*;
+    paths
+        .par_iter()
+        .map(|p| {
+            let f = File::open(p)?;
+            let s = decode(&f)?;
+            Ok((f, s))
+        })
+        .collect()
+}
+
+/// What wrote the checkpoint: DeepSpeed's version (from the model states `states`), the
+/// stage, the optimizer and the degree.
+fn producer(states: &ModelStates, optimizer: Optimizer, dp: u64) -> String {
+    let ds_version = states
+        .others
+        .iter()
+        .find(|(k, _)| k == "ds_version")
+        .and_then(|(_, v)| v.as_str().map(short));
+    format!(
+        "DeepSpeed{} ZeRO stage {} ({}), {dp} data-parallel rank(s)",
+        ds_version.map(|v| format!(" {v}")).unwrap_or_default(),
+        optimizer.stage(),
+        match optimizer {
+            Optimizer::Zero12 { .. } => "DeepSpeedZeroOptimizer",
+            Optimizer::Bf16 => "BF16_Optimizer",
+            Optimizer::Zero3 => "DeepSpeedZeroOptimizer_Stage3",
+        }
+    )
 }
 
 /// The walk from decoded files to layouts.
@@ -343,6 +348,55 @@ struct Placed {
     shape: Vec<u64>,
     flat: usize,
     spans: Vec<Span>,
+}
+
+/// What [`Reader::module_tensors`] looks names up in, from the model states files.
+struct ModuleNames<'m> {
+    /// Trainable parameters, placed.
+    trainable: HashMap<&'m str, &'m Placed>,
+    /// `frozen_param_shapes`.
+    frozen: HashMap<&'m str, &'m Vec<u64>>,
+    /// `shared_params`: tied name → the parameter it shares.
+    shared: HashMap<&'m str, &'m str>,
+    /// `module`'s tensors.
+    module: HashMap<&'m str, &'m TensorItem>,
+}
+
+impl<'m> ModuleNames<'m> {
+    /// The names of the model states files `models` (rank 0's first) and of `placed`.
+    fn of(models: &'m [(File, ModelStates)], placed: &'m [Placed]) -> ModuleNames<'m> {
+        let states = &models[0].1;
+        ModuleNames {
+            trainable: placed.iter().map(|p| (p.name.as_str(), p)).collect(),
+            frozen: states
+                .frozen_param_shapes
+                .iter()
+                .map(|(n, s)| (n.as_str(), s))
+                .collect(),
+            shared: states
+                .shared_params
+                .iter()
+                .map(|(a, b)| (a.as_str(), b.as_str()))
+                .collect(),
+            module: states.module.iter().map(|(n, t)| (n.as_str(), t)).collect(),
+        }
+    }
+}
+
+/// Stage 3: each rank's frozen parameter chunks, by name.
+type Fragments<'a> = Vec<HashMap<&'a str, &'a TensorItem>>;
+
+/// The frozen parameter chunks of the model states files `models`, by rank.
+fn fragments(models: &[(File, ModelStates)]) -> Fragments<'_> {
+    models
+        .iter()
+        .map(|(_, s)| {
+            s.frozen_fragments
+                .iter()
+                .map(|(k, t)| (k.as_str(), t))
+                .collect()
+        })
+        .collect()
 }
 
 impl<'a> Reader<'a> {
@@ -433,34 +487,7 @@ impl<'a> Reader<'a> {
                 paddings,
                 dp: self.dp,
             };
-            let size = group.partition_size();
-            // every rank's partition must hold the elements it owns
-            for (r, (f, o)) in self.optims.iter().enumerate() {
-                let t = &o.flat[flat];
-                let have = t.shape[0];
-                let owned = group
-                    .padded_numel()
-                    .saturating_sub(r as u64 * size)
-                    .min(size);
-                let expected_pad = group.rank_padding(r as u64);
-                let recorded = o.group_paddings.get(g).copied();
-                if have < owned || have > size {
-                    return Err(f.err(format!(
-                        "the fp32 partition of parameter group {g} has {have} elements; \
-                         the group's {} parameters need {owned} of a {size}-element partition \
-                         at {} ranks",
-                        shapes.len(),
-                        self.dp
-                    )));
-                }
-                if o.optimizer != Optimizer::Bf16 && recorded != Some(expected_pad) {
-                    return Err(f.err(format!(
-                        "records group padding {} for parameter group {g}, its partitions \
-                         give {expected_pad}",
-                        recorded.map_or("none".into(), |p| p.to_string())
-                    )));
-                }
-            }
+            self.check_partitions(g, flat, &group, shapes.len())?;
             let all = group.all_spans();
             let order = if self.round_robin {
                 partition::round_robin(shapes.len(), self.dp)
@@ -468,37 +495,7 @@ impl<'a> Reader<'a> {
                 (0..shapes.len()).collect()
             };
             let recorded_spans = partition::recorded_slices(&group, &order);
-            // each rank's slice mappings must be its own: a file of another rank (swapped,
-            // copied) has another rank's
-            for (r, (f, o)) in self.optims.iter().enumerate() {
-                let Some(recorded) = o.slice_mappings.as_ref().and_then(|m| m.get(g)) else {
-                    continue;
-                };
-
-                // by name: DeepSpeed lists them in the group's own order, which is not the
-                // flattening order under round_robin_gradients
-                let mut expected: Vec<(&str, u64, u64)> = shapes
-                    .iter()
-                    .zip(&recorded_spans)
-                    .filter_map(|((n, _), spans)| {
-                        let s = spans.iter().find(|s| s.rank == r as u64)?;
-                        Some((n.as_str(), s.end - s.start, s.at))
-                    })
-                    .collect();
-                let mut got: Vec<(&str, u64, u64)> = recorded
-                    .iter()
-                    .map(|(n, numel, at)| (n.as_str(), *numel, *at))
-                    .collect();
-                expected.sort_unstable();
-                got.sort_unstable();
-                let same = got == expected;
-                if !same {
-                    return Err(f.err(format!(
-                        "records the parameter slices of another rank than {r} for parameter \
-                         group {g} (param_slice_mappings): a rank file swapped or copied?"
-                    )));
-                }
-            }
+            self.check_slice_mappings(g, shapes, &recorded_spans)?;
             for ((name, shape), spans) in shapes.iter().zip(all) {
                 out.push(Placed {
                     name: name.clone(),
@@ -509,6 +506,87 @@ impl<'a> Reader<'a> {
             }
         }
         Ok(out)
+    }
+
+    /// Stages 1 and 2: check that every rank's fp32 partition of parameter group `g` (flat
+    /// tensor `flat`, laid out as `group`, of `n_params` parameters) holds the elements it
+    /// owns, and records the padding its partitions give.
+    fn check_partitions(
+        &self,
+        g: usize,
+        flat: usize,
+        group: &FlatGroup,
+        n_params: usize,
+    ) -> Result<()> {
+        let size = group.partition_size();
+        // every rank's partition must hold the elements it owns
+        for (r, (f, o)) in self.optims.iter().enumerate() {
+            let t = &o.flat[flat];
+            let have = t.shape[0];
+            let owned = group
+                .padded_numel()
+                .saturating_sub(r as u64 * size)
+                .min(size);
+            let expected_pad = group.rank_padding(r as u64);
+            let recorded = o.group_paddings.get(g).copied();
+            if have < owned || have > size {
+                return Err(f.err(format!(
+                    "the fp32 partition of parameter group {g} has {have} elements; \
+                 the group's {} parameters need {owned} of a {size}-element partition \
+                 at {} ranks",
+                    n_params, self.dp
+                )));
+            }
+            if o.optimizer != Optimizer::Bf16 && recorded != Some(expected_pad) {
+                return Err(f.err(format!(
+                    "records group padding {} for parameter group {g}, its partitions \
+                 give {expected_pad}",
+                    recorded.map_or("none".into(), |p| p.to_string())
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Stages 1 and 2: check that each rank's slice mappings of parameter group `g` (its
+    /// parameters `shapes`) are its own (`recorded_spans`): a file of another rank (swapped,
+    /// copied) has another rank's.
+    fn check_slice_mappings(
+        &self,
+        g: usize,
+        shapes: &[(String, Vec<u64>)],
+        recorded_spans: &[Vec<Span>],
+    ) -> Result<()> {
+        for (r, (f, o)) in self.optims.iter().enumerate() {
+            let Some(recorded) = o.slice_mappings.as_ref().and_then(|m| m.get(g)) else {
+                continue;
+            };
+
+            // by name: DeepSpeed lists them in the group's own order, which is not the
+            // flattening order under round_robin_gradients
+            let mut expected: Vec<(&str, u64, u64)> = shapes
+                .iter()
+                .zip(recorded_spans)
+                .filter_map(|((n, _), spans)| {
+                    let s = spans.iter().find(|s| s.rank == r as u64)?;
+                    Some((n.as_str(), s.end - s.start, s.at))
+                })
+                .collect();
+            let mut got: Vec<(&str, u64, u64)> = recorded
+                .iter()
+                .map(|(n, numel, at)| (n.as_str(), *numel, *at))
+                .collect();
+            expected.sort_unstable();
+            got.sort_unstable();
+            let same = got == expected;
+            if !same {
+                return Err(f.err(format!(
+                    "records the parameter slices of another rank than {r} for parameter \
+                 group {g} (param_slice_mappings): a rank file swapped or copied?"
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Stage 3: each parameter chunked over the ranks, chunks in order through its
@@ -635,6 +713,25 @@ impl<'a> Reader<'a> {
         Ok(pieces)
     }
 
+    /// A flat-partitioned tensor `name` of `shape` and `dtype`: the layout of
+    /// [`Reader::flat_pieces`].
+    fn flat_layout(
+        &mut self,
+        name: &str,
+        shape: &[u64],
+        dtype: DType,
+        spans: &[Span],
+        at: impl Fn(u64) -> (u32, &'a File, &'a TensorItem),
+    ) -> Result<TensorLayout> {
+        let pieces = self.flat_pieces(name, shape, dtype, spans, at)?;
+        Ok(TensorLayout {
+            name: name.to_string(),
+            dtype,
+            shape: shape.to_vec(),
+            pieces,
+        })
+    }
+
     /// A tensor stored whole in file `file` (a `module` entry).
     fn whole(&mut self, name: &str, file: u32, f: &File, t: &TensorItem) -> TensorLayout {
         self.crc(file, f, t, &format!("`{}`", short(name)));
@@ -653,18 +750,8 @@ impl<'a> Reader<'a> {
     /// in the order of `module`.
     fn module_tensors(&mut self, placed: &[Placed], stage3: bool) -> Result<()> {
         let (f0, states) = &self.models[0];
-        let trainable: HashMap<&str, &Placed> =
-            placed.iter().map(|p| (p.name.as_str(), p)).collect();
-        let frozen: HashMap<&str, &Vec<u64>> = states
-            .frozen_param_shapes
-            .iter()
-            .map(|(n, s)| (n.as_str(), s))
-            .collect();
-        let shared: HashMap<&str, &str> = states
-            .shared_params
-            .iter()
-            .map(|(a, b)| (a.as_str(), b.as_str()))
-            .collect();
+        let names = ModuleNames::of(self.models, placed);
+        let fragments = fragments(self.models);
         if stage3 && self.weights == Weights::Model {
             return Err(f0.err(
                 "is a ZeRO stage 3 checkpoint, which keeps no model-dtype copy of its \
@@ -679,105 +766,34 @@ impl<'a> Reader<'a> {
         {
             return Err(f0.err(format!("buffer `{}` is not in `module`", short(b))));
         }
+        // `module`'s entries, then the parameters it lacks (stage 3 may leave them out)
         let mut order: Vec<&str> = states.module.iter().map(|(n, _)| n.as_str()).collect();
         order.extend(
             placed
                 .iter()
                 .map(|p| p.name.as_str())
-                .chain(frozen.keys().copied())
+                .chain(names.frozen.keys().copied())
                 .filter(|n| !in_module.contains(n)),
         );
-        let module: HashMap<&str, &TensorItem> =
-            states.module.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        // stage 3: each rank's frozen parameter chunks, by name
-        let fragments: Vec<HashMap<&str, &TensorItem>> = self
-            .models
-            .iter()
-            .map(|(_, s)| {
-                s.frozen_fragments
-                    .iter()
-                    .map(|(k, t)| (k.as_str(), t))
-                    .collect()
-            })
-            .collect();
         let mut aliases = vec![];
         for name in order {
-            if shared.contains_key(name) && !trainable.contains_key(name) {
+            if names.shared.contains_key(name) && !names.trainable.contains_key(name) {
                 aliases.push(name);
                 continue;
             }
-            let layout = if let Some(p) = trainable.get(name) {
-                match self.weights {
-                    Weights::Master => {
-                        let spans = p.spans.clone();
-                        let flat = p.flat;
-                        let optims = self.optims;
-                        let n_model = self.n_model;
-                        let pieces = self.flat_pieces(name, &p.shape, DType::F32, &spans, |r| {
-                            let (f, o) = &optims[r as usize];
-                            (n_model + r as u32, f, &o.flat[flat])
-                        })?;
-                        TensorLayout {
-                            name: name.to_string(),
-                            dtype: DType::F32,
-                            shape: p.shape.clone(),
-                            pieces,
-                        }
-                    }
-                    Weights::Model => {
-                        let t = module.get(name).ok_or_else(|| {
-                            f0.err(format!("parameter `{}` is not in `module`", short(name)))
-                        })?;
-                        if t.shape != p.shape {
-                            return Err(f0.err(format!(
-                                "`module.{}` has shape {:?}, param_shapes {:?}",
-                                short(name),
-                                t.shape,
-                                p.shape
-                            )));
-                        }
-                        self.whole(name, 0, f0, t)
-                    }
-                }
-            } else if let (true, Some(shape)) = (stage3, frozen.get(name)) {
-                let shape = (*shape).clone();
-                let n = numel(&shape);
-                let c = partition::chunk(n, self.dp);
-                let mut frags = vec![];
-                for (r, (f, _)) in self.models.iter().enumerate() {
-                    let t = fragments[r].get(name).copied().ok_or_else(|| {
-                        f.err(format!(
-                            "frozen parameter `{}` has no frozen_param_fragments entry",
-                            short(name)
-                        ))
-                    })?;
-                    if t.shape.len() != 1 || !t.is_row_major() {
-                        return Err(f.err(format!(
-                            "frozen_param_fragments.{} is not flat",
-                            short(name)
-                        )));
-                    }
-                    frags.push((r as u32, f, t));
-                }
-                let dtype = frags[0].2.dtype;
-                let spans = partition::chunk_spans(n, c, self.dp, 0);
-                let pieces =
-                    self.flat_pieces(name, &shape, dtype, &spans, |r| frags[r as usize])?;
-                TensorLayout {
-                    name: name.to_string(),
-                    dtype,
-                    shape,
-                    pieces,
-                }
+            let layout = if let Some(p) = names.trainable.get(name) {
+                self.parameter(name, p, &names)?
+            } else if let (true, Some(shape)) = (stage3, names.frozen.get(name)) {
+                self.frozen_fragments(name, shape, &fragments)?
             } else {
                 // buffers, frozen parameters (stages 1, 2) and other module entries: whole
-                let t = module.get(name).ok_or_else(|| {
+                let t = names.module.get(name).ok_or_else(|| {
                     f0.err(format!(
                         "frozen parameter `{}` is not in `module`",
                         short(name)
                     ))
                 })?;
-                if let Some(s) = frozen.get(name) {
+                if let Some(s) = names.frozen.get(name) {
                     if &&t.shape != s {
                         return Err(f0.err(format!(
                             "`module.{}` has shape {:?}, frozen_param_shapes {:?}",
@@ -791,7 +807,76 @@ impl<'a> Reader<'a> {
             };
             self.push(layout, None)?;
         }
-        for alias in aliases {
+        self.aliases(&aliases, &names.shared)
+    }
+
+    /// A trainable parameter: its fp32 master weights over the optim files' flat tensors, or
+    /// its model-dtype weights in `module`.
+    fn parameter(&mut self, name: &str, p: &Placed, names: &ModuleNames) -> Result<TensorLayout> {
+        match self.weights {
+            Weights::Master => {
+                let flat = p.flat;
+                let optims = self.optims;
+                let n_model = self.n_model;
+                self.flat_layout(name, &p.shape, DType::F32, &p.spans, |r| {
+                    let (f, o) = &optims[r as usize];
+                    (n_model + r as u32, f, &o.flat[flat])
+                })
+            }
+            Weights::Model => {
+                let f0 = &self.models[0].0;
+                let t = names.module.get(name).ok_or_else(|| {
+                    f0.err(format!("parameter `{}` is not in `module`", short(name)))
+                })?;
+                if t.shape != p.shape {
+                    return Err(f0.err(format!(
+                        "`module.{}` has shape {:?}, param_shapes {:?}",
+                        short(name),
+                        t.shape,
+                        p.shape
+                    )));
+                }
+                Ok(self.whole(name, 0, f0, t))
+            }
+        }
+    }
+
+    /// A frozen parameter of `shape` at stage 3: chunked over the ranks like a trainable
+    /// one, each rank's chunk in its model states file's `frozen_param_fragments`.
+    fn frozen_fragments(
+        &mut self,
+        name: &str,
+        shape: &[u64],
+        fragments: &Fragments<'a>,
+    ) -> Result<TensorLayout> {
+        let models = self.models;
+        let n = numel(shape);
+        let c = partition::chunk(n, self.dp);
+        let mut frags = vec![];
+        for (r, (f, _)) in models.iter().enumerate() {
+            let t = fragments[r].get(name).copied().ok_or_else(|| {
+                f.err(format!(
+                    "frozen parameter `{}` has no frozen_param_fragments entry",
+                    short(name)
+                ))
+            })?;
+            if t.shape.len() != 1 || !t.is_row_major() {
+                return Err(f.err(format!(
+                    "frozen_param_fragments.{} is not flat",
+                    short(name)
+                )));
+            }
+            frags.push((r as u32, f, t));
+        }
+        let dtype = frags[0].2.dtype;
+        let spans = partition::chunk_spans(n, c, self.dp, 0);
+        self.flat_layout(name, shape, dtype, &spans, |r| frags[r as usize])
+    }
+
+    /// Each tied name (`shared_params`) with the layout of the parameter it shares.
+    fn aliases(&mut self, aliases: &[&str], shared: &HashMap<&str, &str>) -> Result<()> {
+        let f0 = &self.models[0].0;
+        for &alias in aliases {
             let source = shared[alias];
             let Some(&i) = self.index.get(source) else {
                 return Err(f0.err(format!(
@@ -809,9 +894,7 @@ impl<'a> Reader<'a> {
 
     /// `optimizer.state.<name>.<key>` for every trainable parameter, and the param groups.
     fn optimizer_state(&mut self, placed: &[Placed]) -> Result<()> {
-        let optims = self.optims;
-        let n_model = self.n_model;
-        let (f0, opt0) = &optims[0];
+        let opt0 = &self.optims[0].1;
         for p in placed {
             for (key, entry) in &opt0.state[p.flat] {
                 let name = format!("optimizer.state.{}.{key}", p.name);
@@ -823,75 +906,11 @@ impl<'a> Reader<'a> {
                 ];
                 match entry {
                     StateEntry::Tensor(t) if t.shape.is_empty() => {
-                        // one per flat tensor (`step`): every rank's copy is a replica
-                        let mut pieces = vec![];
-                        for (r, (f, o)) in optims.iter().enumerate() {
-                            let rt = state_tensor(f, o, p.flat, key)?;
-                            if !rt.shape.is_empty() || rt.dtype != t.dtype {
-                                return Err(f.err(format!(
-                                    "optimizer state `{}` of flat tensor {} is not a {} scalar \
-                                     as on rank 0",
-                                    short(key),
-                                    p.flat,
-                                    t.dtype
-                                )));
-                            }
-                            let t = rt;
-                            let file = n_model + r as u32;
-                            self.crc(file, f, t, &format!("`{}`", short(&name)));
-                            pieces.push(Piece {
-                                rank: r as u32,
-                                region: Region::full(&[]),
-                                loc: Loc {
-                                    file,
-                                    offset: t.data_offset(),
-                                    strides: None,
-                                    pending: None,
-                                },
-                            });
-                        }
-                        let layout = TensorLayout {
-                            name: name.clone(),
-                            dtype: t.dtype,
-                            shape: vec![],
-                            pieces,
-                        };
+                        let layout = self.scalar_state(&name, p.flat, key, t.dtype)?;
                         self.push(layout, Some(path))?;
                     }
                     StateEntry::Tensor(t) => {
-                        // one value per element of the partition (with or without its tail
-                        // padding): a flat tensor at least as long as the fp32 partition
-                        if t.shape.len() != 1 {
-                            return Err(f0.err(format!(
-                                "optimizer state `{}` of flat tensor {} has shape {:?}, not one \
-                                 value per element",
-                                short(key),
-                                p.flat,
-                                t.shape
-                            )));
-                        }
-                        let dtype = t.dtype;
-                        let flat = p.flat;
-                        let mut states = vec![];
-                        for (r, (f, o)) in optims.iter().enumerate() {
-                            let t = state_tensor(f, o, flat, key)?;
-                            if t.shape.len() != 1 || !t.is_row_major() {
-                                return Err(f.err(format!(
-                                    "optimizer state `{}` of flat tensor {flat} is not flat",
-                                    short(key)
-                                )));
-                            }
-                            states.push((n_model + r as u32, f, t));
-                        }
-                        let pieces = self.flat_pieces(&name, &p.shape, dtype, &p.spans, |r| {
-                            states[r as usize]
-                        })?;
-                        let layout = TensorLayout {
-                            name: name.clone(),
-                            dtype,
-                            shape: p.shape.clone(),
-                            pieces,
-                        };
+                        let layout = self.flat_state(&name, p, key, t)?;
                         self.push(layout, Some(path))?;
                     }
                     StateEntry::Value(v) => {
@@ -901,27 +920,97 @@ impl<'a> Reader<'a> {
                 }
             }
         }
-        // param groups, with each group's parameter names for `params`, in the group's own
-        // order (round_robin_gradients flattens them in another)
-        let states = &self.models[0].1;
+        self.param_groups();
+        Ok(())
+    }
+
+    /// A state entry kept once per flat tensor (`step`), of `dtype`: every rank's copy a
+    /// replica, stood for by `name`.
+    fn scalar_state(
+        &mut self,
+        name: &str,
+        flat: usize,
+        key: &str,
+        dtype: DType,
+    ) -> Result<TensorLayout> {
+        let optims = self.optims;
+        let mut pieces = vec![];
+        for (r, (f, o)) in optims.iter().enumerate() {
+            let t = state_tensor(f, o, flat, key)?;
+            if !t.shape.is_empty() || t.dtype != dtype {
+                return Err(f.err(format!(
+                    "optimizer state `{}` of flat tensor {} is not a {} scalar \
+                     as on rank 0",
+                    short(key),
+                    flat,
+                    dtype
+                )));
+            }
+            let file = self.n_model + r as u32;
+            self.crc(file, f, t, &format!("`{}`", short(name)));
+            pieces.push(Piece {
+                rank: r as u32,
+                region: Region::full(&[]),
+                loc: Loc {
+                    file,
+                    offset: t.data_offset(),
+                    strides: None,
+                    pending: None,
+                },
+            });
+        }
+        Ok(TensorLayout {
+            name: name.to_string(),
+            dtype,
+            shape: vec![],
+            pieces,
+        })
+    }
+
+    /// A state entry with one value per element of the partition (`exp_avg`; with or without
+    /// its tail padding: a flat tensor at least as long as the fp32 partition), rank 0's `t`,
+    /// laid out over parameter `p` as its master weights are.
+    fn flat_state(
+        &mut self,
+        name: &str,
+        p: &Placed,
+        key: &str,
+        t: &TensorItem,
+    ) -> Result<TensorLayout> {
+        let optims = self.optims;
+        let n_model = self.n_model;
+        if t.shape.len() != 1 {
+            return Err(optims[0].0.err(format!(
+                "optimizer state `{}` of flat tensor {} has shape {:?}, not one \
+                 value per element",
+                short(key),
+                p.flat,
+                t.shape
+            )));
+        }
+        let flat = p.flat;
+        let mut states = vec![];
+        for (r, (f, o)) in optims.iter().enumerate() {
+            let t = state_tensor(f, o, flat, key)?;
+            if t.shape.len() != 1 || !t.is_row_major() {
+                return Err(f.err(format!(
+                    "optimizer state `{}` of flat tensor {flat} is not flat",
+                    short(key)
+                )));
+            }
+            states.push((n_model + r as u32, f, t));
+        }
+        self.flat_layout(name, &p.shape, t.dtype, &p.spans, |r| states[r as usize])
+    }
+
+    /// `optimizer.param_groups.<g>.<key>`: each group's hyperparameters, and its parameter
+    /// names as `params`.
+    fn param_groups(&mut self) {
+        let opt0 = &self.optims[0].1;
         for (g, hyper) in opt0.param_groups.iter().enumerate() {
             let mut entries: Vec<(String, crate::torch::pickle::Value)> = hyper.clone();
-            let mut names: Vec<&String> = opt0.group_flats[g]
-                .iter()
-                .flat_map(|&k| &states.param_shapes[k])
-                .map(|(n, _)| n)
-                .collect();
-            if self.round_robin {
-                let mut own = names.clone();
-                for (j, i) in partition::round_robin(names.len(), self.dp)
-                    .into_iter()
-                    .enumerate()
-                {
-                    own[i] = names[j];
-                }
-                names = own;
-            }
-            let params = names
+            let params = self
+                .group_params(g)
                 .into_iter()
                 .map(|n| crate::torch::pickle::Value::Str(n.clone()))
                 .collect();
@@ -940,7 +1029,29 @@ impl<'a> Reader<'a> {
                 self.extras.push(extra(name, v));
             }
         }
-        Ok(())
+    }
+
+    /// The parameter names of group `g`, in the group's own order (round_robin_gradients
+    /// flattens them in another).
+    fn group_params(&self, g: usize) -> Vec<&'a String> {
+        let opt0 = &self.optims[0].1;
+        let states = &self.models[0].1;
+        let names: Vec<&String> = opt0.group_flats[g]
+            .iter()
+            .flat_map(|&k| &states.param_shapes[k])
+            .map(|(n, _)| n)
+            .collect();
+        if !self.round_robin {
+            return names;
+        }
+        let mut own = names.clone();
+        for (j, i) in partition::round_robin(names.len(), self.dp)
+            .into_iter()
+            .enumerate()
+        {
+            own[i] = names[j];
+        }
+        own
     }
 
     /// The model states' other entries, and the ZeRO wrapper's scalars.

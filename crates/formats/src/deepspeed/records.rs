@@ -252,54 +252,9 @@ impl ModelStates {
                 "is not a DeepSpeed model states file (it has no `module` and `param_shapes`)",
             ));
         }
-        let module = match field(f, root, "module", "the model states")? {
-            Value::None => vec![],
-            m => {
-                // nn.Module.state_dict()'s `_metadata` attribute is not an entry
-                let pairs = m.as_dict().unwrap_or_default();
-                let n = pairs.len()
-                    - usize::from(
-                        !pairs.is_empty()
-                            && crate::pt::read::is_module_metadata(pairs, pairs.len() - 1),
-                    );
-                str_dict(f, m, "module")?
-                    .into_iter()
-                    .take(n)
-                    .map(|(k, v)| Ok((k.to_string(), f.tensor(v, &format!("module.{k}"))?)))
-                    .collect::<Result<_>>()?
-            }
-        };
-        let buffer_names = match root.get("buffer_names") {
-            None | Some(Value::None) => vec![],
-            Some(v) => v
-                .as_list()
-                .ok_or_else(|| f.err("`buffer_names` is not a list"))?
-                .iter()
-                .map(|x| {
-                    x.as_str()
-                        .map(str::to_string)
-                        .ok_or_else(|| f.err("`buffer_names` holds a non-str"))
-                })
-                .collect::<Result<_>>()?,
-        };
-        let groups = field(f, root, "param_shapes", "the model states")?;
-        let param_shapes = groups
-            .as_list()
-            .ok_or_else(|| f.err("`param_shapes` is not a list of dicts"))?
-            .iter()
-            .enumerate()
-            .map(|(g, d)| {
-                str_dict(f, d, &format!("param_shapes.{g}"))?
-                    .into_iter()
-                    .map(|(k, s)| {
-                        Ok((
-                            k.to_string(),
-                            shape(f, s, &format!("param_shapes.{g}.{k}"))?,
-                        ))
-                    })
-                    .collect::<Result<Vec<_>>>()
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let module = module_entries(f, root)?;
+        let buffer_names = buffer_names(f, root)?;
+        let param_shapes = param_shapes(f, root)?;
         let frozen_param_shapes = match root.get("frozen_param_shapes") {
             None | Some(Value::None) => vec![],
             Some(d) => str_dict(f, d, "frozen_param_shapes")?
@@ -364,6 +319,69 @@ impl ModelStates {
             others,
         })
     }
+}
+
+/// `module`: the model's state dict, each entry a located tensor (none when it is `None`).
+fn module_entries(f: &File, root: &Value) -> Result<Vec<(String, TensorItem)>> {
+    Ok(match field(f, root, "module", "the model states")? {
+        Value::None => vec![],
+        m => {
+            // nn.Module.state_dict()'s `_metadata` attribute is not an entry
+            let pairs = m.as_dict().unwrap_or_default();
+            let n = pairs.len()
+                - usize::from(
+                    !pairs.is_empty()
+                        && crate::pt::read::is_module_metadata(pairs, pairs.len() - 1),
+                );
+            str_dict(f, m, "module")?
+                .into_iter()
+                .take(n)
+                .map(|(k, v)| Ok((k.to_string(), f.tensor(v, &format!("module.{k}"))?)))
+                .collect::<Result<_>>()?
+        }
+    })
+}
+
+/// `buffer_names` (none when absent or `None`).
+fn buffer_names(f: &File, root: &Value) -> Result<Vec<String>> {
+    Ok(match root.get("buffer_names") {
+        None | Some(Value::None) => vec![],
+        Some(v) => v
+            .as_list()
+            .ok_or_else(|| f.err("`buffer_names` is not a list"))?
+            .iter()
+            .map(|x| {
+                x.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| f.err("`buffer_names` holds a non-str"))
+            })
+            .collect::<Result<_>>()?,
+    })
+}
+
+/// Per flat tensor, its parameters' names and shapes.
+type ParamShapes = Vec<Vec<(String, Vec<u64>)>>;
+
+/// `param_shapes`: per flat tensor, its parameters' names and shapes.
+fn param_shapes(f: &File, root: &Value) -> Result<ParamShapes> {
+    let groups = field(f, root, "param_shapes", "the model states")?;
+    groups
+        .as_list()
+        .ok_or_else(|| f.err("`param_shapes` is not a list of dicts"))?
+        .iter()
+        .enumerate()
+        .map(|(g, d)| {
+            str_dict(f, d, &format!("param_shapes.{g}"))?
+                .into_iter()
+                .map(|(k, s)| {
+                    Ok((
+                        k.to_string(),
+                        shape(f, s, &format!("param_shapes.{g}.{k}"))?,
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<Vec<_>>>()
 }
 
 /// Which of DeepSpeed's ZeRO optimizers wrote an optim states file.
@@ -454,36 +472,12 @@ impl OptimStates {
         if osd.as_dict().is_none() {
             return Err(f.err("`optimizer_state_dict` is not a dict"));
         }
-        let stage = match osd.get("zero_stage") {
-            None => None,
-            Some(v) => Some(count(f, &plain(v), "zero_stage")?),
-        };
-        let optimizer = match stage {
-            Some(s @ (1 | 2)) => Optimizer::Zero12 { stage: s as u8 },
-            Some(3) => Optimizer::Zero3,
-            Some(s) => return Err(f.err(format!("`zero_stage` is {s}, not 1, 2 or 3"))),
-            None if osd.get("single_partition_of_fp32_groups").is_some() => Optimizer::Bf16,
-            None => return Err(f.err("`optimizer_state_dict` has no `zero_stage`")),
-        };
+        let optimizer = optimizer_of(f, osd)?;
         let (flat_key, base_key) = match optimizer {
             Optimizer::Zero3 => ("fp32_flat_groups", "optimizer_state_dict"),
             _ => ("single_partition_of_fp32_groups", "base_optimizer_state"),
         };
-        let flat = field(f, osd, flat_key, "`optimizer_state_dict`")?
-            .as_list()
-            .ok_or_else(|| f.err(format!("`{flat_key}` is not a list")))?
-            .iter()
-            .enumerate()
-            .map(|(i, v)| f.tensor(v, &format!("{flat_key}.{i}")))
-            .collect::<Result<Vec<_>>>()?;
-        for (i, t) in flat.iter().enumerate() {
-            if t.shape.len() != 1 || !t.is_row_major() {
-                return Err(f.err(format!(
-                    "`{flat_key}.{i}` is not a flat tensor (shape {:?})",
-                    t.shape
-                )));
-            }
-        }
+        let flat = flat_tensors(f, osd, flat_key)?;
         let base = field(f, osd, base_key, "`optimizer_state_dict`")?;
         if base.as_list().is_some() {
             return Err(f.err(
@@ -491,73 +485,9 @@ impl OptimStates {
                  state), which is not supported",
             ));
         }
-        let mut state: Vec<Vec<(String, StateEntry)>> = (0..flat.len()).map(|_| vec![]).collect();
-        let st = field(f, base, "state", &format!("`{base_key}`"))?;
-        let st = st
-            .as_dict()
-            .ok_or_else(|| f.err(format!("`{base_key}.state` is not a dict")))?;
-        for (k, per) in st {
-            let i = k
-                .as_int()
-                .and_then(|i| usize::try_from(i).ok())
-                .filter(|&i| i < flat.len())
-                .ok_or_else(|| {
-                    f.err(format!(
-                        "`{base_key}.state` has key {} for {} flat tensors",
-                        short(&crate::dcp::to_json(k).to_string()),
-                        flat.len()
-                    ))
-                })?;
-            let what = format!("{base_key}.state.{i}");
-            for (name, v) in str_dict(f, per, &what)? {
-                let entry = match save::tensor_of(v, &f.archive, &f.map)
-                    .map_err(|e| f.err(format!("`{what}.{}`: {e}", short(name))))?
-                {
-                    Some(t) => StateEntry::Tensor(t),
-                    None => StateEntry::Value(plain(v)),
-                };
-                state[i].push((name.to_string(), entry));
-            }
-        }
-        let groups = field(f, base, "param_groups", &format!("`{base_key}`"))?
-            .as_list()
-            .ok_or_else(|| f.err(format!("`{base_key}.param_groups` is not a list")))?;
-        let mut param_groups = vec![];
-        let mut group_flats = vec![];
-        for (g, d) in groups.iter().enumerate() {
-            let what = format!("{base_key}.param_groups.{g}");
-            let mut hyper = vec![];
-            let mut flats = None;
-            for (k, v) in str_dict(f, d, &what)? {
-                if k == "params" {
-                    let ids = ints(f, v, &format!("{what}.params"))?;
-                    if let Some(bad) = ids.iter().find(|&&i| i >= flat.len() as u64) {
-                        return Err(f.err(format!(
-                            "`{what}.params` names flat tensor {bad} of {}",
-                            flat.len()
-                        )));
-                    }
-                    flats = Some(ids.into_iter().map(|i| i as usize).collect::<Vec<_>>());
-                } else {
-                    hyper.push((k.to_string(), plain(v)));
-                }
-            }
-            param_groups.push(hyper);
-            group_flats.push(flats.ok_or_else(|| f.err(format!("`{what}` has no `params`")))?);
-        }
-        let mut seen = vec![false; flat.len()];
-        for &i in group_flats.iter().flatten() {
-            if std::mem::replace(&mut seen[i], true) {
-                return Err(f.err(format!(
-                    "flat tensor {i} is in two of `{base_key}.param_groups`"
-                )));
-            }
-        }
-        if let Some(i) = seen.iter().position(|s| !s) {
-            return Err(f.err(format!(
-                "flat tensor {i} of `{flat_key}` is in no parameter group"
-            )));
-        }
+        let state = wrapped_state(f, base, base_key, flat.len())?;
+        let (param_groups, group_flats) = param_groups(f, base, base_key, flat.len())?;
+        each_flat_in_one_group(f, &group_flats, flat.len(), flat_key, base_key)?;
         let group_paddings = match osd.get("group_paddings") {
             Some(v) => ints(f, v, "group_paddings")?,
             None if optimizer == Optimizer::Zero3 => vec![],
@@ -567,38 +497,8 @@ impl OptimStates {
             v @ Value::Int(_) => vec![count(f, v, "partition_count")?],
             v => ints(f, v, "partition_count")?,
         };
-        let param_alignment_paddings = match osd.get("param_alignment_paddings") {
-            None | Some(Value::None) => None,
-            Some(v) => Some(
-                v.as_list()
-                    .ok_or_else(|| f.err("`param_alignment_paddings` is not a list"))?
-                    .iter()
-                    .map(|g| ints(f, g, "param_alignment_paddings"))
-                    .collect::<Result<Vec<_>>>()?,
-            ),
-        };
-        let slice_mappings = match osd.get("param_slice_mappings") {
-            None | Some(Value::None) => None,
-            Some(v) => Some(
-                v.as_list()
-                    .ok_or_else(|| f.err("`param_slice_mappings` is not a list"))?
-                    .iter()
-                    .enumerate()
-                    .map(|(g, d)| {
-                        str_dict(f, d, &format!("param_slice_mappings.{g}"))?
-                            .into_iter()
-                            .map(|(name, a)| {
-                                let a = plain(a);
-                                let what = format!("param_slice_mappings.{g}.{}", short(name));
-                                let n = count(f, a.get("numel").unwrap_or(&Value::None), &what)?;
-                                let at = count(f, a.get("start").unwrap_or(&Value::None), &what)?;
-                                Ok((name.to_string(), n, at))
-                            })
-                            .collect::<Result<Vec<_>>>()
-                    })
-                    .collect::<Result<Vec<_>>>()?,
-            ),
-        };
+        let param_alignment_paddings = alignment_paddings(f, osd)?;
+        let slice_mappings = slice_mappings(f, osd)?;
         let scalars = osd
             .as_dict()
             .unwrap_or_default()
@@ -621,6 +521,183 @@ impl OptimStates {
             scalars,
         })
     }
+}
+
+/// The optimizer that wrote the wrapper dict `osd`: by its `zero_stage`, else (no stage
+/// recorded) `BF16_Optimizer` by its `single_partition_of_fp32_groups`.
+fn optimizer_of(f: &File, osd: &Value) -> Result<Optimizer> {
+    let stage = match osd.get("zero_stage") {
+        None => None,
+        Some(v) => Some(count(f, &plain(v), "zero_stage")?),
+    };
+    Ok(match stage {
+        Some(s @ (1 | 2)) => Optimizer::Zero12 { stage: s as u8 },
+        Some(3) => Optimizer::Zero3,
+        Some(s) => return Err(f.err(format!("`zero_stage` is {s}, not 1, 2 or 3"))),
+        None if osd.get("single_partition_of_fp32_groups").is_some() => Optimizer::Bf16,
+        None => return Err(f.err("`optimizer_state_dict` has no `zero_stage`")),
+    })
+}
+
+/// The fp32 master weights `osd[flat_key]`: a list of flat, row-major tensors.
+fn flat_tensors(f: &File, osd: &Value, flat_key: &str) -> Result<Vec<TensorItem>> {
+    let flat = field(f, osd, flat_key, "`optimizer_state_dict`")?
+        .as_list()
+        .ok_or_else(|| f.err(format!("`{flat_key}` is not a list")))?
+        .iter()
+        .enumerate()
+        .map(|(i, v)| f.tensor(v, &format!("{flat_key}.{i}")))
+        .collect::<Result<Vec<_>>>()?;
+    for (i, t) in flat.iter().enumerate() {
+        if t.shape.len() != 1 || !t.is_row_major() {
+            return Err(f.err(format!(
+                "`{flat_key}.{i}` is not a flat tensor (shape {:?})",
+                t.shape
+            )));
+        }
+    }
+    Ok(flat)
+}
+
+/// The wrapped optimizer's `state` (in `base`, the dict at `base_key`): per flat tensor of
+/// `n_flat`, its entries in key order, tensors located and other values made [`plain`].
+fn wrapped_state(
+    f: &File,
+    base: &Value,
+    base_key: &str,
+    n_flat: usize,
+) -> Result<Vec<Vec<(String, StateEntry)>>> {
+    let mut state: Vec<Vec<(String, StateEntry)>> = (0..n_flat).map(|_| vec![]).collect();
+    let st = field(f, base, "state", &format!("`{base_key}`"))?;
+    let st = st
+        .as_dict()
+        .ok_or_else(|| f.err(format!("`{base_key}.state` is not a dict")))?;
+    for (k, per) in st {
+        let i = k
+            .as_int()
+            .and_then(|i| usize::try_from(i).ok())
+            .filter(|&i| i < n_flat)
+            .ok_or_else(|| {
+                f.err(format!(
+                    "`{base_key}.state` has key {} for {} flat tensors",
+                    short(&crate::dcp::to_json(k).to_string()),
+                    n_flat
+                ))
+            })?;
+        let what = format!("{base_key}.state.{i}");
+        for (name, v) in str_dict(f, per, &what)? {
+            let entry = match save::tensor_of(v, &f.archive, &f.map)
+                .map_err(|e| f.err(format!("`{what}.{}`: {e}", short(name))))?
+            {
+                Some(t) => StateEntry::Tensor(t),
+                None => StateEntry::Value(plain(v)),
+            };
+            state[i].push((name.to_string(), entry));
+        }
+    }
+    Ok(state)
+}
+
+/// Per parameter group: its hyperparameters, and the flat tensors its `params` names.
+type Groups = (Vec<Vec<(String, Value)>>, Vec<Vec<usize>>);
+
+/// The wrapped optimizer's `param_groups` (in `base`, the dict at `base_key`), each group's
+/// `params` checked to name flat tensors of the `n_flat`.
+fn param_groups(f: &File, base: &Value, base_key: &str, n_flat: usize) -> Result<Groups> {
+    let groups = field(f, base, "param_groups", &format!("`{base_key}`"))?
+        .as_list()
+        .ok_or_else(|| f.err(format!("`{base_key}.param_groups` is not a list")))?;
+    let mut param_groups = vec![];
+    let mut group_flats = vec![];
+    for (g, d) in groups.iter().enumerate() {
+        let what = format!("{base_key}.param_groups.{g}");
+        let mut hyper = vec![];
+        let mut flats = None;
+        for (k, v) in str_dict(f, d, &what)? {
+            if k == "params" {
+                let ids = ints(f, v, &format!("{what}.params"))?;
+                if let Some(bad) = ids.iter().find(|&&i| i >= n_flat as u64) {
+                    return Err(f.err(format!(
+                        "`{what}.params` names flat tensor {bad} of {n_flat}"
+                    )));
+                }
+                flats = Some(ids.into_iter().map(|i| i as usize).collect::<Vec<_>>());
+            } else {
+                hyper.push((k.to_string(), plain(v)));
+            }
+        }
+        param_groups.push(hyper);
+        group_flats.push(flats.ok_or_else(|| f.err(format!("`{what}` has no `params`")))?);
+    }
+    Ok((param_groups, group_flats))
+}
+
+/// Check that each of the `n_flat` flat tensors is in exactly one parameter group.
+fn each_flat_in_one_group(
+    f: &File,
+    group_flats: &[Vec<usize>],
+    n_flat: usize,
+    flat_key: &str,
+    base_key: &str,
+) -> Result<()> {
+    let mut seen = vec![false; n_flat];
+    for &i in group_flats.iter().flatten() {
+        if std::mem::replace(&mut seen[i], true) {
+            return Err(f.err(format!(
+                "flat tensor {i} is in two of `{base_key}.param_groups`"
+            )));
+        }
+    }
+    if let Some(i) = seen.iter().position(|s| !s) {
+        return Err(f.err(format!(
+            "flat tensor {i} of `{flat_key}` is in no parameter group"
+        )));
+    }
+    Ok(())
+}
+
+/// `param_alignment_paddings`, per group and parameter, when recorded.
+fn alignment_paddings(f: &File, osd: &Value) -> Result<Option<Vec<Vec<u64>>>> {
+    Ok(match osd.get("param_alignment_paddings") {
+        None | Some(Value::None) => None,
+        Some(v) => Some(
+            v.as_list()
+                .ok_or_else(|| f.err("`param_alignment_paddings` is not a list"))?
+                .iter()
+                .map(|g| ints(f, g, "param_alignment_paddings"))
+                .collect::<Result<Vec<_>>>()?,
+        ),
+    })
+}
+
+/// Per group, each parameter's `fragment_address` as (name, numel, start).
+type SliceMappings = Vec<Vec<(String, u64, u64)>>;
+
+/// `param_slice_mappings`, when recorded: per group, each parameter's `fragment_address` as
+/// (name, numel, start).
+fn slice_mappings(f: &File, osd: &Value) -> Result<Option<SliceMappings>> {
+    Ok(match osd.get("param_slice_mappings") {
+        None | Some(Value::None) => None,
+        Some(v) => Some(
+            v.as_list()
+                .ok_or_else(|| f.err("`param_slice_mappings` is not a list"))?
+                .iter()
+                .enumerate()
+                .map(|(g, d)| {
+                    str_dict(f, d, &format!("param_slice_mappings.{g}"))?
+                        .into_iter()
+                        .map(|(name, a)| {
+                            let a = plain(a);
+                            let what = format!("param_slice_mappings.{g}.{}", short(name));
+                            let n = count(f, a.get("numel").unwrap_or(&Value::None), &what)?;
+                            let at = count(f, a.get("start").unwrap_or(&Value::None), &what)?;
+                            Ok((name.to_string(), n, at))
+                        })
+                        .collect::<Result<Vec<_>>>()
+                })
+                .collect::<Result<Vec<_>>>()?,
+        ),
+    })
 }
 
 #[cfg(test)]
