@@ -1,6 +1,10 @@
-//! The memo (`PUT`/`GET` and their binary forms, `MEMOIZE`): memo keys to arena ids.
+//! The memo: [`Memo`], memo keys to arena ids, and the opcodes that store and fetch
+//! (`PUT`, `BINPUT`, `LONG_BINPUT`, `MEMOIZE`, `GET`, `BINGET`, `LONG_BINGET`).
 
 use super::arena::Id;
+use super::cursor::Reader;
+use super::machine::Machine;
+use super::{invalid, PickleError};
 use std::collections::HashMap;
 
 /// The memo: keys below the dense length in a vector (what `MEMOIZE`, and Python's pickler
@@ -55,4 +59,63 @@ impl Memo {
     pub(super) fn len(&self) -> u64 {
         self.len
     }
+}
+
+impl Machine<'_> {
+    /// `PUT`: store the top of the stack under a decimal key.
+    #[inline]
+    pub(super) fn put_text(
+        &mut self,
+        r: &mut Reader<'_>,
+        name: &'static str,
+        at: usize,
+    ) -> Result<(), PickleError> {
+        let line = r.line(name, at)?;
+        let key = parse_memo_key(line, name, at)?;
+        self.memo_put(key, name, at)
+    }
+
+    /// `GET`: push the value stored under a decimal key.
+    #[inline]
+    pub(super) fn get_text(
+        &mut self,
+        r: &mut Reader<'_>,
+        name: &'static str,
+        at: usize,
+    ) -> Result<(), PickleError> {
+        let line = r.line(name, at)?;
+        let key = parse_memo_key(line, name, at)?;
+        self.memo_get(key, at)
+    }
+
+    /// Push the value stored under `key`.
+    #[inline]
+    pub(super) fn memo_get(&mut self, key: u64, at: usize) -> Result<(), PickleError> {
+        let id = self
+            .memo
+            .get(key)
+            .ok_or(PickleError::MissingMemo { key, offset: at })?;
+        self.push(id, at)
+    }
+
+    /// Store the top of the stack under `key`.
+    #[inline]
+    pub(super) fn memo_put(
+        &mut self,
+        key: u64,
+        opcode: &'static str,
+        at: usize,
+    ) -> Result<(), PickleError> {
+        let id = self.top(opcode, at)?;
+        self.memo.insert(key, id);
+        Ok(())
+    }
+}
+
+/// The decimal memo key of a text `PUT`/`GET`.
+fn parse_memo_key(line: &[u8], opcode: &'static str, at: usize) -> Result<u64, PickleError> {
+    std::str::from_utf8(line)
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .ok_or_else(|| invalid(at, format!("invalid {opcode} memo key")))
 }
