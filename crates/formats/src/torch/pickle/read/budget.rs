@@ -163,22 +163,35 @@ impl Sizes<'_> {
         Some((1, bytes))
     }
 
+    /// The size of a leaf met at `depth` (its [`Sizes::leaf`] size), checked for depth.
+    #[inline]
+    fn sized_leaf(
+        &mut self,
+        slot: usize,
+        shared: bool,
+        size: (u64, u64),
+        depth: usize,
+    ) -> Result<(u64, u64), PickleError> {
+        // As for containers, a shared leaf sized before is not checked for depth again.
+        let state = self.state.get_mut(slot);
+        let seen = state.as_ref().is_some_and(|s| **s & SEEN != 0);
+        if depth >= MAX_DEPTH && !(shared && seen) {
+            return Err(PickleError::TooDeep { limit: MAX_DEPTH });
+        }
+        if let Some(s) = state {
+            *s |= SEEN;
+        }
+        Ok(size)
+    }
+
+    /// The tree size of the node `id` met at `depth`.
     fn of(&mut self, id: Id, depth: usize) -> Result<(u64, u64), PickleError> {
         let slot = id as usize;
         let nodes = self.nodes;
         let node = nodes.get(slot).unwrap_or(&Node::None);
         let shared = self.shared.get(slot).copied().unwrap_or(false);
         if let Some(size) = self.leaf(node) {
-            // As for containers, a shared leaf sized before is not checked for depth again.
-            let state = self.state.get_mut(slot);
-            let seen = state.as_ref().is_some_and(|s| **s & SEEN != 0);
-            if depth >= MAX_DEPTH && !(shared && seen) {
-                return Err(PickleError::TooDeep { limit: MAX_DEPTH });
-            }
-            if let Some(s) = state {
-                *s |= SEEN;
-            }
-            return Ok(size);
+            return self.sized_leaf(slot, shared, size, depth);
         }
         if shared {
             if let Some(known) = self.done.get(&id) {

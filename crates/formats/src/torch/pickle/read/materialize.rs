@@ -114,35 +114,7 @@ impl<'a> Materializer<'a> {
                 Value::Tuple(self.list(node.tuple_ids().unwrap_or_default(), depth)?)
             }
             Node::Set(ids) => Value::Set(self.list(ids, depth)?),
-            Node::Dict(pairs) => {
-                self.budget.values(pairs.len())?;
-                // Keep the first position and the last value of a repeated simple key.
-                let mut kept: Vec<(Id, Id)> = Vec::with_capacity(pairs.len());
-                let mut index: HashMap<KeyRef<'a>, usize> = HashMap::new();
-                for &(k, v) in pairs.iter() {
-                    match self.key_ref(k) {
-                        Some(key) => match index.get(&key) {
-                            Some(&pos) => {
-                                if let Some(slot) = kept.get_mut(pos) {
-                                    slot.1 = v;
-                                }
-                            }
-                            None => {
-                                index.insert(key, kept.len());
-                                kept.push((k, v));
-                            }
-                        },
-                        None => kept.push((k, v)),
-                    }
-                }
-                let mut out = Vec::with_capacity(kept.len());
-                for (k, v) in kept {
-                    let key = self.value(k, depth)?;
-                    let val = self.value(v, depth)?;
-                    out.push((key, val));
-                }
-                Value::Dict(out)
-            }
+            Node::Dict(pairs) => self.dict(pairs, depth)?,
             Node::Global(gid) => {
                 let (module, name) = self.global(*gid)?;
                 Value::Global { module, name }
@@ -170,5 +142,36 @@ impl<'a> Materializer<'a> {
             }
             Node::PersistentId(pid) => Value::PersistentId(Box::new(self.value(*pid, depth)?)),
         })
+    }
+
+    /// A dict's [`Value`]: a simple key set twice keeps its first position and its last value.
+    fn dict(&mut self, pairs: &'a [(Id, Id)], depth: usize) -> Result<Value, PickleError> {
+        self.budget.values(pairs.len())?;
+        // Keep the first position and the last value of a repeated simple key.
+        let mut kept: Vec<(Id, Id)> = Vec::with_capacity(pairs.len());
+        let mut index: HashMap<KeyRef<'a>, usize> = HashMap::new();
+        for &(k, v) in pairs.iter() {
+            match self.key_ref(k) {
+                Some(key) => match index.get(&key) {
+                    Some(&pos) => {
+                        if let Some(slot) = kept.get_mut(pos) {
+                            slot.1 = v;
+                        }
+                    }
+                    None => {
+                        index.insert(key, kept.len());
+                        kept.push((k, v));
+                    }
+                },
+                None => kept.push((k, v)),
+            }
+        }
+        let mut out = Vec::with_capacity(kept.len());
+        for (k, v) in kept {
+            let key = self.value(k, depth)?;
+            let val = self.value(v, depth)?;
+            out.push((key, val));
+        }
+        Ok(Value::Dict(out))
     }
 }
