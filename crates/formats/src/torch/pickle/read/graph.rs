@@ -29,10 +29,12 @@ pub struct Obj<'g> {
 }
 
 impl<'g> Obj<'g> {
+    /// The node this handle reads.
     fn node(self) -> &'g Node {
         self.g.nodes.get(self.id as usize).unwrap_or(&Node::None)
     }
 
+    /// A handle on the node `id` of the same graph.
     fn at(self, id: Id) -> Obj<'g> {
         Obj { g: self.g, id }
     }

@@ -40,10 +40,12 @@ enum KeyRef<'a> {
 }
 
 impl<'a> Materializer<'a> {
+    /// The node `id`.
     fn node(&self, id: Id) -> &'a Node {
         self.nodes.get(id as usize).unwrap_or(&Node::None)
     }
 
+    /// The hashable view of a str/int/bytes key, `None` for other keys.
     fn key_ref(&self, id: Id) -> Option<KeyRef<'a>> {
         match self.node(id) {
             Node::Str(s) => Some(KeyRef::Str(s)),
@@ -53,6 +55,7 @@ impl<'a> Materializer<'a> {
         }
     }
 
+    /// `(module, name)` of the global `gid`, copied and metered.
     fn global(&mut self, gid: u32) -> Result<(String, String), PickleError> {
         let (m, n) = self
             .globals
@@ -63,6 +66,7 @@ impl<'a> Materializer<'a> {
         Ok((m.to_owned(), n.to_owned()))
     }
 
+    /// The values of `ids`.
     fn list(&mut self, ids: &[Id], depth: usize) -> Result<Vec<Value>, PickleError> {
         let mut out = Vec::with_capacity(ids.len());
         for &id in ids {
@@ -71,6 +75,7 @@ impl<'a> Materializer<'a> {
         Ok(out)
     }
 
+    /// The value of `id` at `depth`, checked for depth and self-containment, metered.
     fn value(&mut self, id: Id, depth: usize) -> Result<Value, PickleError> {
         if depth >= MAX_DEPTH {
             return Err(PickleError::TooDeep { limit: MAX_DEPTH });
@@ -91,6 +96,7 @@ impl<'a> Materializer<'a> {
         result
     }
 
+    /// The value of `node`, its children at `depth`.
     fn value_inner(&mut self, node: &'a Node, depth: usize) -> Result<Value, PickleError> {
         Ok(match node {
             Node::None => Value::None,

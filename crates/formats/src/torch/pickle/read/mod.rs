@@ -1,5 +1,17 @@
 //! The reader: a bounded, allow-listing VM that turns a pickle's opcode stream into a
 //! [`Value`] tree (see the [module docs](super) for its safety model).
+//!
+//! This module holds the entry points ([`parse`], [`parse_with_len`], [`parse_graph`]), the
+//! limits and [`PickleError`]. The rest, in the order a pickle meets it:
+//! - `cursor`: bounds-checked reads of the input;
+//! - `machine`: the VM's state, its stack primitives and the dispatch on each opcode byte,
+//!   whose opcode families are `scalars` (ints, floats, str, bytes), `containers` (tuples,
+//!   lists, dicts, sets), `objects` (globals, calls, `BUILD`, persistent ids; `calls`: what a
+//!   call of an allow-listed callable makes) and `memo` (the memo and its opcodes);
+//! - `arena`: the values the VM makes, children as ids, so memo references share them;
+//! - `budget`: the meter of values and bytes, and the size of the tree a graph expands to;
+//! - `graph`: the arena handed over as [`Graph`], read through [`Obj`];
+//! - `materialize`: the [`Value`] tree built from the arena.
 
 mod arena;
 mod budget;
@@ -158,6 +170,7 @@ pub enum PickleError {
     },
 }
 
+/// A [`PickleError::Invalid`] at `offset`.
 fn invalid(offset: usize, message: impl Into<String>) -> PickleError {
     PickleError::Invalid {
         message: message.into(),
@@ -201,8 +214,6 @@ pub fn parse_graph(bytes: &[u8], globals: &Globals) -> Result<Graph, PickleError
         root,
     })
 }
-
-// ---------------------------------------------------------------------------------------------
 
 #[cfg(test)]
 mod tests;
