@@ -3,7 +3,7 @@
 //! - [`op`]: the opcode table, one named constant per opcode, shared by both directions;
 //! - [`Value`] (`reshard_core::value`): the decoded tree; [`Globals`] (in `globals.rs`): the
 //!   allow-lists of names a pickle may reference;
-//! - `read.rs`: the VM behind [`parse`];
+//! - `read/`: the VM behind [`parse`] (see its module docs for the layout);
 //! - `write.rs`: [`PyValue`] and [`pickle`], the protocol-2 writer of `torch.save` pickles
 //!
 //! # Reading
