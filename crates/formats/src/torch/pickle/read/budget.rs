@@ -3,6 +3,7 @@
 //! ([`tree_size`]), so that memo-reference bombs fail early.
 
 use super::arena::{Id, Node};
+use super::machine::Step;
 use super::VALUES_PER_INPUT_BYTE;
 use super::{PickleError, BYTES_PER_INPUT_BYTE, MAX_DEPTH, MIN_BYTE_BUDGET, MIN_VALUE_BUDGET};
 use std::collections::HashMap;
@@ -34,7 +35,7 @@ impl Budget {
 
     /// Spend `n` values.
     #[inline]
-    pub(super) fn values(&mut self, n: usize) -> Result<(), PickleError> {
+    pub(super) fn values(&mut self, n: usize) -> Step {
         self.values = self.values.saturating_add(n as u64);
         if self.values > self.value_limit {
             return Err(PickleError::TooManyValues {
@@ -46,7 +47,7 @@ impl Budget {
 
     /// Spend `n` bytes.
     #[inline]
-    pub(super) fn bytes(&mut self, n: usize) -> Result<(), PickleError> {
+    pub(super) fn bytes(&mut self, n: usize) -> Step {
         self.bytes = self.bytes.saturating_add(n as u64);
         if self.bytes > self.byte_limit {
             return Err(PickleError::TooManyBytes {

@@ -6,12 +6,13 @@
 use super::arena::{Id, Node};
 use super::budget::charged;
 use super::machine::Machine;
+use super::machine::Step;
 use super::{invalid, op, PickleError};
 
 impl Machine<'_> {
     /// `TUPLE`: a tuple of the values above the innermost `MARK`.
     #[inline]
-    pub(super) fn tuple(&mut self, name: &'static str, at: usize) -> Result<(), PickleError> {
+    pub(super) fn tuple(&mut self, name: &'static str, at: usize) -> Step {
         let items = self.pop_mark_scratch(name, at)?;
         let node = Node::tuple(&items);
         self.scratch = items;
@@ -20,12 +21,7 @@ impl Machine<'_> {
 
     /// `TUPLE1`/`TUPLE2`/`TUPLE3`: a tuple of the top one, two or three values.
     #[inline]
-    pub(super) fn tuple_n(
-        &mut self,
-        code: u8,
-        name: &'static str,
-        at: usize,
-    ) -> Result<(), PickleError> {
+    pub(super) fn tuple_n(&mut self, code: u8, name: &'static str, at: usize) -> Step {
         let n = usize::from(code - op::TUPLE1) + 1;
         let mut items = [0; 3];
         for slot in items[..n].iter_mut().rev() {
@@ -36,14 +32,14 @@ impl Machine<'_> {
 
     /// `LIST`: a list of the values above the innermost `MARK`.
     #[inline]
-    pub(super) fn list(&mut self, name: &'static str, at: usize) -> Result<(), PickleError> {
+    pub(super) fn list(&mut self, name: &'static str, at: usize) -> Step {
         let items = self.pop_mark(name, at)?;
         self.push_node(Node::List(items.into()), at)
     }
 
     /// `APPEND`: append the top value to the list below it.
     #[inline]
-    pub(super) fn append(&mut self, name: &'static str, at: usize) -> Result<(), PickleError> {
+    pub(super) fn append(&mut self, name: &'static str, at: usize) -> Step {
         let v = self.pop(name, at)?;
         let list = self.top(name, at)?;
         match self.node_mut(list, at)? {
@@ -58,7 +54,7 @@ impl Machine<'_> {
 
     /// `APPENDS`: append the values above the innermost `MARK` to the list below it.
     #[inline]
-    pub(super) fn appends(&mut self, name: &'static str, at: usize) -> Result<(), PickleError> {
+    pub(super) fn appends(&mut self, name: &'static str, at: usize) -> Step {
         let new = self.pop_mark_scratch(name, at)?;
         let list = self.top(name, at)?;
         match self.node_mut(list, at)? {
@@ -74,7 +70,7 @@ impl Machine<'_> {
 
     /// `DICT`: a dict of the keys and values above the innermost `MARK`.
     #[inline]
-    pub(super) fn dict(&mut self, name: &'static str, at: usize) -> Result<(), PickleError> {
+    pub(super) fn dict(&mut self, name: &'static str, at: usize) -> Step {
         let items = self.pop_mark(name, at)?;
         let pairs = pairs_of(&items, name, at)?;
         self.push_node(Node::Dict(pairs.into()), at)
@@ -82,7 +78,7 @@ impl Machine<'_> {
 
     /// `SETITEM`: add the top key and value to the dict below them.
     #[inline]
-    pub(super) fn setitem(&mut self, name: &'static str, at: usize) -> Result<(), PickleError> {
+    pub(super) fn setitem(&mut self, name: &'static str, at: usize) -> Step {
         let v = self.pop(name, at)?;
         let k = self.pop(name, at)?;
         let dict = self.top(name, at)?;
@@ -98,7 +94,7 @@ impl Machine<'_> {
 
     /// `SETITEMS`: add the keys and values above the innermost `MARK` to the dict below it.
     #[inline]
-    pub(super) fn setitems(&mut self, name: &'static str, at: usize) -> Result<(), PickleError> {
+    pub(super) fn setitems(&mut self, name: &'static str, at: usize) -> Step {
         let items = self.pop_mark_scratch(name, at)?;
         let mut new = std::mem::take(&mut self.scratch_pairs);
         pairs_into(&items, name, at, &mut new)?;
@@ -117,7 +113,7 @@ impl Machine<'_> {
 
     /// `ADDITEMS`: add the values above the innermost `MARK` to the set below it.
     #[inline]
-    pub(super) fn additems(&mut self, name: &'static str, at: usize) -> Result<(), PickleError> {
+    pub(super) fn additems(&mut self, name: &'static str, at: usize) -> Step {
         let new = self.pop_mark(name, at)?;
         let set = self.top(name, at)?;
         match self.node_mut(set, at)? {
@@ -132,7 +128,7 @@ impl Machine<'_> {
 
     /// `FROZENSET`: a set of the values above the innermost `MARK`.
     #[inline]
-    pub(super) fn frozenset(&mut self, name: &'static str, at: usize) -> Result<(), PickleError> {
+    pub(super) fn frozenset(&mut self, name: &'static str, at: usize) -> Step {
         let items = self.pop_mark(name, at)?;
         self.push_node(Node::Set(items.into()), at)
     }
@@ -175,12 +171,7 @@ fn pairs_of(items: &[Id], opcode: &'static str, at: usize) -> Result<Vec<(Id, Id
 }
 
 /// [`pairs_of`] into `out` (cleared first).
-fn pairs_into(
-    items: &[Id],
-    opcode: &'static str,
-    at: usize,
-    out: &mut Vec<(Id, Id)>,
-) -> Result<(), PickleError> {
+fn pairs_into(items: &[Id], opcode: &'static str, at: usize, out: &mut Vec<(Id, Id)>) -> Step {
     if items.len() % 2 != 0 {
         return Err(invalid(at, format!("odd number of items for {opcode}")));
     }

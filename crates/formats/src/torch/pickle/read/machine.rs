@@ -12,6 +12,9 @@ use super::{invalid, materialize, op, Globals, PickleError, Value};
 use super::{HIGHEST_PROTOCOL, MAX_MARKS, MAX_STACK};
 use std::collections::HashMap;
 
+/// What executing one opcode gives: nothing, or why the pickle cannot be decoded.
+pub(super) type Step = Result<(), PickleError>;
+
 /// The VM's state while it runs a pickle: the arena of values, the stack and its marks, the
 /// memo, the globals met so far and the budget.
 pub(super) struct Machine<'g> {
@@ -151,7 +154,7 @@ impl<'g> Machine<'g> {
 
     /// Size of the tree that `materialize(root)` would build, computed over the DAG without
     /// building it, so that expansion bombs fail before anything is allocated for them.
-    pub(super) fn check_expansion(&mut self, root: Id) -> Result<(), PickleError> {
+    pub(super) fn check_expansion(&mut self, root: Id) -> Step {
         let (values, bytes) = tree_size(&self.nodes, &self.global_table, root)?;
         // Charged up front; `materialize` then runs on a fresh meter with what is left.
         self.budget
@@ -206,7 +209,7 @@ impl Machine<'_> {
 
     /// Push `id` on the stack.
     #[inline]
-    pub(super) fn push(&mut self, id: Id, at: usize) -> Result<(), PickleError> {
+    pub(super) fn push(&mut self, id: Id, at: usize) -> Step {
         if self.stack.len() >= MAX_STACK {
             return Err(PickleError::Limit {
                 what: "stack depth",
@@ -220,7 +223,7 @@ impl Machine<'_> {
 
     /// Add `node` to the arena and push it.
     #[inline]
-    pub(super) fn push_node(&mut self, node: Node, at: usize) -> Result<(), PickleError> {
+    pub(super) fn push_node(&mut self, node: Node, at: usize) -> Step {
         let id = self.alloc(node, at)?;
         self.push(id, at)
     }
@@ -300,12 +303,7 @@ impl Machine<'_> {
 impl Machine<'_> {
     /// `PROTO`: the protocol the rest of the pickle follows.
     #[inline]
-    fn proto(
-        &mut self,
-        r: &mut Reader<'_>,
-        name: &'static str,
-        at: usize,
-    ) -> Result<(), PickleError> {
+    fn proto(&mut self, r: &mut Reader<'_>, name: &'static str, at: usize) -> Step {
         let v = r.u8(name, at)?;
         if v > HIGHEST_PROTOCOL {
             return Err(invalid(at, format!("unsupported pickle protocol {v}")));
@@ -316,7 +314,7 @@ impl Machine<'_> {
 
     /// `MARK`: open a mark at the current stack length.
     #[inline]
-    fn mark(&mut self, at: usize) -> Result<(), PickleError> {
+    fn mark(&mut self, at: usize) -> Step {
         if self.marks.len() >= MAX_MARKS {
             return Err(PickleError::Limit {
                 what: "MARK depth",
@@ -330,7 +328,7 @@ impl Machine<'_> {
 
     /// `POP`: drop the top of the stack, or close an empty `MARK` (as Python does).
     #[inline]
-    fn pop_any(&mut self, name: &'static str, at: usize) -> Result<(), PickleError> {
+    fn pop_any(&mut self, name: &'static str, at: usize) -> Step {
         if self.stack.len() > self.base() {
             self.stack.pop();
         } else {
@@ -341,7 +339,7 @@ impl Machine<'_> {
 
     /// `DUP`: push the top of the stack again.
     #[inline]
-    fn dup(&mut self, name: &'static str, at: usize) -> Result<(), PickleError> {
+    fn dup(&mut self, name: &'static str, at: usize) -> Step {
         let id = self.top(name, at)?;
         self.push(id, at)
     }
@@ -349,7 +347,7 @@ impl Machine<'_> {
 
 /// `FRAME`: only checked against the input left (frames need no buffering here).
 #[inline]
-fn frame(r: &mut Reader<'_>, name: &'static str, at: usize) -> Result<(), PickleError> {
+fn frame(r: &mut Reader<'_>, name: &'static str, at: usize) -> Step {
     let n = r.u64(name, at)?;
     if n > r.remaining() as u64 {
         return Err(PickleError::Truncated {

@@ -4,6 +4,7 @@
 use super::arena::Id;
 use super::cursor::Reader;
 use super::machine::Machine;
+use super::machine::Step;
 use super::{invalid, PickleError};
 use std::collections::HashMap;
 
@@ -64,12 +65,7 @@ impl Memo {
 impl Machine<'_> {
     /// `PUT`: store the top of the stack under a decimal key.
     #[inline]
-    pub(super) fn put_text(
-        &mut self,
-        r: &mut Reader<'_>,
-        name: &'static str,
-        at: usize,
-    ) -> Result<(), PickleError> {
+    pub(super) fn put_text(&mut self, r: &mut Reader<'_>, name: &'static str, at: usize) -> Step {
         let line = r.line(name, at)?;
         let key = parse_memo_key(line, name, at)?;
         self.memo_put(key, name, at)
@@ -77,12 +73,7 @@ impl Machine<'_> {
 
     /// `GET`: push the value stored under a decimal key.
     #[inline]
-    pub(super) fn get_text(
-        &mut self,
-        r: &mut Reader<'_>,
-        name: &'static str,
-        at: usize,
-    ) -> Result<(), PickleError> {
+    pub(super) fn get_text(&mut self, r: &mut Reader<'_>, name: &'static str, at: usize) -> Step {
         let line = r.line(name, at)?;
         let key = parse_memo_key(line, name, at)?;
         self.memo_get(key, at)
@@ -90,7 +81,7 @@ impl Machine<'_> {
 
     /// Push the value stored under `key`.
     #[inline]
-    pub(super) fn memo_get(&mut self, key: u64, at: usize) -> Result<(), PickleError> {
+    pub(super) fn memo_get(&mut self, key: u64, at: usize) -> Step {
         let id = self
             .memo
             .get(key)
@@ -100,12 +91,7 @@ impl Machine<'_> {
 
     /// Store the top of the stack under `key`.
     #[inline]
-    pub(super) fn memo_put(
-        &mut self,
-        key: u64,
-        opcode: &'static str,
-        at: usize,
-    ) -> Result<(), PickleError> {
+    pub(super) fn memo_put(&mut self, key: u64, opcode: &'static str, at: usize) -> Step {
         let id = self.top(opcode, at)?;
         self.memo.insert(key, id);
         Ok(())

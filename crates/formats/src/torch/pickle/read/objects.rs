@@ -5,6 +5,7 @@
 use super::arena::{Id, Node};
 use super::cursor::Reader;
 use super::machine::Machine;
+use super::machine::Step;
 use super::{invalid, op, PickleError};
 
 impl Machine<'_> {
@@ -17,7 +18,7 @@ impl Machine<'_> {
         r: &mut Reader<'_>,
         name: &'static str,
         at: usize,
-    ) -> Result<(), PickleError> {
+    ) -> Step {
         let module = r.line(name, at)?;
         let gname = r.line(name, at)?;
         let module = std::str::from_utf8(module)
@@ -39,11 +40,7 @@ impl Machine<'_> {
 
     /// `STACK_GLOBAL`: the global named by the two str on top of the stack.
     #[inline]
-    pub(super) fn stack_global(
-        &mut self,
-        name: &'static str,
-        at: usize,
-    ) -> Result<(), PickleError> {
+    pub(super) fn stack_global(&mut self, name: &'static str, at: usize) -> Step {
         let gname = self.pop(name, at)?;
         let module = self.pop(name, at)?;
         let (Some(module), Some(gname)) = (self.str_of(module), self.str_of(gname)) else {
@@ -58,7 +55,7 @@ impl Machine<'_> {
 
     /// `OBJ`: call the first value above the innermost `MARK` with the others.
     #[inline]
-    pub(super) fn obj(&mut self, name: &'static str, at: usize) -> Result<(), PickleError> {
+    pub(super) fn obj(&mut self, name: &'static str, at: usize) -> Step {
         let mut items = self.pop_mark(name, at)?;
         if items.is_empty() {
             return Err(PickleError::StackUnderflow {
@@ -74,7 +71,7 @@ impl Machine<'_> {
 
     /// `REDUCE`/`NEWOBJ`: call the callable below the argument tuple on top.
     #[inline]
-    pub(super) fn reduce(&mut self, name: &'static str, at: usize) -> Result<(), PickleError> {
+    pub(super) fn reduce(&mut self, name: &'static str, at: usize) -> Step {
         let args = self.pop(name, at)?;
         let callable = self.pop(name, at)?;
         let obj = self.call(callable, args, name, at)?;
@@ -83,7 +80,7 @@ impl Machine<'_> {
 
     /// `NEWOBJ_EX`: `NEWOBJ` with keyword arguments, which must be empty.
     #[inline]
-    pub(super) fn newobj_ex(&mut self, name: &'static str, at: usize) -> Result<(), PickleError> {
+    pub(super) fn newobj_ex(&mut self, name: &'static str, at: usize) -> Step {
         let kwargs = self.pop(name, at)?;
         let args = self.pop(name, at)?;
         let cls = self.pop(name, at)?;
@@ -111,12 +108,7 @@ impl Machine<'_> {
 
     /// `PERSID`: a persistent id given as a line of ascii text.
     #[inline]
-    pub(super) fn persid(
-        &mut self,
-        r: &mut Reader<'_>,
-        name: &'static str,
-        at: usize,
-    ) -> Result<(), PickleError> {
+    pub(super) fn persid(&mut self, r: &mut Reader<'_>, name: &'static str, at: usize) -> Step {
         let line = r.line(name, at)?;
         let s = std::str::from_utf8(line)
             .ok()
@@ -128,7 +120,7 @@ impl Machine<'_> {
 
     /// `BINPERSID`: the value on top of the stack as a persistent id.
     #[inline]
-    pub(super) fn binpersid(&mut self, name: &'static str, at: usize) -> Result<(), PickleError> {
+    pub(super) fn binpersid(&mut self, name: &'static str, at: usize) -> Step {
         let pid = self.pop(name, at)?;
         self.push_node(Node::PersistentId(pid), at)
     }
@@ -136,7 +128,7 @@ impl Machine<'_> {
     /// `BUILD`: set the state of the object below (two dict states merge), or merge a dict
     /// state into the dict below.
     #[inline]
-    pub(super) fn build(&mut self, at: usize) -> Result<(), PickleError> {
+    pub(super) fn build(&mut self, at: usize) -> Step {
         let state = self.pop("BUILD", at)?;
         let inst = self.top("BUILD", at)?;
         let state_is_dict = match self.node(state) {

@@ -5,17 +5,13 @@
 use super::arena::{Id, Node};
 use super::cursor::Reader;
 use super::machine::Machine;
+use super::machine::Step;
 use super::{invalid, op, PickleError, MAX_TEXT_INT_DIGITS};
 
 impl Machine<'_> {
     /// `INT`: a decimal int, or a bool as protocol 0 writes one (`01`/`00`).
     #[inline]
-    pub(super) fn int(
-        &mut self,
-        r: &mut Reader<'_>,
-        name: &'static str,
-        at: usize,
-    ) -> Result<(), PickleError> {
+    pub(super) fn int(&mut self, r: &mut Reader<'_>, name: &'static str, at: usize) -> Step {
         let line = r.line(name, at)?;
         let node = match line {
             b"01" => Node::Bool(true),
@@ -27,12 +23,7 @@ impl Machine<'_> {
 
     /// `LONG`: a decimal int with an optional `L` suffix.
     #[inline]
-    pub(super) fn long(
-        &mut self,
-        r: &mut Reader<'_>,
-        name: &'static str,
-        at: usize,
-    ) -> Result<(), PickleError> {
+    pub(super) fn long(&mut self, r: &mut Reader<'_>, name: &'static str, at: usize) -> Step {
         let line = r.line(name, at)?;
         let line = line.strip_suffix(b"L").unwrap_or(line);
         let node = parse_text_int(line, name, at)?;
@@ -41,24 +32,14 @@ impl Machine<'_> {
 
     /// `BININT`: a 4-byte signed int.
     #[inline]
-    pub(super) fn binint(
-        &mut self,
-        r: &mut Reader<'_>,
-        name: &'static str,
-        at: usize,
-    ) -> Result<(), PickleError> {
+    pub(super) fn binint(&mut self, r: &mut Reader<'_>, name: &'static str, at: usize) -> Step {
         let v = r.i32(name, at)?;
         self.push_node(Node::Int(i64::from(v)), at)
     }
 
     /// `BININT1`: a 1-byte unsigned int, one shared node per value.
     #[inline]
-    pub(super) fn binint1(
-        &mut self,
-        r: &mut Reader<'_>,
-        name: &'static str,
-        at: usize,
-    ) -> Result<(), PickleError> {
+    pub(super) fn binint1(&mut self, r: &mut Reader<'_>, name: &'static str, at: usize) -> Step {
         let v = r.u8(name, at)?;
         let id = self.small_int(v, at)?;
         self.push(id, at)
@@ -66,12 +47,7 @@ impl Machine<'_> {
 
     /// `BININT2`: a 2-byte unsigned int.
     #[inline]
-    pub(super) fn binint2(
-        &mut self,
-        r: &mut Reader<'_>,
-        name: &'static str,
-        at: usize,
-    ) -> Result<(), PickleError> {
+    pub(super) fn binint2(&mut self, r: &mut Reader<'_>, name: &'static str, at: usize) -> Step {
         let v = r.u16(name, at)?;
         self.push_node(Node::Int(i64::from(v)), at)
     }
@@ -94,7 +70,7 @@ impl Machine<'_> {
         r: &mut Reader<'_>,
         name: &'static str,
         at: usize,
-    ) -> Result<(), PickleError> {
+    ) -> Step {
         let n = if code == op::LONG1 {
             u64::from(r.u8(name, at)?)
         } else {
@@ -107,12 +83,7 @@ impl Machine<'_> {
 
     /// `FLOAT`: a float as decimal text.
     #[inline]
-    pub(super) fn float(
-        &mut self,
-        r: &mut Reader<'_>,
-        name: &'static str,
-        at: usize,
-    ) -> Result<(), PickleError> {
+    pub(super) fn float(&mut self, r: &mut Reader<'_>, name: &'static str, at: usize) -> Step {
         let line = r.line(name, at)?;
         let f = std::str::from_utf8(line)
             .ok()
@@ -123,12 +94,7 @@ impl Machine<'_> {
 
     /// `BINFLOAT`: a big-endian 8-byte float.
     #[inline]
-    pub(super) fn binfloat(
-        &mut self,
-        r: &mut Reader<'_>,
-        name: &'static str,
-        at: usize,
-    ) -> Result<(), PickleError> {
+    pub(super) fn binfloat(&mut self, r: &mut Reader<'_>, name: &'static str, at: usize) -> Step {
         let f = f64::from_be_bytes(r.array(name, at)?);
         self.push_node(Node::Float(f), at)
     }
@@ -141,7 +107,7 @@ impl Machine<'_> {
         r: &mut Reader<'_>,
         name: &'static str,
         at: usize,
-    ) -> Result<(), PickleError> {
+    ) -> Step {
         let n = match code {
             op::SHORT_BINUNICODE => u64::from(r.u8(name, at)?),
             op::BINUNICODE => u64::from(r.u32(name, at)?),
@@ -155,12 +121,7 @@ impl Machine<'_> {
 
     /// `UNICODE`: a line of raw-unicode-escape text (protocol 0).
     #[inline]
-    pub(super) fn unicode(
-        &mut self,
-        r: &mut Reader<'_>,
-        name: &'static str,
-        at: usize,
-    ) -> Result<(), PickleError> {
+    pub(super) fn unicode(&mut self, r: &mut Reader<'_>, name: &'static str, at: usize) -> Step {
         let line = r.line(name, at)?;
         let s = decode_raw_unicode_escape(line)
             .ok_or_else(|| invalid(at, "invalid raw-unicode-escape in UNICODE"))?;
@@ -176,7 +137,7 @@ impl Machine<'_> {
         r: &mut Reader<'_>,
         name: &'static str,
         at: usize,
-    ) -> Result<(), PickleError> {
+    ) -> Step {
         let n = match code {
             op::SHORT_BINSTRING | op::SHORT_BINBYTES => u64::from(r.u8(name, at)?),
             op::BINSTRING => {
