@@ -402,7 +402,7 @@ const UPLOAD_BATCH: u64 = 128 << 20;
 fn upload_options(opts: &ConvertOptions) -> remote::upload::UploadOptions {
     remote::upload::UploadOptions {
         force: opts.force,
-        loadable: formats::loadable_last,
+        loadable: reshard_formats::loadable_last,
         chunk: opts.upload_chunk,
     }
 }
@@ -456,7 +456,7 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
         .collect();
     // the loadable objects last, each kind in output order
     let mut order: Vec<usize> = (0..outputs.len()).collect();
-    order.sort_by_key(|&f| formats::loadable_last(&rels[f]));
+    order.sort_by_key(|&f| reshard_formats::loadable_last(&rels[f]));
     let check_threads = rayon::current_num_threads().saturating_sub(1).max(1);
     let mut upload = remote::upload::Upload::start(dst, upload_options(opts))?;
     if let Some(p) = &progress {
@@ -474,7 +474,7 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
         let r = (|| -> Result<()> {
             for &f in &order {
                 let rel = &rels[f];
-                if formats::loadable_last(rel) {
+                if reshard_formats::loadable_last(rel) {
                     if let Some(h) = check.take() {
                         h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?;
                     }
@@ -1084,7 +1084,7 @@ pub fn commit_parts(
     if std::fs::symlink_metadata(&local).is_ok() {
         let opts = remote::upload::UploadOptions {
             force,
-            loadable: formats::loadable_last,
+            loadable: reshard_formats::loadable_last,
             chunk: None,
         };
         remote::upload::upload_tree(&local, dst, opts)?;

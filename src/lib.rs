@@ -49,6 +49,22 @@ mod select;
 pub mod verify;
 
 pub use reshard_core::{layout, parts, per_rank, plan, target};
+
+/// The formats: what each can hold ([`Format`], [`formats::Capabilities`]), detecting one,
+/// choosing an output format, and the interface a new one implements ([`formats::Codec`],
+/// listed in [`formats::REGISTRY`]). The formats' own modules are `reshard-formats`'.
+#[cfg(not(feature = "internals"))]
+pub mod formats {
+    pub use reshard_formats::{
+        checkpoints_in, choose, detect, latest_step, step_of, write, Aliasing, Capabilities,
+        Checkpoint, Choice, Codec, Container, Extra, Family, Format, KeyPart, Output, Probe,
+        Recognition, RecordCrc, WriteOptions, EXTRAS_KEY, EXTRAS_PICKLE_KEY, PATHS_KEY, REGISTRY,
+    };
+}
+/// The formats crate whole, at its old path, for the project's tests, benches and fuzz
+/// targets.
+#[cfg(feature = "internals")]
+#[doc(hidden)]
 pub use reshard_formats as formats;
 
 /// Object storage (`s3://`, `gs://`, `az://`, `http(s)://` checkpoints): what a front end

@@ -571,6 +571,94 @@ keyword_options! {
     }
 }
 
+impl ConvertArgs {
+    /// The library's options for a conversion to `world_size` ranks (or the layout given),
+    /// and the part of it to run (`None`: the whole).
+    fn into_options(
+        self,
+        world_size: u64,
+    ) -> PyResult<(ConvertOptions, Option<(reshard::parts::Part, &'static str)>)> {
+        let ConvertArgs {
+            format,
+            layout,
+            include,
+            exclude,
+            strip_prefix,
+            add_prefix,
+            dtype,
+            max_shard_size,
+            threads,
+            per_rank_state,
+            untie,
+            overwrite,
+            verify,
+            progress,
+            dry_run: _,
+            tag,
+            weights,
+            zero_stage,
+            config,
+            part,
+            staging,
+        } = self;
+        // "env": from the launcher's environment; "K/N": that part; None: the whole conversion
+        let part = match part.as_deref() {
+            None => None,
+            Some("env") => reshard::parts::choose(None).map_err(py_err)?,
+            Some(p) => {
+                let p: reshard::parts::Part = p.parse().map_err(request)?;
+                reshard::parts::choose(Some(p)).map_err(py_err)?
+            }
+        };
+        let mut opts = ConvertOptions::to(1);
+        opts.open = open_options(tag, weights.as_deref())?;
+        if let Some(s) = zero_stage {
+            if !(1..=3).contains(&s) {
+                return Err(request(format!("zero_stage must be 1, 2 or 3, not {s}")));
+            }
+            opts.write.zero_stage = Some(s);
+        }
+        if let Some(p) = config {
+            let bytes = reshard::read_model_config(&p).map_err(py_err)?;
+            opts.write.companions = vec![("config.json".into(), bytes)];
+        }
+        opts.layout = layout_spec(world_size, layout.as_deref())?;
+        opts.format = format.as_deref().map(format_named).transpose()?;
+        opts.select = Selection {
+            include: include.unwrap_or_default(),
+            exclude: exclude.unwrap_or_default(),
+            strip_prefix,
+            add_prefix,
+        };
+        opts.dtype = dtype.as_deref().map(self::dtype).transpose()?;
+        if let Some(n) = max_shard_size {
+            if n == 0 {
+                return Err(request("max_shard_size must be at least 1 byte"));
+            }
+            opts.write.max_shard_size = n;
+        }
+        if threads == Some(0) {
+            return Err(request("threads must be at least 1"));
+        }
+        opts.exec.threads = threads;
+        opts.per_rank = per_rank_state
+            .map(|p| p.parse().map_err(|e: String| request(e)))
+            .transpose()?;
+        opts.untie = untie;
+        opts.force = overwrite;
+        opts.verify = verify;
+        opts.staging = staging;
+        opts.exec.progress = progress.map(|f| {
+            Arc::new(Callback {
+                f,
+                total: 0.into(),
+                done: 0.into(),
+            }) as Arc<dyn reshard::Progress>
+        });
+        Ok((opts, part))
+    }
+}
+
 /// Convert `src` into `dst` at `world_size` ranks (or a layout JSON text), returning a
 /// summary dict: format (and why), world size, files written, bytes, dropped entries, ties.
 /// The other options are keywords (`ConvertArgs`, listed in `CONVERT_OPTIONS`).
@@ -583,83 +671,9 @@ fn convert<'py>(
     world_size: u64,
     options: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let ConvertArgs {
-        format,
-        layout,
-        include,
-        exclude,
-        strip_prefix,
-        add_prefix,
-        dtype,
-        max_shard_size,
-        threads,
-        per_rank_state,
-        untie,
-        overwrite,
-        verify,
-        progress,
-        dry_run,
-        tag,
-        weights,
-        zero_stage,
-        config,
-        part,
-        staging,
-    } = ConvertArgs::extract(options)?;
-    // "env": from the launcher's environment; "K/N": that part; None: the whole conversion
-    let part = match part.as_deref() {
-        None => None,
-        Some("env") => reshard::parts::choose(None).map_err(py_err)?,
-        Some(p) => {
-            let p: reshard::parts::Part = p.parse().map_err(request)?;
-            reshard::parts::choose(Some(p)).map_err(py_err)?
-        }
-    };
-    let mut opts = ConvertOptions::to(1);
-    opts.open = open_options(tag, weights.as_deref())?;
-    if let Some(s) = zero_stage {
-        if !(1..=3).contains(&s) {
-            return Err(request(format!("zero_stage must be 1, 2 or 3, not {s}")));
-        }
-        opts.write.zero_stage = Some(s);
-    }
-    if let Some(p) = config {
-        let bytes = reshard::read_model_config(&p).map_err(py_err)?;
-        opts.write.companions = vec![("config.json".into(), bytes)];
-    }
-    opts.layout = layout_spec(world_size, layout.as_deref())?;
-    opts.format = format.as_deref().map(format_named).transpose()?;
-    opts.select = Selection {
-        include: include.unwrap_or_default(),
-        exclude: exclude.unwrap_or_default(),
-        strip_prefix,
-        add_prefix,
-    };
-    opts.dtype = dtype.as_deref().map(self::dtype).transpose()?;
-    if let Some(n) = max_shard_size {
-        if n == 0 {
-            return Err(request("max_shard_size must be at least 1 byte"));
-        }
-        opts.write.max_shard_size = n;
-    }
-    if threads == Some(0) {
-        return Err(request("threads must be at least 1"));
-    }
-    opts.exec.threads = threads;
-    opts.per_rank = per_rank_state
-        .map(|p| p.parse().map_err(|e: String| request(e)))
-        .transpose()?;
-    opts.untie = untie;
-    opts.force = overwrite;
-    opts.verify = verify;
-    opts.staging = staging;
-    opts.exec.progress = progress.map(|f| {
-        Arc::new(Callback {
-            f,
-            total: 0.into(),
-            done: 0.into(),
-        }) as Arc<dyn reshard::Progress>
-    });
+    let args = ConvertArgs::extract(options)?;
+    let dry_run = args.dry_run;
+    let (opts, part) = args.into_options(world_size)?;
     let summary = py
         .detach(move || -> reshard::Result<serde_json::Value> {
             let job = reshard::convert::prepare(&src, Some(&dst), &opts)?;
@@ -690,28 +704,39 @@ fn convert<'py>(
                     run.stats
                 }
             };
-            let files = job.output_files();
-            Ok(serde_json::json!({
-                "source": job.source.path,
-                "source_format": job.source.format.name(),
-                "source_world_size": job.source.ranks,
-                "format": job.format.name(),
-                "format_reason": job.format_reason,
-                "world_size": job.world,
-                "tensors": job.plan.tensors.len(),
-                "bytes": job.plan.tensors.iter().map(|t| t.bytes.1).sum::<u64>(),
-                "extras": job.extras,
-                "dropped": job.dropped,
-                "ties": job.ties,
-                "files": files,
-                "bytes_read": stats.as_ref().map(|s| s.bytes_read),
-                "bytes_written": stats.as_ref().map(|s| s.bytes_written),
-                "parts": in_parts,
-                "aborted_uploads": aborted,
-            }))
+            Ok(summary(&job, stats.as_ref(), in_parts, aborted))
         })
         .map_err(py_err)?;
     to_py(py, &summary)
+}
+
+/// The summary dict of a conversion: source, output format (and why), world size, tensors,
+/// files written, bytes, dropped entries and ties, the part run, aborted uploads.
+fn summary(
+    job: &reshard::Job,
+    stats: Option<&reshard::ExecStats>,
+    parts: serde_json::Value,
+    aborted: Vec<String>,
+) -> serde_json::Value {
+    let files = job.output_files();
+    serde_json::json!({
+        "source": job.source.path,
+        "source_format": job.source.format.name(),
+        "source_world_size": job.source.ranks,
+        "format": job.format.name(),
+        "format_reason": job.format_reason,
+        "world_size": job.world,
+        "tensors": job.plan.tensors.len(),
+        "bytes": job.plan.tensors.iter().map(|t| t.bytes.1).sum::<u64>(),
+        "extras": job.extras,
+        "dropped": job.dropped,
+        "ties": job.ties,
+        "files": files,
+        "bytes_read": stats.map(|s| s.bytes_read),
+        "bytes_written": stats.map(|s| s.bytes_written),
+        "parts": parts,
+        "aborted_uploads": aborted,
+    })
 }
 
 /// Commit a conversion run in parts: every part written and checked, then `dst` published.

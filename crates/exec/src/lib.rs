@@ -202,7 +202,7 @@ pub fn execute_scheduled(
     opts: &ExecOptions,
     sched: Schedule,
 ) -> Result<ExecStats> {
-    let (maps, src_files) = open_sources(plan, sources.paths)?;
+    let src = open_sources(plan, sources.paths)?;
     let files = open_outputs(outputs, dest_paths)?;
     let Schedule {
         wins,
@@ -211,17 +211,7 @@ pub fn execute_scheduled(
         skip,
         threads,
     } = sched;
-    let shared = Shared {
-        srcs: &maps,
-        src_files: &src_files,
-        sources,
-        dsts: &files,
-        dest_paths,
-        ranges: &ranges,
-        skip: &skip,
-        whole: false,
-        remote: sources.storage.fetches(),
-    };
+    let shared = Shared::new(&src, sources, (&files, dest_paths), &ranges, &skip);
     let total = wins.iter().map(Window::size).sum();
     let (mut parts, threads) = run_on_pool(threads, &wins, &shared, opts, total)?;
     parts.extend(given);
@@ -320,7 +310,7 @@ pub fn execute_part(
     let threads = opts
         .threads
         .unwrap_or_else(|| schedule::default_threads(&wins, &ranges, &skip));
-    let (maps, src_files) = open_sources(plan, sources.paths)?;
+    let src = open_sources(plan, sources.paths)?;
     // open the files of the spans, their sizes set and the spans' blocks allocated
     let mut files: Vec<Option<File>> = (0..outputs.len()).map(|_| None).collect();
     let mut pending = 0u64;
@@ -343,17 +333,7 @@ pub fn execute_part(
             }
         }
     }
-    let shared = Shared {
-        srcs: &maps,
-        src_files: &src_files,
-        sources,
-        dsts: &files,
-        dest_paths,
-        ranges: &ranges,
-        skip: &skip,
-        whole: true,
-        remote: sources.storage.fetches(),
-    };
+    let shared = Shared::new(&src, sources, (&files, dest_paths), &ranges, &skip).hashing_all();
     let total = spans.iter().map(|s| s.len()).sum();
     let (mut parts, threads) = run_on_pool(threads, &wins, &shared, opts, total)?;
     let progress = opts.progress.as_deref();
@@ -528,6 +508,39 @@ struct Shared<'a> {
     /// The sources' storage fetches (an object store's mirror): each window fetches its
     /// source bytes before reading them, and the pool is sized for waiting on the network.
     remote: bool,
+}
+
+impl<'a> Shared<'a> {
+    /// What the windows of a run reading `sources` (mapped and opened: `src`) into the
+    /// destinations `dst` (opened, and their paths) share, with per destination its checksum
+    /// ranges and the ranges of them that known source CRCs give (`skip`).
+    fn new(
+        src: &'a (Vec<Mmap>, Vec<File>),
+        sources: Sources<'a>,
+        dst: (&'a [Option<File>], &'a [PathBuf]),
+        ranges: &'a [Vec<CkRange>],
+        skip: &'a [Vec<(u64, u64)>],
+    ) -> Self {
+        Shared {
+            srcs: &src.0,
+            src_files: &src.1,
+            sources,
+            dsts: dst.0,
+            dest_paths: dst.1,
+            ranges,
+            skip,
+            whole: false,
+            remote: sources.storage.fetches(),
+        }
+    }
+
+    /// The same, hashing every byte each window writes (a part's records).
+    fn hashing_all(self) -> Self {
+        Shared {
+            whole: true,
+            ..self
+        }
+    }
 }
 
 /// Run `wins` in parallel on the current pool, telling `progress` as each is written;

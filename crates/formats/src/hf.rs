@@ -76,9 +76,6 @@ impl Codec for Hf {
     fn write(&self, target: &[TargetTensor], _world: u32, opts: &WriteOptions) -> Result<Output> {
         write(target, opts)
     }
-    fn index(&self, files: &[(std::path::PathBuf, u64)], fetch: crate::index::Fetch) -> Result<()> {
-        crate::index::small_whole_else(files, fetch, crate::index::safetensors_header)
-    }
 }
 
 /// Read a Hugging Face sharded checkpoint.

@@ -67,9 +67,6 @@ impl Codec for HfStorage {
     fn write(&self, target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
         write(target, world, opts)
     }
-    fn index(&self, files: &[(std::path::PathBuf, u64)], fetch: crate::index::Fetch) -> Result<()> {
-        crate::index::small_whole_else(files, fetch, crate::index::safetensors_header)
-    }
 }
 
 /// Read a directory of per-rank shards.

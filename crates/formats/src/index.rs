@@ -28,15 +28,6 @@ const ZIP_TAIL: u64 = 22 + 0xFFFF + 56 + 20;
 /// this many bytes beyond the name in the central directory.
 const LOCAL_EXTRA: u64 = 30 + 256;
 
-/// Fetch every file of `files` (local paths and sizes) whole: what a codec that does not
-/// say otherwise reads.
-pub fn whole(files: &[(PathBuf, u64)], fetch: Fetch) -> Result<()> {
-    for (path, size) in files {
-        fetch(path, &[(0, *size)])?;
-    }
-    Ok(())
-}
-
 /// Fetch the files of `files` of at most 1 MiB whole (metadata, JSON, `latest`, small
 /// pickles), and what `large` says of each larger one.
 pub fn small_whole_else(

@@ -107,10 +107,15 @@ pub trait Codec: Sync + std::panic::RefUnwindSafe + 'static {
     fn write(&self, target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output>;
     /// Fetch, through `fetch`, the bytes of `files` (the checkpoint's local files and their
     /// sizes, laid out by an object store's mirror) that [`Codec::read`] reads before any
-    /// tensor data: the format's index. The default fetches every file whole; the pieces
-    /// formats compose are in [`index`].
+    /// tensor data: the format's index. The default is its family's: small files whole, and
+    /// of each larger one its safetensors header, or its `torch.save` archive's records
+    /// around the storages; the pieces formats compose are in [`index`].
     fn index(&self, files: &[(std::path::PathBuf, u64)], fetch: index::Fetch) -> Result<()> {
-        index::whole(files, fetch)
+        let large = match self.capabilities().family {
+            Family::Safetensors => index::safetensors_header,
+            Family::Torch => index::zip_index,
+        };
+        index::small_whole_else(files, fetch, large)
     }
 }
 

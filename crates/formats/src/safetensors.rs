@@ -483,9 +483,6 @@ impl Codec for Safetensors {
     fn write(&self, target: &[TargetTensor], _world: u32, opts: &WriteOptions) -> Result<Output> {
         write(target, opts)
     }
-    fn index(&self, files: &[(std::path::PathBuf, u64)], fetch: crate::index::Fetch) -> Result<()> {
-        crate::index::small_whole_else(files, fetch, crate::index::safetensors_header)
-    }
 }
 
 /// Read a single safetensors file as a one-rank checkpoint.

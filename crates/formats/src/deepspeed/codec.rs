@@ -61,7 +61,4 @@ impl Codec for DeepSpeed {
     fn write(&self, target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
         super::write::write(target, world, opts)
     }
-    fn index(&self, files: &[(std::path::PathBuf, u64)], fetch: crate::index::Fetch) -> Result<()> {
-        crate::index::small_whole_else(files, fetch, crate::index::zip_index)
-    }
 }

@@ -670,16 +670,16 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 
-    /// The pieces of a flat-partitioned tensor of `shape` whose runs `spans` lie in the
+    /// The layout of a flat-partitioned tensor `name` of `shape` whose runs `spans` lie in the
     /// tensors `at(rank)` (file index, file, tensor) of dtype `dtype`.
-    fn flat_pieces(
+    fn flat_layout(
         &mut self,
         name: &str,
         shape: &[u64],
         dtype: DType,
         spans: &[Span],
         at: impl Fn(u64) -> (u32, &'a File, &'a TensorItem),
-    ) -> Result<Vec<Piece>> {
+    ) -> Result<TensorLayout> {
         let elem = dtype.size() as u64;
         let mut pieces = vec![];
         for s in spans {
@@ -710,20 +710,6 @@ impl<'a> Reader<'a> {
                 elem,
             ));
         }
-        Ok(pieces)
-    }
-
-    /// A flat-partitioned tensor `name` of `shape` and `dtype`: the layout of
-    /// [`Reader::flat_pieces`].
-    fn flat_layout(
-        &mut self,
-        name: &str,
-        shape: &[u64],
-        dtype: DType,
-        spans: &[Span],
-        at: impl Fn(u64) -> (u32, &'a File, &'a TensorItem),
-    ) -> Result<TensorLayout> {
-        let pieces = self.flat_pieces(name, shape, dtype, spans, at)?;
         Ok(TensorLayout {
             name: name.to_string(),
             dtype,

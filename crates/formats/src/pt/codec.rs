@@ -42,7 +42,4 @@ impl Codec for Pt {
     fn write(&self, target: &[TargetTensor], _world: u32, opts: &WriteOptions) -> Result<Output> {
         pt::write(target, opts)
     }
-    fn index(&self, files: &[(std::path::PathBuf, u64)], fetch: crate::index::Fetch) -> Result<()> {
-        crate::index::small_whole_else(files, fetch, crate::index::zip_index)
-    }
 }

@@ -11,6 +11,17 @@ pub(super) struct Reader<'a> {
     pub(super) pos: usize,
 }
 
+/// Reader methods for little-endian operands of the named integer types.
+macro_rules! le_operands {
+    ($($(#[$doc:meta])* $t:ident;)*) => {$(
+        $(#[$doc])*
+        #[inline]
+        pub(super) fn $t(&mut self, opcode: &'static str, at: usize) -> Result<$t, PickleError> {
+            Ok($t::from_le_bytes(self.array(opcode, at)?))
+        }
+    )*};
+}
+
 impl<'a> Reader<'a> {
     /// A cursor at the start of `data`.
     pub(super) fn new(data: &'a [u8]) -> Self {
@@ -80,28 +91,15 @@ impl<'a> Reader<'a> {
         Ok(self.array::<1>(opcode, at)?[0])
     }
 
-    /// A little-endian `u16` operand.
-    #[inline]
-    pub(super) fn u16(&mut self, opcode: &'static str, at: usize) -> Result<u16, PickleError> {
-        Ok(u16::from_le_bytes(self.array(opcode, at)?))
-    }
-
-    /// A little-endian `u32` operand.
-    #[inline]
-    pub(super) fn u32(&mut self, opcode: &'static str, at: usize) -> Result<u32, PickleError> {
-        Ok(u32::from_le_bytes(self.array(opcode, at)?))
-    }
-
-    /// A little-endian `i32` operand.
-    #[inline]
-    pub(super) fn i32(&mut self, opcode: &'static str, at: usize) -> Result<i32, PickleError> {
-        Ok(i32::from_le_bytes(self.array(opcode, at)?))
-    }
-
-    /// A little-endian `u64` operand.
-    #[inline]
-    pub(super) fn u64(&mut self, opcode: &'static str, at: usize) -> Result<u64, PickleError> {
-        Ok(u64::from_le_bytes(self.array(opcode, at)?))
+    le_operands! {
+        /// A little-endian `u16` operand.
+        u16;
+        /// A little-endian `u32` operand.
+        u32;
+        /// A little-endian `i32` operand.
+        i32;
+        /// A little-endian `u64` operand.
+        u64;
     }
 
     /// A `\n`-terminated line (text opcodes), without the newline.

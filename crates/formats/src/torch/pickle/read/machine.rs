@@ -257,6 +257,14 @@ impl Machine<'_> {
             .ok_or(PickleError::StackUnderflow { opcode, offset: at })
     }
 
+    /// Pop the innermost `MARK`: where its values start on the stack.
+    #[inline]
+    fn take_mark(&mut self, opcode: &'static str, at: usize) -> Result<usize, PickleError> {
+        self.marks
+            .pop()
+            .ok_or(PickleError::MissingMark { opcode, offset: at })
+    }
+
     /// Pop the innermost `MARK` and the values above it.
     #[inline]
     pub(super) fn pop_mark(
@@ -264,10 +272,7 @@ impl Machine<'_> {
         opcode: &'static str,
         at: usize,
     ) -> Result<Vec<Id>, PickleError> {
-        let mark = self
-            .marks
-            .pop()
-            .ok_or(PickleError::MissingMark { opcode, offset: at })?;
+        let mark = self.take_mark(opcode, at)?;
         if mark > self.stack.len() {
             return Err(PickleError::StackUnderflow { opcode, offset: at });
         }
@@ -281,10 +286,7 @@ impl Machine<'_> {
         opcode: &'static str,
         at: usize,
     ) -> Result<Vec<Id>, PickleError> {
-        let mark = self
-            .marks
-            .pop()
-            .ok_or(PickleError::MissingMark { opcode, offset: at })?;
+        let mark = self.take_mark(opcode, at)?;
         let items = self
             .stack
             .get(mark..)
