@@ -398,12 +398,13 @@ pub fn run(job: &Job, dst: impl AsRef<Path>, opts: &ConvertOptions) -> Result<Ex
 /// is so large that this would mean many thousands of executor runs).
 const UPLOAD_BATCH: u64 = 128 << 20;
 
-/// How a conversion uploads to an object-store URL.
-fn upload_options(opts: &ConvertOptions) -> remote::upload::UploadOptions {
+/// How an output is uploaded to an object-store URL: replacing what is there when `force`,
+/// in parts of `chunk` bytes (the default when `None`).
+fn upload_options(force: bool, chunk: Option<u64>) -> remote::upload::UploadOptions {
     remote::upload::UploadOptions {
-        force: opts.force,
+        force,
         loadable: reshard_formats::loadable_last,
-        chunk: opts.upload_chunk,
+        chunk,
     }
 }
 
@@ -458,7 +459,8 @@ fn run_remote(job: &Job, dst: &Path, opts: &ConvertOptions) -> Result<ExecStats>
     let mut order: Vec<usize> = (0..outputs.len()).collect();
     order.sort_by_key(|&f| reshard_formats::loadable_last(&rels[f]));
     let check_threads = rayon::current_num_threads().saturating_sub(1).max(1);
-    let mut upload = remote::upload::Upload::start(dst, upload_options(opts))?;
+    let mut upload =
+        remote::upload::Upload::start(dst, upload_options(opts.force, opts.upload_chunk))?;
     if let Some(p) = &progress {
         p.start(total);
     }
@@ -913,7 +915,11 @@ pub fn run_part(
     let local = staged_destination(dst, opts.staging.as_deref())?;
     let mut run = run_part_local(job, &local, opts, part)?;
     if let Some(Committed::Published { .. }) = run.committed {
-        run.aborted_uploads = remote::upload::upload_tree(&local, dst, upload_options(opts))?;
+        run.aborted_uploads = remote::upload::upload_tree(
+            &local,
+            dst,
+            upload_options(opts.force, opts.upload_chunk),
+        )?;
     }
     Ok(run)
 }
@@ -1082,12 +1088,7 @@ pub fn commit_parts(
         commit::parts::commit(&local, force, check, true)?
     };
     if std::fs::symlink_metadata(&local).is_ok() {
-        let opts = remote::upload::UploadOptions {
-            force,
-            loadable: reshard_formats::loadable_last,
-            chunk: None,
-        };
-        remote::upload::upload_tree(&local, dst, opts)?;
+        remote::upload::upload_tree(&local, dst, upload_options(force, None))?;
     }
     Ok(done)
 }

@@ -467,7 +467,7 @@ fn run_on_pool(
 ) -> Result<(Vec<CrcPart>, usize)> {
     // Windows reading remote sources wait on the network more than on the cores (unless the
     // caller chose the threads).
-    let threads = if shared.remote && opts.threads.is_none() {
+    let threads = if shared.remote() && opts.threads.is_none() {
         threads.max(REMOTE_THREADS)
     } else {
         threads
@@ -505,9 +505,6 @@ struct Shared<'a> {
     skip: &'a [Vec<(u64, u64)>],
     /// Hash every byte each window writes ([`crc::WHOLE`]), for a part's records.
     whole: bool,
-    /// The sources' storage fetches (an object store's mirror): each window fetches its
-    /// source bytes before reading them, and the pool is sized for waiting on the network.
-    remote: bool,
 }
 
 impl<'a> Shared<'a> {
@@ -530,8 +527,13 @@ impl<'a> Shared<'a> {
             ranges,
             skip,
             whole: false,
-            remote: sources.storage.fetches(),
         }
+    }
+
+    /// The sources' storage fetches (an object store's mirror): each window fetches its
+    /// source bytes before reading them, and the pool is sized for waiting on the network.
+    fn remote(&self) -> bool {
+        self.sources.storage.fetches()
     }
 
     /// The same, hashing every byte each window writes (a part's records).
@@ -563,7 +565,7 @@ fn run_windows(
                 dst,
                 dst_path: &io.dest_paths[f],
             };
-            if io.remote {
+            if io.remote() {
                 let ops = w.frags.iter().filter_map(|f| match f {
                     schedule::Frag::Op(o) => Some(o),
                     schedule::Frag::Lit { .. } => None,

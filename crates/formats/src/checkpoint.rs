@@ -190,59 +190,50 @@ impl Checkpoint {
         opts: &OpenOptions,
         lazy: bool,
     ) -> Result<Checkpoint> {
-        let Some(url) = opened.url else {
-            return Self::resolved_in(&opened.root, format, opts, lazy, None);
-        };
         let storage = opened.storage;
-        let mut ck = Self::resolved_in(&opened.root, format, opts, lazy, Some(&*storage))
+        let mut ck = Self::resolved_in(&opened.root, format, opts, lazy, &*storage)
             .map_err(|e| storage.rename(e))?;
-        ck.path = PathBuf::from(url);
+        if let Some(url) = opened.url {
+            ck.path = PathBuf::from(url);
+        }
         ck.storage = storage;
         Ok(ck)
     }
 
-    /// [`Checkpoint::resolved`] of a local path; `remote` the storage that fetches its bytes
-    /// (an object store's mirror), when it is a URL's stand-in.
+    /// [`Checkpoint::resolved`] of the local path `path`, whose files `storage` holds: where
+    /// it fetches (an object store's mirror), what opening reads is fetched first.
     fn resolved_in(
         path: &Path,
         format: Option<Format>,
         opts: &OpenOptions,
         lazy: bool,
-        remote: Option<&dyn Storage>,
+        storage: &dyn Storage,
     ) -> Result<Checkpoint> {
-        let fetch = |m: &dyn Storage, p: &Path, spans: &[(u64, u64)]| m.ensure(p, spans);
-        if let Some(m) = remote {
-            // the small files beside the checkpoint's folders first: DeepSpeed's `latest`,
-            // which the resolution reads, and the companions (`config.json`)
-            let top: Vec<(PathBuf, u64)> = m
-                .files()
-                .into_iter()
-                .filter(|(p, _)| p.parent() == Some(path))
-                .collect();
-            crate::index::small_whole_else(&top, &|p, s| fetch(m, p, s), crate::index::later)?;
-        }
-        let resolved = opts.resolve(path)?;
-        let files: Vec<(PathBuf, u64)> = match remote {
-            Some(m) => m
-                .files()
-                .into_iter()
-                .filter(|(p, _)| p.starts_with(&resolved))
-                .collect(),
-            None => vec![],
+        let fetch = |p: &Path, spans: &[(u64, u64)]| storage.ensure(p, spans);
+        // the files it fetches from (none for local files)
+        let listed = storage.files();
+        let among = |keep: &dyn Fn(&Path) -> bool| -> Vec<(PathBuf, u64)> {
+            listed.iter().filter(|(p, _)| keep(p)).cloned().collect()
         };
-        if let (Some(m), [(file, size)]) = (remote, files.as_slice()) {
+        // the small files beside the checkpoint's folders first: DeepSpeed's `latest`, which
+        // the resolution reads, and the companions (`config.json`)
+        let top = among(&|p| p.parent() == Some(path));
+        crate::index::small_whole_else(&top, &fetch, crate::index::later)?;
+        let resolved = opts.resolve(path)?;
+        let files = among(&|p| p.starts_with(&resolved));
+        if let [(file, size)] = files.as_slice() {
             // one object: the first bytes, by which its format is told
             if *file == resolved {
-                fetch(m, file, &[(0, (*size).min(16))])?;
+                fetch(file, &[(0, (*size).min(16))])?;
             }
         }
         let format = match format {
             Some(f) => f,
             None => crate::detect(&resolved)?,
         };
-        if let Some(m) = remote {
+        if storage.fetches() {
             // what the format's reader reads before any tensor data
-            format.codec().index(&files, &|p, s| fetch(m, p, s))?;
+            format.codec().index(&files, &fetch)?;
         }
         let mut ck = Self::opened(&resolved, format, lazy, opts.weights)?;
         if ck.tag.is_none() && resolved != path {

@@ -64,14 +64,14 @@ pub fn read_many_into(
     if jobs.len() != outs.len() {
         return Err(Error::usage("copy jobs and buffers differ in number"));
     }
-    let (src, sources) = (sources, sources.paths);
-    let maps = map_sources_with(sources, memmap2::Advice::Random)?;
+    let maps = map_sources_with(sources.paths, memmap2::Advice::Random)?;
     for (ops, out) in jobs.iter().zip(outs.iter()) {
-        check_ops(ops, sources, &maps, out.len() as u64)?;
+        check_ops(ops, sources.paths, &maps, out.len() as u64)?;
     }
     // (remote sources: their mirror files have their full sizes before any byte is fetched)
-    src.ensure_ops(jobs.iter().flatten())?;
+    sources.ensure_ops(jobs.iter().flatten())?;
     let files: Vec<File> = sources
+        .paths
         .iter()
         .map(|p| File::open(p).at(p))
         .collect::<Result<_>>()?;
@@ -81,7 +81,7 @@ pub fn read_many_into(
     }
     tasks.into_par_iter().try_for_each(|t| {
         for o in &t.ops {
-            if apply_small(o, &files, sources, t.buf, t.lo)? {
+            if apply_small(o, &files, sources.paths, t.buf, t.lo)? {
                 continue;
             }
             let (a, b) = o.src_span();

@@ -220,16 +220,6 @@ impl Mirror {
         &self.root
     }
 
-    /// What identifies the version of the object `path` stands for: its URL, size and ETag.
-    pub fn identity(&self, path: &Path) -> Option<(String, u64, String)> {
-        let f = &self.files[*self.by_path.get(path)?];
-        Some((
-            self.shown(path)?,
-            f.size,
-            f.e_tag.clone().unwrap_or_default(),
-        ))
-    }
-
     /// The URL as given.
     pub fn url(&self) -> &str {
         self.remote.url()
@@ -243,45 +233,6 @@ impl Mirror {
             Some(f) if f.rel.is_empty() => self.remote.url().to_string(),
             _ => self.remote.shown(rel),
         })
-    }
-
-    /// An error naming paths of this mirror, named by their URLs instead.
-    pub fn rename(&self, e: Error) -> Error {
-        match e {
-            Error::Io { path, source } => match self.shown(&path) {
-                Some(s) => Error::Io {
-                    path: PathBuf::from(s),
-                    source,
-                },
-                None => Error::Io { path, source },
-            },
-            Error::Format { path, msg } => {
-                let msg = msg.replace(&self.dir.path().display().to_string(), self.remote.url());
-                match self.shown(&path) {
-                    Some(s) => Error::Format {
-                        path: PathBuf::from(s),
-                        msg,
-                    },
-                    None => Error::Format { path, msg },
-                }
-            }
-            Error::Refused { msg, hint } => Error::Refused {
-                msg: msg.replace(&self.dir.path().display().to_string(), self.remote.url()),
-                hint,
-            },
-            e => e,
-        }
-    }
-
-    /// The local files and their sizes.
-    pub fn files(&self) -> Vec<(PathBuf, u64)> {
-        let mut v: Vec<(PathBuf, u64)> = self
-            .by_path
-            .iter()
-            .map(|(p, &i)| (p.clone(), self.files[i].size))
-            .collect();
-        v.sort();
-        v
     }
 
     /// Fetch the bytes `spans` (first byte, past the last) of the mirrored file `path` that
@@ -406,16 +357,53 @@ impl crate::Storage for Mirror {
         Mirror::shown(self, path)
     }
 
+    /// What identifies the version of the object `path` stands for: its URL, size and ETag.
     fn identity(&self, path: &Path) -> Option<(String, u64, String)> {
-        Mirror::identity(self, path)
+        let f = &self.files[*self.by_path.get(path)?];
+        Some((
+            self.shown(path)?,
+            f.size,
+            f.e_tag.clone().unwrap_or_default(),
+        ))
     }
 
+    /// The local files and their sizes.
     fn files(&self) -> Vec<(PathBuf, u64)> {
-        Mirror::files(self)
+        let mut v: Vec<(PathBuf, u64)> = self
+            .by_path
+            .iter()
+            .map(|(p, &i)| (p.clone(), self.files[i].size))
+            .collect();
+        v.sort();
+        v
     }
 
+    /// An error naming paths of this mirror, named by their URLs instead.
     fn rename(&self, e: Error) -> Error {
-        Mirror::rename(self, e)
+        match e {
+            Error::Io { path, source } => match self.shown(&path) {
+                Some(s) => Error::Io {
+                    path: PathBuf::from(s),
+                    source,
+                },
+                None => Error::Io { path, source },
+            },
+            Error::Format { path, msg } => {
+                let msg = msg.replace(&self.dir.path().display().to_string(), self.remote.url());
+                match self.shown(&path) {
+                    Some(s) => Error::Format {
+                        path: PathBuf::from(s),
+                        msg,
+                    },
+                    None => Error::Format { path, msg },
+                }
+            }
+            Error::Refused { msg, hint } => Error::Refused {
+                msg: msg.replace(&self.dir.path().display().to_string(), self.remote.url()),
+                hint,
+            },
+            e => e,
+        }
     }
 }
 
