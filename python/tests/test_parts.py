@@ -89,7 +89,9 @@ import reshard
 src, dst, how = sys.argv[1:4]
 if how == "api":
     r = reshard.convert(src, dst, world_size=3, format="dcp", part="env")
-    print("RESULT", os.environ["RANK"], json.dumps(r["parts"]), flush=True)
+    # one file per worker: the workers' stdout lines interleave in torchrun's log
+    with open(os.path.join(sys.argv[4], "result-" + os.environ["RANK"] + ".json"), "w") as f:
+        json.dump(r["parts"], f)
 else:
     # the command finds its part in torchrun's RANK and WORLD_SIZE
     subprocess.run(["reshard", "convert", src, dst, "--to", "3", "--format", "dcp"], check=True)
@@ -110,11 +112,13 @@ def test_torchrun_workers_write_one_output(source, tmp_path, how):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     dst = tmp_path / "d"
-    rc, log = _torchrun.run(script, 4, [str(src), str(dst), how], timeout=300)
+    out = tmp_path / "results"
+    out.mkdir()
+    rc, log = _torchrun.run(script, 4, [str(src), str(dst), how, str(out)], timeout=300)
     assert rc == 0, log
     assert files(dst) == files(want)
     if how == "api":
-        results = [json.loads(line.split(" ", 2)[2]) for line in log.splitlines() if line.startswith("RESULT")]
+        results = [json.loads(f.read_text()) for f in sorted(out.glob("result-*.json"))]
         assert sorted(r["part"][0] for r in results) == [0, 1, 2, 3]
         assert all(r["from"] == "torchrun" for r in results)
         assert sum(r["committed"] == "published" for r in results) <= 1
