@@ -36,13 +36,13 @@ ${TORCH_EXTENSIONS_DIR:-~/.cache/reshard/torch_extensions}.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+import _gen
 from _torchrun import job
 
 SCRIPTS = Path(__file__).resolve().parent
@@ -316,7 +316,7 @@ def generate(name, out):
         # resume from a copy: DeepSpeed's loader writes nothing, but the fixture stays pristine
         shutil.copytree(ckpt, Path(tmp) / "c")
         torchrun(spec["dp"], ["--worker", "resume", "--case", name, "--dir", str(Path(tmp) / "c"), "--json", str(resume)])
-    files = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*")) if p.is_file()}
+    files = _gen.files(ckpt)
     err = case_dir / "oracle/fp32.error"
     info = dict(spec, deepspeed=deepspeed.__version__, torch=torch.__version__, tag=TAG,
                 oracle="deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(checkpoint)",
@@ -329,30 +329,19 @@ def generate(name, out):
         info["zero_to_fp32_error"] = err.read_text().strip()
         err.unlink()
         print(f"gen_deepspeed: {name}: zero_to_fp32 cannot read it: {info['zero_to_fp32_error']}")
-    (case_dir / "case.json").write_text(json.dumps(info, indent=1) + "\n")
-    print(f"gen_deepspeed: {name}: {sum(files.values())} bytes in {len(files)} files")
+    _gen.write_case(case_dir, info, "gen_deepspeed", name)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=REPO / "tests/fixtures/deepspeed")
-    ap.add_argument("--only", nargs="*")
-    ap.add_argument("--list", action="store_true")
+    ap = _gen.parser(__doc__, REPO / "tests/fixtures/deepspeed", ["save", "resume"])
     ap.add_argument("--resume", type=Path, help="run the resume check on this checkpoint")
-    ap.add_argument("--case")
     ap.add_argument("--dp", type=int)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--dump", type=Path, help="with --resume: write the engine's state after loading (safetensors)")
-    ap.add_argument("--worker", choices=["save", "resume"], dest="mode")
-    ap.add_argument("--dir")
     ap.add_argument("--oracle")
     args = ap.parse_args()
     if args.mode:
         return worker(args)
-    if args.list:
-        for n, s in CASES.items():
-            print(n, s)
-        return
     if args.resume:
         if not (args.case in CASES and args.dp and args.json):
             ap.error("--resume needs --case NAME, --dp M and --json OUT")
@@ -360,12 +349,7 @@ def main():
         torchrun(args.dp, ["--worker", "resume", "--case", args.case, "--dir", str(args.resume), "--json", str(args.json),
                            *extra])
         return
-    names = args.only or list(CASES)
-    for n in names:
-        if n not in CASES:
-            ap.error(f"unknown case {n}")
-    for n in names:
-        generate(n, args.out)
+    _gen.generate_cases(ap, args, CASES, generate, "gen_deepspeed")
 
 
 if __name__ == "__main__":

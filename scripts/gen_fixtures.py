@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from torch_interop import jsonify, tensor_error  # the oracle's JSON of non-tensor values, tensor equality
+
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
 SEED = 1234
@@ -115,30 +117,6 @@ CASES: dict[str, dict] = {
 
 # ----------------------------------------------------------------------------------------
 # helpers usable from both torch 2.15 and torch 2.1
-
-def jsonify(v):
-    if isinstance(v, (list, tuple)):
-        return [jsonify(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): jsonify(x) for k, x in v.items()}
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    try:
-        import torch
-        if isinstance(v, torch.Tensor):
-            return {"__tensor__": str(v.dtype), "shape": list(v.shape)}
-        if isinstance(v, torch.dtype):
-            return str(v)
-    except ImportError:
-        pass
-    return {"__repr__": repr(v)}
-
-
-def tensor_bytes(t) -> bytes:
-    import torch
-    t = t.detach().cpu().contiguous().reshape(-1)
-    return t.view(torch.uint8).numpy().tobytes()
-
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -738,12 +716,9 @@ def _load_safetensors(path: Path) -> dict:
 
 
 def _cmp_tensor(key, got, want, errors):
-    if got.dtype != want.dtype:
-        errors.append(f"{key}: dtype {got.dtype} != {want.dtype}")
-    elif tuple(got.shape) != tuple(want.shape):
-        errors.append(f"{key}: shape {tuple(got.shape)} != {tuple(want.shape)}")
-    elif tensor_bytes(got) != tensor_bytes(want):
-        errors.append(f"{key}: bytes differ")
+    e = tensor_error(key, got, want)
+    if e:
+        errors.append(e)
 
 
 def crosscheck_dcp(ckpt: Path, oracle_dir: Path, tmp: Path) -> dict:

@@ -51,15 +51,14 @@ before a barrier (`save` expects it to exist); OMP_NUM_THREADS=1.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import _gen
 from _torchrun import job
 
 SCRIPTS = Path(__file__).resolve().parent
@@ -554,7 +553,7 @@ def generate(name, out):
     (case_dir / "oracle/loads.json").write_text(json.dumps(loads, indent=1) + "\n")
     shutil.rmtree(tmp)
 
-    files = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*")) if p.is_file()}
+    files = _gen.files(ckpt)
     keys = {k: dict(global_shape=list(v[0]), tp_split_local_dim=v[1], prepend_axis_num=int(v[2]), exercises=v[3])
             for k, v in MODEL.items()}
     if spec["flat"]:
@@ -591,20 +590,13 @@ def generate(name, out):
                        "oracle: " + run_steps(spec, 1, "oracle"),
                        "other splits: " + run_steps(spec, 2, "reload") + " --tp 1 and with 4 processes --tp 4"],
                 seconds=times, files=files)
-    (case_dir / "case.json").write_text(json.dumps(info, indent=1) + "\n")
-    print(f"gen_megatron: {name}: {sum(files.values())} bytes in {len(files)} files; "
-          f"{sum(times.values()):.0f} s ({', '.join(f'{k} {v}' for k, v in times.items())})")
+    _gen.write_case(case_dir, info, "gen_megatron", name,
+                    f"; {sum(times.values()):.0f} s ({', '.join(f'{k} {v}' for k, v in times.items())})")
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=REPO / "tests/fixtures/megatron")
-    ap.add_argument("--only", nargs="*")
-    ap.add_argument("--list", action="store_true")
+    ap = _gen.parser(__doc__, REPO / "tests/fixtures/megatron", ["save", "oracle", "reload", "crossver"])
     ap.add_argument("--setup", action="store_true", help="create the megatron-core venvs (idempotent)")
-    ap.add_argument("--worker", choices=["save", "oracle", "reload", "crossver"], dest="mode")
-    ap.add_argument("--case")
-    ap.add_argument("--dir")
     ap.add_argument("--oracle")
     ap.add_argument("--json")
     ap.add_argument("--tp", type=int)
@@ -626,18 +618,7 @@ def main():
         os._exit(0)
     if args.setup:
         return setup()
-    if args.list:
-        for n, s in CASES.items():
-            print(n, s)
-        return
-    names = args.only or list(CASES)
-    for n in names:
-        if n not in CASES:
-            ap.error(f"unknown case {n}")
-    t0 = time.time()
-    for n in names:
-        generate(n, args.out)
-    print(f"gen_megatron: {len(names)} cases in {time.time() - t0:.0f} s")
+    _gen.generate_cases(ap, args, CASES, generate, "gen_megatron")
 
 
 if __name__ == "__main__":

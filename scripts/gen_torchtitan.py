@@ -59,15 +59,14 @@ Needs: torchtitan 0.3.0 and the few of its dependencies these components import
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pickle
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
+import _gen
 from _torchrun import job
 
 SCRIPTS = Path(__file__).resolve().parent
@@ -426,7 +425,7 @@ def generate(name, out):
             f"CheckpointManager.load at world size {world} with the dataloader == held state; every rank's "
             "dataloader then yields the batch the training run drew after the save",
         ]
-    files = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*")) if p.is_file()}
+    files = _gen.files(ckpt)
     info = dict(
         spec, torch=torch.__version__, torchtitan=getattr(torchtitan, "__version__", "?"),
         steps=STEPS, saved_steps=list(SAVE_AT), local_batch=LOCAL_BATCH, seq=SEQ,
@@ -436,44 +435,26 @@ def generate(name, out):
             f"CheckpointManager(folder='checkpoint', interval=1, keep_latest_k=0).save(step) at {list(SAVE_AT)}",
         oracle="CheckpointManager.load(step) at world size 1 into fresh components, tensors full_tensor()'d",
         cross_checks=checks, files=files)
-    (case_dir / "case.json").write_text(json.dumps(info, indent=1) + "\n")
-    print(f"gen_torchtitan: {name}: {sum(files.values())} bytes in {len(files)} files")
+    _gen.write_case(case_dir, info, "gen_torchtitan", name)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=REPO / "tests/fixtures/torchtitan")
-    ap.add_argument("--only", nargs="*")
-    ap.add_argument("--list", action="store_true")
+    ap = _gen.parser(__doc__, REPO / "tests/fixtures/torchtitan", ["save", "load"])
     ap.add_argument("--load", type=Path, help="load this folder (holding step-<N>/) with CheckpointManager")
-    ap.add_argument("--case")
     ap.add_argument("--world", type=int)
     ap.add_argument("--step", type=int, default=-1)
     ap.add_argument("--dump", type=Path)
     ap.add_argument("--with-dataloader", action="store_true")
-    ap.add_argument("--worker", choices=["save", "load"], dest="mode")
-    ap.add_argument("--dir")
     ap.add_argument("--scratch")
     args = ap.parse_args()
     if args.mode:
         return worker(args)
-    if args.list:
-        for n, s in CASES.items():
-            print(n, s)
-        return
     if args.load:
         if not (args.case in CASES and args.world and args.dump):
             ap.error("--load needs --case NAME, --world M and --dump OUT.safetensors")
         load_with_torchtitan(args.load, args.case, args.world, args.step, args.dump, args.with_dataloader)
         return
-    names = args.only or list(CASES)
-    for n in names:
-        if n not in CASES:
-            ap.error(f"unknown case {n}")
-    start = time.monotonic()
-    for n in names:
-        generate(n, args.out)
-    print(f"gen_torchtitan: {len(names)} case(s) in {time.monotonic() - start:.0f} s")
+    _gen.generate_cases(ap, args, CASES, generate, "gen_torchtitan")
 
 
 if __name__ == "__main__":

@@ -96,24 +96,12 @@ def _summarise(errors: list[str], what: str) -> str:
 
 def compare_dicts(got: dict, want: dict, what: str, skip: set | None = None):
     skip = skip or set()
-    errors = []
-    gk, wk = set(got) - skip, set(want) - skip
-    if gk != wk:
-        if wk - gk:
-            errors.append(f"missing {sorted(wk - gk)[:5]}")
-        if gk - wk:
-            errors.append(f"unexpected {sorted(gk - wk)[:5]}")
-    for k in sorted(gk & wk):
-        g, w = got[k], want[k]
-        if g.dtype != w.dtype:
-            errors.append(f"{k}: dtype {g.dtype} != expected {w.dtype}")
-        elif tuple(g.shape) != tuple(w.shape):
-            errors.append(f"{k}: shape {tuple(g.shape)} != expected {tuple(w.shape)}")
-        elif _bytes(g) != _bytes(w):
-            errors.append(f"{k}: bytes differ")
+    got = {k: v for k, v in got.items() if k not in skip}
+    want = {k: v for k, v in want.items() if k not in skip}
+    errors = _tensor_errors(got, want)
     if errors:
         raise Fail(_summarise(errors, what))
-    return len(gk & wk)
+    return len(set(got) & set(want))
 
 
 # --------------------------------------------------------------------------------- hf-storage
@@ -325,7 +313,9 @@ _UNFILLED = _Unfilled()
 
 
 def jsonify(v):
-    """Same JSON-ification as scripts/gen_fixtures.py (the oracle/nontensor.json writer)."""
+    """A non-tensor value as JSON, the way the fixtures' oracles (``oracle/nontensor.json``,
+    written by scripts/gen_fixtures.py) hold it: tuples as lists, keys as str, tensors and
+    dtypes described, anything else by its repr."""
     if isinstance(v, (list, tuple)):
         return [jsonify(x) for x in v]
     if isinstance(v, dict):
@@ -388,16 +378,23 @@ def _tensor_errors(got: dict, want: dict, fills: dict | None = None) -> list[str
     if set(got) - set(want):
         errors.append(f"unexpected {sorted(set(got) - set(want))[:5]}")
     for k in sorted(set(got) & set(want)):
-        g, w = got[k], want[k]
-        if g.dtype != w.dtype:
-            errors.append(f"{k}: dtype {g.dtype} != expected {w.dtype}")
-        elif tuple(g.shape) != tuple(w.shape):
-            errors.append(f"{k}: shape {tuple(g.shape)} != expected {tuple(w.shape)}")
-        else:
-            gb, wb = _bytes(g), _bytes(w)
-            if gb != wb:
-                errors.append(f"{k}: bytes differ ({_diff_detail(gb, wb, w.element_size(), (fills or {}).get(k))})")
+        e = tensor_error(k, got[k], want[k], (fills or {}).get(k))
+        if e:
+            errors.append(e)
     return errors
+
+
+def tensor_error(key: str, got, want, fill=None) -> str | None:
+    """How tensor ``got`` differs from ``want`` (dtype, shape, then bytes), or None when they
+    are equal byte for byte. ``fill``: the byte value unwritten elements would hold."""
+    if got.dtype != want.dtype:
+        return f"{key}: dtype {got.dtype} != expected {want.dtype}"
+    if tuple(got.shape) != tuple(want.shape):
+        return f"{key}: shape {tuple(got.shape)} != expected {tuple(want.shape)}"
+    gb, wb = _bytes(got), _bytes(want)
+    if gb != wb:
+        return f"{key}: bytes differ ({_diff_detail(gb, wb, want.element_size(), fill)})"
+    return None
 
 
 def _diff_detail(gb: bytes, wb: bytes, es: int, fill) -> str:

@@ -24,6 +24,8 @@ import reshard.torch as rt
 REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "tests" / "fixtures"
 SCRIPTS = REPO / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+from torch_interop import jsonify  # noqa: E402  (as the fixtures' oracle JSON-ified non-tensor values)
 
 DCP_CASES = sorted(
     d.name
@@ -123,21 +125,6 @@ def template_from(md) -> dict:
 
 def flat_values(sd: dict, md) -> dict:
     return {k: get_path(sd, (md.planner_data or {}).get(k, (k,))) for k in md.state_dict_metadata}
-
-
-def jsonify(v):
-    """As scripts/gen_fixtures.py JSON-ified the oracle's non-tensor values."""
-    if isinstance(v, (list, tuple)):
-        return [jsonify(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): jsonify(x) for k, x in v.items()}
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if isinstance(v, torch.Tensor):
-        return {"__tensor__": str(v.dtype), "shape": list(v.shape)}
-    if isinstance(v, torch.dtype):
-        return str(v)
-    return {"__repr__": repr(v)}
 
 
 def oracle_tensors(case: str) -> dict:

@@ -11,6 +11,7 @@
 //! end of this file.
 
 use crate::common;
+use crate::layout_props::shape_strategy;
 use proptest::prelude::*;
 use reshard::convert::{convert, ConvertOptions};
 use reshard::formats::{Checkpoint, Format};
@@ -76,21 +77,6 @@ fn dtype() -> impl Strategy<Value = DType> {
     ])
 }
 
-fn shape() -> impl Strategy<Value = Vec<u64>> {
-    prop::collection::vec(
-        prop_oneof![
-            Just(0u64),
-            Just(1),
-            Just(2),
-            Just(3),
-            Just(7),
-            Just(13),
-            1u64..12
-        ],
-        0..=3,
-    )
-}
-
 /// Dotted names from a small vocabulary (no two equal, none a dotted prefix of another, so
 /// every format, `.pt` nesting included, can hold them all).
 fn names(n: usize) -> impl Strategy<Value = Vec<String>> {
@@ -115,7 +101,7 @@ fn tensors() -> impl Strategy<Value = Vec<T>> {
         .prop_flat_map(|n| {
             (
                 names(n),
-                prop::collection::vec((dtype(), shape(), any::<u64>()), n),
+                prop::collection::vec((dtype(), shape_strategy(), any::<u64>()), n),
             )
         })
         .prop_map(|(names, specs)| {

@@ -39,7 +39,8 @@ impl Scheme {
     }
 }
 
-fn shape_strategy() -> impl Strategy<Value = Vec<u64>> {
+/// Shapes of up to three dimensions, with the sizes that find edge cases (0, 1, primes).
+pub(crate) fn shape_strategy() -> impl Strategy<Value = Vec<u64>> {
     prop::collection::vec(
         prop_oneof![
             Just(0u64),
