@@ -1,30 +1,51 @@
 #!/usr/bin/env bash
-# The project's one test command (README "Tests"; .ci/run calls it): every Rust test suite,
-# then the Python package built and installed from this clone with pip (as a user installs
-# it) into the torch venv, and its pytest suite with real torch, Lightning and gloo.
+# The project's one test command (README "Tests"; .ci/run calls it): sets up what the tests
+# need when it is missing, then runs every suite.
+#
+#   1. setup (idempotent, seconds once done): the Python venv with real torch, Lightning,
+#      DeepSpeed, transformers, megatron-core, torchtitan, moto's S3 server and pytest
+#      (scripts/setup_venv.sh, cached in ~/.cache/reshard/venv and linked as .venv: several
+#      GB and about 15 minutes the first time), and Debian's slurm-wlm for the one-node Slurm
+#      test (scripts/slurm_local.sh install, as root; elsewhere that test says why it skips);
+#   2. Rust: every crate's tests (unit, the integration binary tests/it, the resource bounds,
+#      doctests), then clippy and rustdoc under -D warnings;
+#   3. Python: the release wheel built and installed into the venv, and its pytest suite
+#      (real torch, Lightning and gloo processes; the README's own blocks run as written).
 #
 #   scripts/test.sh              everything
 #   scripts/test.sh --rust       Rust only      scripts/test.sh --python   Python only
+#   scripts/test.sh --no-setup   use the venv as it is (RESHARD_VENV or .venv)
 #   extra arguments after -- go to pytest (e.g. scripts/test.sh --python -- -k slice)
 #
-# The Python part needs the venv of scripts/setup_venv.sh --lightning --deepspeed (found at .venv or
-# $RESHARD_VENV). Without it the Python tests are reported skipped, except under CI=true,
-# where a missing venv fails the run.
+# Under CI=true a Python test that needs torch fails instead of skipping when torch is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-rust=1 python=1
+rust=1 python=1 setup=1
 pytest_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --rust) python=0 ;;
     --python) rust=0 ;;
+    --no-setup) setup=0 ;;
     --) shift; pytest_args=("$@"); break ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "test.sh: unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
 done
+
+if [ "$setup" = 1 ] && [ "$python" = 1 ]; then
+  echo "== setup: the venv (scripts/setup_venv.sh) and Slurm (scripts/slurm_local.sh install)"
+  start=$(date +%s)
+  bash scripts/setup_venv.sh --lightning --deepspeed --transformers --megatron --torchtitan --s3
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    bash scripts/slurm_local.sh install
+  else
+    echo "   no root or apt-get: Slurm not installed (its test will say it skips)"
+  fi
+  echo "   ready in $(( $(date +%s) - start )) s"
+fi
 
 if [ "$rust" = 1 ]; then
   # Every crate of the workspace (the floors' unit tests, the integration binary tests/it,
@@ -41,7 +62,7 @@ if [ "$python" = 1 ]; then
   venv="${RESHARD_VENV:-.venv}"
   py="$venv/bin/python"
   if [ ! -x "$py" ] || ! "$py" -c 'import torch, pytest' >/dev/null 2>&1; then
-    msg="no venv with torch and pytest at $venv (run scripts/setup_venv.sh --lightning --deepspeed)"
+    msg="no venv with torch and pytest at $venv (scripts/test.sh without --no-setup makes it)"
     if [ "${CI:-}" = true ]; then echo "test.sh: error: $msg" >&2; exit 1; fi
     echo "== Python: SKIPPED: $msg"
     exit 0

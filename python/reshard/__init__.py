@@ -403,14 +403,15 @@ def _tag(tag: Optional[str], step: Optional[int]) -> Optional[str]:
 
 def _progress(progress: Any) -> Optional[Callable[[int, int], None]]:
     """A callback ``(done_bytes, total_bytes)`` for ``progress``: a callable, a tqdm-like
-    object (``update``/``total``), or ``True`` for a tqdm bar when tqdm is installed."""
+    object (``update``/``total``), or ``True`` for a tqdm bar when tqdm is installed (the
+    ``progress`` extra), else a line on stderr updated in place."""
     if progress is None or progress is False:
         return None
     if progress is True:
         try:
             from tqdm.auto import tqdm
         except ImportError:
-            raise RequestError("progress=True needs tqdm; pass a callable instead") from None
+            return _StderrProgress()
         progress = tqdm(unit="B", unit_scale=True, desc="reshard")
     if hasattr(progress, "update") and hasattr(progress, "total"):
         bar = progress
@@ -429,6 +430,31 @@ def _progress(progress: Any) -> Optional[Callable[[int, int], None]]:
     if callable(progress):
         return progress
     raise RequestError("progress must be a callable (done, total), a tqdm bar or True")
+
+
+class _StderrProgress:
+    """``progress=True`` without tqdm: ``reshard: 12.5 MiB of 40.0 MiB (31%)`` on stderr,
+    rewritten at most ten times a second, and a last line at the end."""
+
+    def __init__(self) -> None:
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        import sys
+        import time
+
+        now = time.monotonic()
+        end = done >= total
+        if not end and now - self._last < 0.1:
+            return
+        self._last = now
+        pct = f" ({100 * done // total}%)" if total else ""
+        sys.stderr.write(f"\rreshard: {_mib(done)} of {_mib(total)}{pct}" + ("\n" if end else ""))
+        sys.stderr.flush()
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def convert(

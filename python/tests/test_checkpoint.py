@@ -3,6 +3,7 @@ against torch's own consolidated results (the fixtures' oracles)."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -140,6 +141,16 @@ def test_local_shards_under_a_layout():
     assert same(got[(18, 6)], want[18:36, 6:12].contiguous())
     with pytest.raises(reshard.RequestError, match="disagrees"):
         ck.local_shards(0, 3, layout)
+
+
+def test_progress_true_without_tqdm_prints_on_stderr(tmp_path, monkeypatch, capfd):
+    """``progress=True`` works without tqdm (an optional extra): a progress line on stderr."""
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    summary = reshard.convert(FIX / "fsdp2_w4_f32" / "checkpoint", tmp_path / "m.safetensors", world_size=1,
+                              progress=True)
+    err = capfd.readouterr().err
+    assert summary["bytes"] > 0 and re.search(r"reshard: (\d+\.\d) MiB of \1 MiB \(100%\)\n$", err), err
 
 
 def test_convert_verify_diff(tmp_path):

@@ -9,7 +9,7 @@
 //! message spans several lines, or when a checkpoint that opens cannot be read back. The
 //! crash inputs are also checked one by one below for the clean error they now give.
 //!
-//! To fuzz further: `scripts/fuzz.sh` (README, "Fuzzing").
+//! To fuzz further: `scripts/fuzz.sh` (docs/guide.md, "Fuzzing").
 
 #[allow(dead_code)]
 #[path = "../../fuzz/src/lib.rs"]
