@@ -4,7 +4,9 @@
 //!
 //! This file owns dispatch and the exit status, as diff(1) and ripgrep use it: 0 when all is
 //! well, 1 when `diff` finds a difference or `verify` a corrupt record, 2 for every error
-//! (bad usage, a checkpoint that cannot be read, a failed write, an internal error). A reader
+//! (bad usage, a checkpoint that cannot be read, a failed write, an internal error). Every
+//! error is one `reshard: error: …` line on standard error; a difference `diff` finds is no
+//! error: its summary line (`reshard: A and B differ: N difference(s)`) has no `error:`. A reader
 //! that closes standard output early (`reshard inspect ck | head -1`) changes nothing: the
 //! rest of the output is dropped quietly and the status is what it would have been.
 
@@ -31,8 +33,12 @@ const TROUBLE: u8 = 2;
 pub enum Outcome {
     /// Nothing to report.
     Clean,
-    /// What `diff` or `verify` looks for was found; the message says what (one line).
+    /// What `verify` looks for (damage) was found; the message says what (one line, printed
+    /// as an error).
     Found(String),
+    /// What `diff` looks for (a difference) was found, which is no error: the message is the
+    /// summary line, printed as it is.
+    Differ(String),
 }
 
 /// Run the command `cli` names, writing its output to `out`.
@@ -111,6 +117,10 @@ where
     }));
     let (status, msg) = match result {
         Ok(Ok(Outcome::Clean)) => return 0,
+        Ok(Ok(Outcome::Differ(summary))) => {
+            text::complain(&summary);
+            return FOUND;
+        }
         Ok(Ok(Outcome::Found(msg))) => (FOUND, msg),
         Ok(Err(e)) => (TROUBLE, format!("{e}{}", args::hint(&e))),
         Err(payload) => (

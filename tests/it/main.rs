@@ -9,6 +9,7 @@ mod common;
 
 // CLI and library
 mod cli;
+mod diff;
 mod folders;
 mod library;
 mod loader;
