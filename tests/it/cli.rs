@@ -416,7 +416,11 @@ fn refuses_to_write_into_or_over_the_source() {
             "--to",
             "1",
         ],
-        "directory does not exist",
+        &format!(
+            "{}: cannot write: the folder {} does not exist",
+            d.path().join("no/such/x.safetensors").display(),
+            d.path().join("no/such").display()
+        ),
     );
 }
 

@@ -10,6 +10,7 @@ mod common;
 // CLI and library
 mod cli;
 mod diff;
+mod errors;
 mod folders;
 mod library;
 mod loader;

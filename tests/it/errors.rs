@@ -1,0 +1,124 @@
+//! What the user is told when a run cannot go on: one `reshard: error: …` line, exit status
+//! 2, naming the path the user gave (not a hidden file of reshard's own) and saying the
+//! problem in plain words; no output, no staging file or lock left behind, the source
+//! untouched.
+
+use crate::common::*;
+use std::path::Path;
+
+/// `reshard ARGS` fails with exactly `want` (one line, `reshard: error: ` then `want`), exit
+/// status 2.
+fn says(args: &[&str], want: &str) {
+    let o = reshard(args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(
+        (o.status.code(), err.as_ref()),
+        (Some(2), format!("reshard: error: {want}\n").as_str()),
+        "reshard {args:?}"
+    );
+    assert!(
+        o.stdout.is_empty(),
+        "reshard {args:?}: printed {:?}",
+        o.stdout
+    );
+}
+
+/// A conversion to `dst` from the fixture's checkpoint fails with one line starting with
+/// `start`, naming no lock or staging file; nothing is left in `dir` (where `dst` would be,
+/// when that folder is the test's) and the source is untouched.
+fn cannot_write(dst: &Path, extra: &[&str], start: &str) -> String {
+    let src = fixture("fabric_fsdp1_w4_f32_torch21/checkpoint");
+    let before = snapshot(&src);
+    let mut args = vec!["convert", s(&src), s(dst), "--to", "1"];
+    args.extend_from_slice(extra);
+    let err = fails(&args, start);
+    assert!(
+        err.starts_with(&format!("reshard: error: {start}")),
+        "reshard {args:?}: {err}"
+    );
+    for hidden in [".reshard-lock", ".reshard-tmp", ".reshard-parts"] {
+        assert!(
+            !err.contains(hidden),
+            "reshard {args:?} names {hidden}: {err}"
+        );
+    }
+    assert_eq!(snapshot(&src), before, "the source changed");
+    err
+}
+
+#[test]
+fn an_unwritable_destination_is_named_not_its_lock_file() {
+    let d = tempfile::tempdir().unwrap();
+    // a folder that does not exist: every output kind, and `commit`
+    let nope = d.path().join("nope/dir");
+    for (name, extra) in [
+        ("model.safetensors", &[][..]),
+        ("model.pt", &[]),
+        ("out", &["--format", "dcp"]),
+        ("parts.pt", &["--part", "0/2"]),
+    ] {
+        let dst = nope.join(name);
+        let want = format!(
+            "{}: cannot write: the folder {} does not exist",
+            dst.display(),
+            nope.display()
+        );
+        let err = cannot_write(&dst, extra, &want);
+        assert_eq!(err, format!("reshard: error: {want}\n"));
+    }
+    says(
+        &["commit", s(&nope.join("parts.pt"))],
+        &format!(
+            "{}: cannot write: the folder {} does not exist (os error 2)",
+            nope.join("parts.pt").display(),
+            nope.display()
+        ),
+    );
+    // a file where the folder should be
+    let file = d.path().join("file");
+    std::fs::write(&file, b"x").unwrap();
+    cannot_write(
+        &file.join("model.pt"),
+        &[],
+        &format!(
+            "{}: cannot write: the folder {} is not a folder",
+            file.join("model.pt").display(),
+            file.display()
+        ),
+    );
+    assert_eq!(names(d.path()), vec!["file"]);
+    // folders no process may create files in, whoever runs the tests (root included): the
+    // reason is the kernel's (/proc takes no new files; /sys refuses them, or is mounted
+    // read-only in containers), the path is the destination
+    for dst in ["/proc/model.safetensors", "/sys/model.pt"] {
+        for extra in [&[][..], &["--format", "dcp"], &["--part", "0/2"]] {
+            cannot_write(Path::new(dst), extra, &format!("{dst}: cannot write: "));
+        }
+    }
+    cannot_write(
+        Path::new("/proc/model.safetensors"),
+        &[],
+        "/proc/model.safetensors: cannot write: the folder /proc takes no new files (os error 2)",
+    );
+    // a read-only folder: root writes into it anyway, so only checked for other users
+    let ro = d.path().join("ro");
+    std::fs::create_dir(&ro).unwrap();
+    std::fs::set_permissions(&ro, std::os::unix::fs::PermissionsExt::from_mode(0o555)).unwrap();
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        eprintln!("running as root, which writes into read-only folders: that case is skipped");
+    } else {
+        let dst = ro.join("model.safetensors");
+        cannot_write(
+            &dst,
+            &[],
+            &format!(
+                "{}: cannot write: permission denied: no new files may be created in the \
+                 folder {} (os error 13)",
+                dst.display(),
+                ro.display()
+            ),
+        );
+        assert!(names(&ro).is_empty());
+    }
+}
