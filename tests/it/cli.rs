@@ -257,7 +257,7 @@ fn bad_inputs_fail_with_one_line_naming_the_file() {
     std::fs::write(&f, &b[..20]).unwrap();
     bad(
         &ck,
-        "shard-00002-model-00001-of-00001.safetensors: is not a valid safetensors file",
+        "shard-00002-model-00001-of-00001.safetensors: is truncated: its header length says ",
     );
     // corrupt header
     let mut c = b.clone();

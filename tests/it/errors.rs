@@ -122,3 +122,77 @@ fn an_unwritable_destination_is_named_not_its_lock_file() {
         assert!(names(&ro).is_empty());
     }
 }
+
+#[test]
+fn a_safetensors_file_cut_inside_its_header_is_said_to_be_truncated() {
+    let d = tempfile::tempdir().unwrap();
+    let whole = d.path().join("whole.safetensors");
+    write_safetensors(&whole, &model());
+    let bytes = std::fs::read(&whole).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+    let cut = d.path().join("cut.safetensors");
+    for len in [8, 9, 20, 8 + n as usize - 1] {
+        std::fs::write(&cut, &bytes[..len]).unwrap();
+        let want = format!(
+            "{}: is truncated: its header length says {n} bytes of header follow, but the \
+             file has only {} bytes after it",
+            cut.display(),
+            len - 8
+        );
+        says(&["inspect", s(&cut)], &want);
+        let out = d.path().join("out.pt");
+        says(&["convert", s(&cut), s(&out), "--to", "1"], &want);
+        assert_eq!(
+            names(d.path()),
+            vec!["cut.safetensors", "whole.safetensors"]
+        );
+    }
+}
+
+#[test]
+fn a_file_that_is_no_checkpoint_says_so_and_what_was_expected() {
+    let expected = "expected a single .safetensors file or a .pt file (a consolidated state dict)";
+    let readme = root().join("README.md");
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("out.safetensors");
+    for args in [
+        &["inspect", s(&readme)][..],
+        &["verify", s(&readme)],
+        &["convert", s(&readme), s(&out), "--to", "1"],
+    ] {
+        says(
+            args,
+            &format!(
+                "{}: is not a checkpoint (it is a text file): {expected}",
+                readme.display()
+            ),
+        );
+    }
+    let empty = d.path().join("empty.pt");
+    std::fs::write(&empty, b"").unwrap();
+    says(
+        &["inspect", s(&empty)],
+        &format!(
+            "{}: is not a checkpoint (it is empty): {expected}",
+            empty.display()
+        ),
+    );
+    let short = d.path().join("short");
+    std::fs::write(&short, b"\x01\x02\x03").unwrap();
+    says(
+        &["inspect", s(&short)],
+        &format!(
+            "{}: is not a checkpoint (it is only 3 byte(s) long): {expected}",
+            short.display()
+        ),
+    );
+    // binary bytes whose first 8, as a header length, are more than a header may have
+    let junk = d.path().join("junk.bin");
+    std::fs::write(&junk, [0xffu8; 64]).unwrap();
+    let err = fails(
+        &["inspect", s(&junk)],
+        "is not a checkpoint (its first 8 bytes",
+    );
+    assert!(err.ends_with(&format!("): {expected}\n")), "{err}");
+    assert_eq!(names(d.path()), vec!["empty.pt", "junk.bin", "short"]);
+}
