@@ -196,3 +196,28 @@ fn a_file_that_is_no_checkpoint_says_so_and_what_was_expected() {
     assert!(err.ends_with(&format!("): {expected}\n")), "{err}");
     assert_eq!(names(d.path()), vec!["empty.pt", "junk.bin", "short"]);
 }
+
+#[test]
+fn a_pt_file_cut_short_is_said_to_be_truncated() {
+    let d = tempfile::tempdir().unwrap();
+    let whole = d.path().join("whole.pt");
+    convert(
+        &fixture("fabric_fsdp1_w4_f32_torch21/checkpoint"),
+        &whole,
+        &["--to", "1", "-q"],
+    );
+    let bytes = std::fs::read(&whole).unwrap();
+    let cut = d.path().join("cut.pt");
+    for len in [4, 100, bytes.len() / 2, bytes.len() - 1] {
+        std::fs::write(&cut, &bytes[..len]).unwrap();
+        let want = format!(
+            "{}: is truncated or not a torch.save archive (no zip end record)",
+            cut.display()
+        );
+        says(&["inspect", s(&cut)], &want);
+        says(&["verify", s(&cut)], &want);
+        let out = d.path().join("out.safetensors");
+        says(&["convert", s(&cut), s(&out), "--to", "1"], &want);
+        assert_eq!(names(d.path()), vec!["cut.pt", "whole.pt"]);
+    }
+}
