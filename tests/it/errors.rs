@@ -221,3 +221,80 @@ fn a_pt_file_cut_short_is_said_to_be_truncated() {
         assert_eq!(names(d.path()), vec!["cut.pt", "whole.pt"]);
     }
 }
+
+#[test]
+fn a_bad_value_of_an_enumerated_option_lists_the_accepted_values() {
+    let (d, ck) = synthetic(2);
+    let out = d.path().join("out.safetensors");
+    let convert = |opt: &str, value: &str| {
+        vec![
+            "convert".to_string(),
+            s(&ck).to_string(),
+            s(&out).to_string(),
+            "--to".into(),
+            "1".into(),
+            opt.into(),
+            value.into(),
+        ]
+    };
+    let cases: Vec<(Vec<String>, &[&str])> = vec![
+        (convert("--dtype", "fp8"), &["f16", "bf16", "f32", "f64"]),
+        (convert("--dtype", "i32"), &["f16", "bf16", "f32", "f64"]),
+        (
+            convert("--format", "PT"),
+            &[
+                "safetensors",
+                "hf",
+                "hf-storage",
+                "dcp",
+                "pt",
+                "deepspeed",
+                "megatron",
+            ],
+        ),
+        (convert("--weights", "bf16"), &["master", "model"]),
+        (
+            convert("--per-rank-state", "all"),
+            &["drop", "rank0", "keep"],
+        ),
+        (convert("--zero-stage", "4"), &["1..=3"]),
+        (convert("--verify-read", "read"), &["pread", "mmap"]),
+        (
+            vec![
+                "verify".into(),
+                s(&ck).into(),
+                "--read".into(),
+                "read".into(),
+            ],
+            &["pread", "mmap"],
+        ),
+    ];
+    for (args, values) in cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let opt = args[args.len() - 2];
+        let value = args[args.len() - 1];
+        let err = fails_all(&args, values);
+        assert!(
+            err.starts_with(&format!(
+                "reshard: error: invalid value '{value}' for '{opt} "
+            )),
+            "{err}"
+        );
+        assert_eq!(reshard(&args).status.code(), Some(2));
+    }
+    fails(
+        &["convert", s(&ck), s(&out), "--to", "1", "--dtype", "fp8"],
+        "unknown dtype `fp8` (expected f16, bf16, f32 or f64",
+    );
+    // every usage error clap finds is one line too, its usage and tips kept
+    fails(
+        &["convert", s(&ck)],
+        "the following required arguments were not provided: <DST>; usage: ",
+    );
+    fails(
+        &["inspect", s(&ck), "--no-such-flag"],
+        "unexpected argument '--no-such-flag' found",
+    );
+    fails(&["frobnicate"], "unrecognized subcommand 'frobnicate'");
+    assert_eq!(names(d.path()), vec!["ck"]);
+}
