@@ -351,8 +351,8 @@ fn check_paths(src: &Path, dst: &Path) -> Result<()> {
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    let p = std::fs::canonicalize(parent)
-        .map_err(|_| Error::usage(format!("{}: directory does not exist", parent.display())))?;
+    commit::no_folder(dst)?;
+    let p = std::fs::canonicalize(parent).map_err(|e| reshard_storage::sys::dest_error(dst, e))?;
     let d = p.join(dst.file_name().unwrap_or_default());
     if d == s || d.starts_with(&s) || s.starts_with(&d) {
         return Err(Error::usage(format!(

@@ -1,12 +1,40 @@
 //! Comparing two checkpoints tensor by tensor, in any formats and layouts: names present on
 //! one side only, dtype or shape changes, exact byte equality for tensors of one dtype, and
 //! the largest absolute and relative differences when floating dtypes differ (both read as
-//! f64). Non-tensor entries are compared by value. Tensors are read in blocks of rows
-//! (≤ 8 MiB per side), so memory stays bounded whatever their size.
+//! f64). Tensors are read in blocks of rows (≤ 8 MiB per side), so memory stays bounded
+//! whatever their size.
+//!
+//! Non-tensor entries ([`Extra`]) are compared by value, whatever way a format holds them:
+//! DCP keeps `optimizer.param_groups` as one pickled `BYTE_IO` item, a `.pt` file as one
+//! pickled value per key below it (`optimizer.param_groups.0.lr`), safetensors as one JSON
+//! value in its `__metadata__`. Each side's entries are first brought to one canonical form,
+//! [`canonical`], a map from dotted leaf keys to scalar values:
+//!
+//! - a dict is flattened into its items, each under `KEY.SUBKEY`; str and int keys (and
+//!   bool and None keys, as their JSON text) name the item (DCP turns int keys into strings,
+//!   so `{0: x}` and `{"0": x}` are one key); a dict with other keys (tuples, objects) is
+//!   taken as the list of its `[key, value]` pairs, as its JSON shows it;
+//! - lists, tuples and sets are flattened into their elements, each under `KEY.INDEX` (in the
+//!   order the pickle holds them), so a list and a tuple of equal elements are equal: JSON,
+//!   which safetensors metadata holds, cannot tell them apart;
+//! - an empty dict is the leaf `{}`, an empty list, tuple or set the leaf `[]`;
+//! - everything else is a leaf, compared as Python compares it but stricter about types: an
+//!   int, a float and a bool are never equal to each other (`1`, `1.0` and `True` differ),
+//!   NaN equals NaN, str and bytes by content, torch globals and objects (`torch.float32`,
+//!   `torch.device("cpu")`) by module, name and arguments.
+//!
+//! Leaves are compared exactly where both sides hold the Python value (torch formats, and the
+//! safetensors files reshard writes, which keep a pickle of each entry next to its JSON).
+//! Where one side holds only JSON (a safetensors header without `reshard.extras.pickle`, a
+//! DeepSpeed output), the two are compared by their JSON: ints and floats still differ
+//! (`1` vs `1.0`), but the float NaN and the string `"nan"`, or two bytes values of one
+//! length, cannot be told apart.
 
 use crate::error::Result;
 use crate::formats::Checkpoint;
 use crate::layout::{DType, Region};
+use crate::Extra;
+use reshard_core::value::Value;
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -174,39 +202,240 @@ pub fn diff(a: &Checkpoint, b: &Checkpoint) -> Result<Diff> {
             out.differences.insert(t.name.clone(), Difference::OnlyInB);
         }
     }
-    let ea: BTreeMap<&str, &serde_json::Value> = a
-        .extras
-        .iter()
-        .map(|e| (e.name.as_str(), &e.value))
-        .collect();
-    let eb: BTreeMap<&str, &serde_json::Value> = b
-        .extras
-        .iter()
-        .map(|e| (e.name.as_str(), &e.value))
-        .collect();
-    for (k, va) in &ea {
-        match eb.get(k) {
+    let extras = diff_extras(&a.extras, &b.extras);
+    out.entries = extras.entries;
+    out.differences.extend(extras.differences);
+    Ok(out)
+}
+
+/// Compare the non-tensor entries `a` and `b` by value (see the module doc): a [`Diff`] of
+/// no tensors whose `entries` counts the leaves present on both sides.
+pub fn diff_extras(a: &[Extra], b: &[Extra]) -> Diff {
+    let (ca, cb) = (canonical(a), canonical(b));
+    let mut out = Diff::default();
+    for (k, la) in &ca {
+        match cb.get(k) {
             None => {
-                out.differences.insert(k.to_string(), Difference::OnlyInA);
+                out.differences.insert(k.clone(), Difference::OnlyInA);
             }
-            Some(vb) => {
+            Some(lb) => {
                 out.entries += 1;
-                if va != vb {
+                if !la.same(lb) {
                     out.differences.insert(
-                        k.to_string(),
+                        k.clone(),
                         Difference::Value {
-                            a: (*va).clone(),
-                            b: (*vb).clone(),
+                            a: la.json.clone(),
+                            b: lb.json.clone(),
                         },
                     );
                 }
             }
         }
     }
-    for k in eb.keys() {
-        if !ea.contains_key(k) {
-            out.differences.insert(k.to_string(), Difference::OnlyInB);
+    for k in cb.keys() {
+        if !ca.contains_key(k) {
+            out.differences.insert(k.clone(), Difference::OnlyInB);
         }
     }
-    Ok(out)
+    out
+}
+
+/// One scalar value of a non-tensor entry, at a dotted leaf key of [`canonical`].
+#[derive(Clone, Debug)]
+pub struct Leaf {
+    /// The value as JSON (what a difference shows).
+    pub json: serde_json::Value,
+    /// The Python value, where the entry held one (not for JSON-only entries).
+    pub exact: Option<Value>,
+}
+
+impl Leaf {
+    /// True when the two are the same value: exactly where both hold the Python value, else
+    /// by their JSON.
+    pub fn same(&self, other: &Leaf) -> bool {
+        match (&self.exact, &other.exact) {
+            (Some(a), Some(b)) => same(a, b),
+            _ => self.json == other.json,
+        }
+    }
+}
+
+/// The canonical form of non-tensor entries: dotted leaf keys and their scalar values, nested
+/// dicts and sequences flattened (the rules are in the module doc). Where two entries give one
+/// key (a hostile file), the first in `extras`' order is kept.
+pub fn canonical(extras: &[Extra]) -> BTreeMap<String, Leaf> {
+    let mut out = BTreeMap::new();
+    for e in extras {
+        match &e.pickle {
+            Some(v) => flatten(&e.name, v, &mut out),
+            None => flatten_json(&e.name, &e.value, &mut out),
+        }
+    }
+    out
+}
+
+/// `key.sub`, or `sub` alone under an empty key.
+fn join(key: &str, sub: &str) -> String {
+    if key.is_empty() {
+        sub.to_string()
+    } else {
+        format!("{key}.{sub}")
+    }
+}
+
+/// Most levels of nesting followed; deeper values are leaves (a pickle's nesting is bounded
+/// by its parser, a JSON header's by serde_json's; this bounds the recursion here as well).
+const DEPTH: usize = 64;
+
+fn flatten(key: &str, v: &Value, out: &mut BTreeMap<String, Leaf>) {
+    flatten_at(key, v, out, 0)
+}
+
+fn flatten_at(key: &str, v: &Value, out: &mut BTreeMap<String, Leaf>, depth: usize) {
+    let items: Vec<(String, &Value)>;
+    let pairs: Vec<Value>;
+    match v {
+        Value::Dict(kv) if !kv.is_empty() && depth < DEPTH => match dict_keys(kv) {
+            Some(keys) => items = keys.into_iter().zip(kv.iter().map(|(_, v)| v)).collect(),
+            None => {
+                pairs = kv
+                    .iter()
+                    .map(|(k, v)| Value::List(vec![k.clone(), v.clone()]))
+                    .collect();
+                items = pairs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, p)| (i.to_string(), p))
+                    .collect();
+            }
+        },
+        Value::List(xs) | Value::Tuple(xs) | Value::Set(xs) if !xs.is_empty() && depth < DEPTH => {
+            items = xs
+                .iter()
+                .enumerate()
+                .map(|(i, x)| (i.to_string(), x))
+                .collect();
+        }
+        _ => {
+            let exact = match v {
+                Value::Tuple(xs) | Value::Set(xs) if xs.is_empty() => Value::List(vec![]),
+                other => other.clone(),
+            };
+            out.entry(key.to_string()).or_insert_with(|| Leaf {
+                json: reshard_formats::dcp::to_json(v),
+                exact: Some(exact),
+            });
+            return;
+        }
+    }
+    for (k, x) in items {
+        flatten_at(&join(key, &k), x, out, depth + 1);
+    }
+}
+
+/// The texts of a dict's keys when every one is a str, int, bool or None (as JSON writes
+/// them); `None` when one is not.
+fn dict_keys(kv: &[(Value, Value)]) -> Option<Vec<String>> {
+    kv.iter()
+        .map(|(k, _)| match k {
+            Value::Str(s) => Some(s.clone()),
+            Value::Int(i) => Some(i.to_string()),
+            Value::Bool(b) => Some(b.to_string()),
+            Value::None => Some("null".into()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn flatten_json(key: &str, v: &serde_json::Value, out: &mut BTreeMap<String, Leaf>) {
+    flatten_json_at(key, v, out, 0)
+}
+
+fn flatten_json_at(
+    key: &str,
+    v: &serde_json::Value,
+    out: &mut BTreeMap<String, Leaf>,
+    depth: usize,
+) {
+    use serde_json::Value as J;
+    match v {
+        J::Object(m) if !m.is_empty() && depth < DEPTH => {
+            for (k, x) in m {
+                flatten_json_at(&join(key, k), x, out, depth + 1);
+            }
+        }
+        J::Array(xs) if !xs.is_empty() && depth < DEPTH => {
+            for (i, x) in xs.iter().enumerate() {
+                flatten_json_at(&join(key, &i.to_string()), x, out, depth + 1);
+            }
+        }
+        _ => {
+            out.entry(key.to_string()).or_insert_with(|| Leaf {
+                json: v.clone(),
+                exact: None,
+            });
+        }
+    }
+}
+
+/// An int's value, where it fits an i128.
+fn int_of(v: &Value) -> Option<i128> {
+    match v {
+        Value::Int(i) => Some(*i as i128),
+        Value::BigInt(b) if b.len() <= 16 => {
+            let neg = b.last().is_some_and(|x| x & 0x80 != 0);
+            let mut a = [if neg { 0xFF } else { 0 }; 16];
+            a[..b.len()].copy_from_slice(b);
+            Some(i128::from_le_bytes(a))
+        }
+        _ => None,
+    }
+}
+
+/// Python's `==` made stricter about types (an int, a float and a bool are never equal) and
+/// looser about NaN (equal to itself); sequences of one kind or another are equal when their
+/// elements are.
+fn same(a: &Value, b: &Value) -> bool {
+    use Value as V;
+    let all =
+        |x: &[Value], y: &[Value]| x.len() == y.len() && x.iter().zip(y).all(|(p, q)| same(p, q));
+    match (a, b) {
+        (V::Int(_) | V::BigInt(_), V::Int(_) | V::BigInt(_)) => match (int_of(a), int_of(b)) {
+            (Some(x), Some(y)) => x == y,
+            _ => a == b,
+        },
+        (V::Float(x), V::Float(y)) => x == y || (x.is_nan() && y.is_nan()),
+        (V::List(x) | V::Tuple(x) | V::Set(x), V::List(y) | V::Tuple(y) | V::Set(y)) => all(x, y),
+        (V::Dict(x), V::Dict(y)) => {
+            x.len() == y.len()
+                && x.iter()
+                    .zip(y)
+                    .all(|((k, v), (l, w))| same(k, l) && same(v, w))
+        }
+        (
+            V::Object {
+                module: m,
+                name: n,
+                args: x,
+                state: s,
+            },
+            V::Object {
+                module: m2,
+                name: n2,
+                args: y,
+                state: t,
+            },
+        ) => {
+            m == m2
+                && n == n2
+                && all(x, y)
+                && match (s, t) {
+                    (Some(s), Some(t)) => same(s, t),
+                    (None, None) => true,
+                    _ => false,
+                }
+        }
+        (V::PersistentId(x), V::PersistentId(y)) => same(x, y),
+        _ => a == b,
+    }
 }

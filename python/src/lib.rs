@@ -630,7 +630,10 @@ impl ConvertArgs {
             strip_prefix,
             add_prefix,
         };
-        opts.dtype = dtype.as_deref().map(self::dtype).transpose()?;
+        opts.dtype = dtype
+            .as_deref()
+            .map(|d| DType::cast_target(d).map_err(request))
+            .transpose()?;
         if let Some(n) = max_shard_size {
             if n == 0 {
                 return Err(request("max_shard_size must be at least 1 byte"));

@@ -248,7 +248,7 @@ pub struct TargetArgs {
     #[arg(long, value_name = "PREFIX")]
     add_prefix: Option<String>,
     /// Cast floating tensors (f16, bf16, f32, f64) to this dtype.
-    #[arg(long, value_name = "DTYPE")]
+    #[arg(long, value_name = "DTYPE", value_parser = DType::cast_target)]
     dtype: Option<DType>,
     /// Largest data file of an hf output (e.g. 5GB, 500MiB).
     #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value = "5GB")]

@@ -1,5 +1,6 @@
-//! `reshard diff`: two checkpoints compared tensor by tensor; a difference is the command's
-//! finding (exit status 1), not an error.
+//! `reshard diff`: two checkpoints compared tensor by tensor (and non-tensor entries by
+//! value); a difference is the command's finding (exit status 1, the differences on standard
+//! output and one summary line without `error` on standard error), not an error.
 
 use super::text::{clip, json, shown};
 use super::Outcome;
@@ -22,8 +23,8 @@ pub fn run(a: &Path, b: &Path, as_json: bool, out: &mut dyn Write) -> Result<Out
     Ok(if d.is_equal() {
         Outcome::Clean
     } else {
-        Outcome::Found(format!(
-            "{} and {} differ ({} difference(s))",
+        Outcome::Differ(format!(
+            "{} and {} differ: {} difference(s)",
             a.display(),
             b.display(),
             d.differences.len()
@@ -68,6 +69,11 @@ fn describe(x: &Difference, a: &Path, b: &Path) -> String {
             max_rel,
         } => format!(
             "dtype {a} vs {b}: max abs difference {max_abs:e}, max rel difference {max_rel:e}"
+        ),
+        D::Value { a, b } if a == b => format!(
+            "value {} vs {} (of different types, or contents JSON does not show)",
+            clip(&a.to_string(), 60),
+            clip(&b.to_string(), 60)
         ),
         D::Value { a, b } => format!(
             "value {} vs {}",

@@ -4,7 +4,9 @@
 //!
 //! This file owns dispatch and the exit status, as diff(1) and ripgrep use it: 0 when all is
 //! well, 1 when `diff` finds a difference or `verify` a corrupt record, 2 for every error
-//! (bad usage, a checkpoint that cannot be read, a failed write, an internal error). A reader
+//! (bad usage, a checkpoint that cannot be read, a failed write, an internal error). Every
+//! error is one `reshard: error: …` line on standard error; a difference `diff` finds is no
+//! error: its summary line (`reshard: A and B differ: N difference(s)`) has no `error:`. A reader
 //! that closes standard output early (`reshard inspect ck | head -1`) changes nothing: the
 //! rest of the output is dropped quietly and the status is what it would have been.
 
@@ -24,15 +26,19 @@ use std::io::{self, BufWriter, Write};
 
 /// Exit status of a `diff` that found a difference or a `verify` that found damage.
 const FOUND: u8 = 1;
-/// Exit status of every error (clap's usage errors exit with it too).
+/// Exit status of every error, usage errors clap finds included.
 const TROUBLE: u8 = 2;
 
 /// What a command that ran to the end concluded.
 pub enum Outcome {
     /// Nothing to report.
     Clean,
-    /// What `diff` or `verify` looks for was found; the message says what (one line).
+    /// What `verify` looks for (damage) was found; the message says what (one line, printed
+    /// as an error).
     Found(String),
+    /// What `diff` looks for (a difference) was found, which is no error: the message is the
+    /// summary line, printed as it is.
+    Differ(String),
 }
 
 /// Run the command `cli` names, writing its output to `out`.
@@ -76,6 +82,48 @@ fn run(cli: Cli, out: &mut dyn Write) -> Result<Outcome> {
     }
 }
 
+/// A command line clap does not run: the help and the version are printed as clap prints
+/// them, with its status (0; 2 for the help shown in place of a missing command); an error
+/// (an unknown flag, a missing argument, a bad value) is one `reshard: error: …` line, status
+/// 2, as every other error ([`usage_line`]).
+fn refused(e: clap::Error) -> u8 {
+    use clap::error::ErrorKind as K;
+    if matches!(
+        e.kind(),
+        K::DisplayHelp | K::DisplayVersion | K::DisplayHelpOnMissingArgumentOrSubcommand
+    ) {
+        let _ = e.print();
+        return u8::try_from(e.exit_code()).unwrap_or(TROUBLE);
+    }
+    text::complain(&format!("error: {}", usage_line(&e.render().to_string())));
+    TROUBLE
+}
+
+/// clap's error text (`error: MESSAGE`, its tips and the usage, in paragraphs over several
+/// lines) as one line: the message, then `; tip: …` and `; usage: …`. The pointer to `--help`
+/// is left out.
+fn usage_line(text: &str) -> String {
+    let mut parts: Vec<String> = text
+        .split("\n\n")
+        .map(|p| {
+            p.lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .filter(|p| !p.is_empty() && !p.starts_with("For more information"))
+        .collect();
+    for p in &mut parts {
+        if let Some(rest) = p.strip_prefix("error: ") {
+            *p = rest.to_string();
+        } else if let Some(rest) = p.strip_prefix("Usage: ") {
+            *p = format!("usage: {rest}");
+        }
+    }
+    parts.join("; ")
+}
+
 /// The message of a panic's payload, when it has one.
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     payload
@@ -97,7 +145,10 @@ where
     // SAFETY: SIG_IGN installs no handler, so no code runs on the signal; changing a
     // disposition is sound with other threads running (the Python command calls this too).
     unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
-    let cli = Cli::parse_from(args);
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => return refused(e),
+    };
     if let Some(url) = &cli.endpoint_url {
         crate::remote::set_endpoint_url(url);
     }
@@ -111,6 +162,10 @@ where
     }));
     let (status, msg) = match result {
         Ok(Ok(Outcome::Clean)) => return 0,
+        Ok(Ok(Outcome::Differ(summary))) => {
+            text::complain(&summary);
+            return FOUND;
+        }
         Ok(Ok(Outcome::Found(msg))) => (FOUND, msg),
         Ok(Err(e)) => (TROUBLE, format!("{e}{}", args::hint(&e))),
         Err(payload) => (

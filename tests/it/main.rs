@@ -9,6 +9,8 @@ mod common;
 
 // CLI and library
 mod cli;
+mod diff;
+mod errors;
 mod folders;
 mod library;
 mod loader;

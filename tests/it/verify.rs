@@ -183,7 +183,7 @@ fn diff_reports_what_differs() {
     assert_eq!(o.status.code(), Some(1));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
-        err.starts_with("reshard: error: ") && err.contains("differ"),
+        err.starts_with("reshard: ") && err.contains("differ") && !err.contains("error"),
         "{err}"
     );
 }

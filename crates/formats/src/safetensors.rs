@@ -63,11 +63,37 @@ fn dtype_of(d: Dtype) -> Option<DType> {
     })
 }
 
-/// Parse and validate the header of the safetensors file at `path`.
+/// Parse and validate the header of the safetensors file at `path` (one file of a
+/// checkpoint folder: a file that is no safetensors file is said to be one that is not valid).
 pub fn read_header(path: &Path) -> Result<Header> {
+    read_header_as(path, false)
+}
+
+/// The most bytes a safetensors header may have (the `safetensors` crate's limit).
+const MAX_HEADER: u64 = 100_000_000;
+
+/// [`read_header`]; `whole`: `path` is the checkpoint itself (the file a command was given,
+/// which no format with a magic number claimed), so a file that is no safetensors file at all
+/// (text, an empty file) is said to be no checkpoint, with what was expected. A file whose
+/// header length and first header byte are a safetensors file's but which ends inside the
+/// header is said to be truncated, with both sizes.
+fn read_header_as(path: &Path, whole: bool) -> Result<Header> {
     let file = std::fs::File::open(path).at(path)?;
     let len = file.metadata().at(path)?.len();
+    let foreign = |why: String| {
+        if whole {
+            Error::format(path, not_a_checkpoint(&why))
+        } else {
+            Error::format(path, format!("is not a valid safetensors file: {why}"))
+        }
+    };
     if len < 8 {
+        if whole {
+            return Err(foreign(match len {
+                0 => "it is empty".into(),
+                n => format!("it is only {n} byte(s) long"),
+            }));
+        }
         return Err(Error::format(
             path,
             format!(
@@ -76,6 +102,32 @@ pub fn read_header(path: &Path) -> Result<Header> {
         ));
     }
     let map = crate::sys::map_file(&file, path)?;
+    let n = u64::from_le_bytes(map[..8].try_into().expect("8 bytes"));
+    // A header is JSON that starts with `{`; what follows the length tells a safetensors file
+    // cut short from a file of something else.
+    let first = map[8..].iter().find(|b| !b" \t\r\n".contains(b)).copied();
+    if is_text(&map[..map.len().min(512)]) {
+        return Err(foreign("it is a text file".into()));
+    }
+    if n > MAX_HEADER {
+        return Err(foreign(format!(
+            "its first 8 bytes, read as a header length, say {n} bytes, more than a \
+             safetensors header may have"
+        )));
+    }
+    if first.is_some_and(|b| b != b'{') {
+        return Err(foreign("its header does not start with `{`".into()));
+    }
+    if n > len - 8 {
+        return Err(Error::format(
+            path,
+            format!(
+                "is truncated: its header length says {n} bytes of header follow, but the \
+                 file has only {} bytes after it",
+                len - 8
+            ),
+        ));
+    }
     let (n, meta) = SafeTensors::read_metadata(&map).map_err(|e| {
         let what = match e {
             ::safetensors::SafeTensorError::MetadataIncompleteBuffer => {
@@ -86,6 +138,35 @@ pub fn read_header(path: &Path) -> Result<Header> {
         Error::format(path, what)
     })?;
     header_from(path, n as u64, &meta)
+}
+
+/// What a file that is no checkpoint is told (`why` it is not one): the single-file formats
+/// it could have been.
+fn not_a_checkpoint(why: &str) -> String {
+    let nouns: Vec<&str> = Format::all()
+        .filter(|f| f.capabilities().container == super::Container::File)
+        .map(|f| f.capabilities().noun)
+        .collect();
+    format!(
+        "is not a checkpoint ({why}): expected {}",
+        super::or_list(nouns.into_iter())
+    )
+}
+
+/// True when `head` (a file's first bytes) reads as text: UTF-8 (a character cut at its end
+/// allowed) without control characters other than tabs, line ends and form feeds.
+fn is_text(head: &[u8]) -> bool {
+    let valid = match std::str::from_utf8(head) {
+        Ok(s) => s,
+        Err(e) if e.error_len().is_none() => {
+            std::str::from_utf8(&head[..e.valid_up_to()]).expect("valid up to here")
+        }
+        Err(_) => return false,
+    };
+    !valid.is_empty()
+        && valid
+            .chars()
+            .all(|c| !c.is_control() || matches!(c, '\t' | '\n' | '\r' | '\x0c'))
 }
 
 fn header_from(path: &Path, n: u64, meta: &Metadata) -> Result<Header> {
@@ -487,7 +568,7 @@ impl Codec for Safetensors {
 
 /// Read a single safetensors file as a one-rank checkpoint.
 pub fn read(path: &Path) -> Result<Checkpoint> {
-    let mut h = read_header(path)?;
+    let mut h = read_header_as(path, true)?;
     let checksums = recorded_crcs(path, 0, &mut h)?;
     let tensors = h
         .tensors

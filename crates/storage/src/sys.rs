@@ -68,6 +68,44 @@ pub fn write_error(path: &Path, e: std::io::Error) -> Error {
     }
 }
 
+/// An I/O error met creating what reshard keeps beside the destination `dest` while writing
+/// it (its lock file `.NAME.reshard-lock`, its staged output, the staging area of a run in
+/// parts), said as an error writing `dest`: those hidden names are reshard's own, the user
+/// named `dest`. A read-only file system, a folder the process may not create files in, and a
+/// folder that does not exist or takes no new files (`/proc`) are said in those words, naming
+/// the folder; a full disk as [`write_error`] says it. Other errors keep their system message.
+pub fn dest_error(dest: &Path, e: std::io::Error) -> Error {
+    let folder = dest
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let shown = folder.display();
+    let why = match Errno::from_io_error(&e) {
+        Some(Errno::ROFS) => format!("the folder {shown} is on a read-only file system"),
+        Some(Errno::ACCESS | Errno::PERM) => {
+            format!("permission denied: no new files may be created in the folder {shown}")
+        }
+        Some(Errno::NOENT) if folder.is_dir() => {
+            format!("the folder {shown} takes no new files")
+        }
+        Some(Errno::NOENT) => format!("the folder {shown} does not exist"),
+        Some(Errno::NOTDIR) => format!("{shown} is not a folder"),
+        Some(Errno::NOSPC) => "the disk is full".into(),
+        Some(Errno::DQUOT) => "the disk quota is exhausted".into(),
+        _ => e.to_string(),
+    };
+    let why = match e.raw_os_error() {
+        Some(code) if !why.contains("(os error") => {
+            format!("cannot write: {why} (os error {code})")
+        }
+        _ => format!("cannot write: {why}"),
+    };
+    Error::Io {
+        path: dest.to_path_buf(),
+        source: std::io::Error::new(e.kind(), why),
+    }
+}
+
 /// [`write_error`] for `std::io::Result`s.
 pub trait WriteContext<T> {
     /// Turn an I/O error on output file `path` into an [`Error::Io`] ([`write_error`]).
@@ -330,6 +368,45 @@ mod tests {
         // other errors keep the path as it is
         let e = write_error(Path::new("d/.o.reshard-tmp-7/x"), os(Errno::IO)).to_string();
         assert!(e.starts_with("d/.o.reshard-tmp-7/x: "), "{e}");
+    }
+
+    #[test]
+    fn errors_beside_a_destination_name_the_destination_and_its_folder() {
+        let os = |e: Errno| std::io::Error::from_raw_os_error(e.raw_os_error());
+        let said = |dest: &str, e: Errno| dest_error(Path::new(dest), os(e)).to_string();
+        assert_eq!(
+            said("ro/m.safetensors", Errno::ROFS),
+            "ro/m.safetensors: cannot write: the folder ro is on a read-only file system \
+             (os error 30)"
+        );
+        assert_eq!(
+            said("ro/m.pt", Errno::ACCESS),
+            "ro/m.pt: cannot write: permission denied: no new files may be created in the \
+             folder ro (os error 13)"
+        );
+        assert_eq!(
+            said("m.pt", Errno::PERM),
+            "m.pt: cannot write: permission denied: no new files may be created in the \
+             folder . (os error 1)"
+        );
+        assert_eq!(
+            said("/no/such/folder/m.pt", Errno::NOENT),
+            "/no/such/folder/m.pt: cannot write: the folder /no/such/folder does not exist \
+             (os error 2)"
+        );
+        assert_eq!(
+            said("/proc/m.pt", Errno::NOENT),
+            "/proc/m.pt: cannot write: the folder /proc takes no new files (os error 2)"
+        );
+        assert_eq!(
+            said("d/m.pt", Errno::NOSPC),
+            "d/m.pt: cannot write: the disk is full (os error 28)"
+        );
+        let e = said("d/m.pt", Errno::IO);
+        assert!(
+            e.starts_with("d/m.pt: cannot write: ") && e.ends_with("(os error 5)"),
+            "{e}"
+        );
     }
 
     #[test]

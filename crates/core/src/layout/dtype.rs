@@ -100,6 +100,22 @@ impl DType {
         matches!(self, DType::F16 | DType::BF16 | DType::F32 | DType::F64)
     }
 
+    /// The dtype named `s` when a cast may target it (f16, bf16, f32 or f64, by any name
+    /// [`FromStr`] takes): an unknown name, or a dtype no cast targets, is refused with the
+    /// accepted names listed.
+    pub fn cast_target(s: &str) -> Result<DType, String> {
+        match s.parse::<DType>() {
+            Ok(d) if d.is_castable_float() => Ok(d),
+            Ok(d) => Err(format!(
+                "cannot cast to {d}: only floating dtypes (f16, bf16, f32, f64) can be targets"
+            )),
+            Err(_) => Err(format!(
+                "unknown dtype `{s}` (expected f16, bf16, f32 or f64; torch's names float16, \
+                 bfloat16, float32, float64 too)"
+            )),
+        }
+    }
+
     /// True for every floating type, fp8 included.
     pub fn is_float(self) -> bool {
         self.is_castable_float() || matches!(self, DType::F8E4M3 | DType::F8E5M2)
@@ -140,7 +156,13 @@ impl FromStr for DType {
             "f64" | "float64" | "double" => DType::F64,
             "i64" | "int64" | "long" => DType::I64,
             "u64" | "uint64" => DType::U64,
-            _ => return Err(format!("unknown dtype `{s}`")),
+            _ => {
+                return Err(format!(
+                    "unknown dtype `{s}` (expected bool, u8, i8, f8_e4m3, f8_e5m2, i16, u16, \
+                     f16, bf16, i32, u32, f32, f64, i64 or u64, in either case; torch's names \
+                     such as float32 and bfloat16 too)"
+                ))
+            }
         };
         Ok(d)
     }
@@ -162,6 +184,36 @@ mod tests {
         }
         assert_eq!("bfloat16".parse::<DType>().unwrap(), DType::BF16);
         assert!("complex32".parse::<DType>().is_err());
+    }
+
+    #[test]
+    fn refusals_list_the_accepted_names() {
+        let e = "fp8".parse::<DType>().unwrap_err();
+        assert!(
+            e.starts_with("unknown dtype `fp8` (expected bool, u8, "),
+            "{e}"
+        );
+        // every dtype is listed, by a name that is accepted
+        let list = e["unknown dtype `fp8` (expected ".len()..e.find(", in either").unwrap()]
+            .replace(" or ", ", ");
+        let listed: Vec<DType> = list.split(", ").map(|n| n.parse().unwrap()).collect();
+        assert_eq!(listed, DType::ALL);
+        assert_eq!(DType::cast_target("BFloat16"), Ok(DType::BF16));
+        assert_eq!(
+            DType::cast_target("fp8"),
+            Err(
+                "unknown dtype `fp8` (expected f16, bf16, f32 or f64; torch's names float16, \
+                 bfloat16, float32, float64 too)"
+                    .to_string()
+            )
+        );
+        assert_eq!(
+            DType::cast_target("int32"),
+            Err(
+                "cannot cast to I32: only floating dtypes (f16, bf16, f32, f64) can be targets"
+                    .to_string()
+            )
+        );
     }
 
     #[test]

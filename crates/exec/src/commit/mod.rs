@@ -25,7 +25,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use crate::sys::{pid_alive, WriteContext, TMP_MARK};
+use crate::sys::{dest_error, pid_alive, WriteContext, TMP_MARK};
 
 /// The marker of a replaced destination moved aside (only where the filesystem cannot swap
 /// two names atomically).
@@ -45,6 +45,24 @@ pub struct Staging {
     committed: bool,
     // Dropped after `Drop::drop` has removed the staged files.
     _lock: Lock,
+}
+
+/// Refuse `dest` when the folder it is in does not exist (or is no folder), naming `dest`.
+pub fn no_folder(dest: &Path) -> Result<()> {
+    let parent = parent_of(dest);
+    if parent.is_dir() {
+        return Ok(());
+    }
+    Err(Error::usage(format!(
+        "{}: cannot write: the folder {} {}",
+        dest.display(),
+        parent.display(),
+        if parent.exists() {
+            "is not a folder"
+        } else {
+            "does not exist"
+        }
+    )))
 }
 
 /// The folder `dest` is in (`.` for a bare name).
@@ -105,11 +123,15 @@ impl Lock {
     }
 
     /// Take the lock of `dest` if no other process holds it; otherwise what its lock file
-    /// says (the holder's pid). Other failures (no such directory, no permission) are errors.
+    /// says (the holder's pid). Other failures (no such directory, no permission, a read-only
+    /// file system) are errors writing `dest` ([`dest_error`]): the lock file is reshard's
+    /// business, the user named `dest`.
     pub fn try_acquire(dest: &Path) -> Result<std::result::Result<Lock, String>> {
         let path = Self::path_of(dest)?;
+        let at_dest = |e| dest_error(dest, e);
         loop {
-            let mut file = match hold(&path)? {
+            let file = open_lock(&path).map_err(at_dest)?;
+            let mut file = match lock_or_holder(file, &path)? {
                 Ok(file) => file,
                 Err(text) => return Ok(Err(text)),
             };
@@ -122,10 +144,10 @@ impl Lock {
             if !same {
                 continue;
             }
-            file.set_len(0).at_write(&path)?;
-            file.rewind().at(&path)?;
+            file.set_len(0).map_err(at_dest)?;
+            file.rewind().map_err(at_dest)?;
             file.write_all(format!("{}\n", std::process::id()).as_bytes())
-                .at_write(&path)?;
+                .map_err(at_dest)?;
             return Ok(Ok(Lock { path, _file: file }));
         }
     }
@@ -135,13 +157,25 @@ impl Lock {
 /// (the lock lives as long as it), or, when another process holds it, what the file says
 /// (its holder writes who it is there).
 pub fn hold(path: &Path) -> Result<std::result::Result<fs::File, String>> {
-    let mut file = fs::OpenOptions::new()
+    lock_or_holder(open_lock(path).at_write(path)?, path)
+}
+
+/// Open (or create) the lock file `path`, for reading and writing.
+fn open_lock(path: &Path) -> std::io::Result<fs::File> {
+    fs::OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
         .truncate(false)
         .open(path)
-        .at_write(path)?;
+}
+
+/// Take an exclusive `flock` on `file` (the lock file `path`) without waiting: the file, or
+/// what it says when another process holds it.
+fn lock_or_holder(
+    mut file: fs::File,
+    path: &Path,
+) -> Result<std::result::Result<fs::File, String>> {
     if try_lock(&file).at(path)? {
         return Ok(Ok(file));
     }
@@ -239,15 +273,10 @@ impl Staging {
     /// Prepare to write `dest` (a file, or a directory when `is_dir`): take its [`Lock`]
     /// (failing if another run holds it), remove leftovers of killed runs (reported on
     /// stderr), and check it. Fails if `dest` exists and `force` is not set, or if its parent
-    /// directory does not exist.
+    /// directory does not exist. Errors creating the files beside `dest` name `dest`
+    /// ([`dest_error`]).
     pub fn new(dest: &Path, is_dir: bool, force: bool) -> Result<Self> {
-        let parent = parent_of(dest);
-        if !parent.is_dir() {
-            return Err(Error::usage(format!(
-                "{}: directory does not exist",
-                parent.display()
-            )));
-        }
+        no_folder(dest)?;
         let lock = Lock::acquire(dest)?;
         clean_leftovers(dest, |l| {
             if l.removed {
@@ -273,7 +302,7 @@ impl Staging {
         let tmp = sibling(dest, TMP_MARK)?;
         remove_any(&tmp);
         if is_dir {
-            fs::create_dir(&tmp).at_write(&tmp)?;
+            fs::create_dir(&tmp).map_err(|e| dest_error(dest, e))?;
         }
         Ok(Staging {
             dest: dest.to_path_buf(),

@@ -257,13 +257,7 @@ impl PartsArea {
     /// when `dest` exists and `force` is not set, or when the area holds another job's parts
     /// (another source, plan, options or number of parts).
     pub fn join(dest: &Path, manifest: &Manifest, force: bool) -> Result<PartsArea> {
-        let parent = parent_of(dest);
-        if !parent.is_dir() {
-            return Err(Error::usage(format!(
-                "{}: directory does not exist",
-                parent.display()
-            )));
-        }
+        super::no_folder(dest)?;
         if fs::symlink_metadata(dest).is_ok() && !force {
             return Err(Error::refused(
                 format!("{}: already exists", dest.display()),
@@ -274,7 +268,7 @@ impl PartsArea {
         match fs::create_dir(&dir) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(e).at_write(&dir),
+            Err(e) => return Err(crate::sys::dest_error(dest, e)),
         }
         let path = dir.join("job.json");
         let mine = serde_json::to_vec_pretty(manifest)

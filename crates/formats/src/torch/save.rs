@@ -908,7 +908,10 @@ mod tests {
     #[test]
     fn names_what_is_wrong_with_the_container() {
         let e = parse(b"not a zip at all, no end record").unwrap_err();
-        assert_eq!(e.to_string(), "end of central directory not found");
+        assert_eq!(
+            e.to_string(),
+            "is truncated or not a torch.save archive (no zip end record)"
+        );
         let z = build_zip(&[("archive/data.pkl", b"\x80\x02K\x01.")], false, 8);
         assert_eq!(
             parse(&z).unwrap_err().to_string(),
@@ -937,7 +940,7 @@ mod tests {
         let item = item_215();
         assert_eq!(
             parse(&item[..item.len() - 1]).unwrap_err().to_string(),
-            "end of central directory not found"
+            "is truncated or not a torch.save archive (no zip end record)"
         );
     }
 

@@ -574,8 +574,9 @@ pub fn write_padding(w: &mut Vec<u8>, len: u16) {
 /// Why a torch.save archive could not be read. Every message is one short line.
 #[derive(Debug, thiserror::Error)]
 pub enum TorchZipError {
-    /// No end-of-central-directory record at the end of the slice.
-    #[error("end of central directory not found")]
+    /// No end-of-central-directory record at the end of the slice: the archive was cut
+    /// short, or the bytes are no zip archive.
+    #[error("is truncated or not a torch.save archive (no zip end record)")]
     NoEndOfCentralDirectory,
     /// A structural problem of the zip container.
     #[error("{0}")]
