@@ -8,14 +8,26 @@ The metadata it gives torch holds one entry per checkpoint entry, under reshard'
 each tensor as one chunk covering the whole tensor, since reshard reads any region of it;
 each non-tensor value as bytes. Reads of one plan go to the Rust library in one batch, with
 the GIL released, straight into the target tensors' memory where that memory fits.
+
+Its protocol is that of torch's ``FileSystemReader``: the checkpoint is opened by
+``read_metadata`` (not by the constructor), ``reset`` starts a new read, ``validate_checkpoint_id``
+answers as torch's does (and True for the URLs reshard reads), the metadata's
+``storage_meta`` is the one saved with the checkpoint. A local DCP folder whose items were
+saved through a stream transform reshard does not decode (torch's ``_extensions`` other than
+zstd) is read by torch's own ``FileSystemReader`` with the ``_extension_registry`` given.
 """
 
 import io
+import mmap
 import os
+import pathlib
+import pickle
+import pickletools
 import uuid
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader as _TorchFileSystemReader
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -36,9 +48,16 @@ try:  # torch >= 2.4
 except ImportError:  # pragma: no cover - older torch
     _StorageMeta = None
 
+if TYPE_CHECKING:  # torch >= 2.7
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+
 __all__ = ["StorageReader"]
 
 PathOrCheckpoint = Union[str, "os.PathLike[str]", Checkpoint]
+
+_METADATA = ".metadata"
+# The stream transform the native reader decodes itself (torch's ZStandard extension).
+_NATIVE_TRANSFORMS = {(), ("stream.zstd/1",)}
 
 
 def _torch_dtype(name: str, tensor: str) -> torch.dtype:
@@ -51,36 +70,257 @@ def _torch_dtype(name: str, tensor: str) -> torch.dtype:
         ) from None
 
 
+def _metadata_file(path: str, rank: Optional[int]) -> Optional[str]:
+    """The DCP metadata file torch's reader reads for ``rank`` (``.metadata``, else
+    ``__<rank>.metadata``, rank 0's without one) if ``path`` is a local folder holding it."""
+    names = [_METADATA] + ([f"__{rank}{_METADATA}"] if rank is not None else []) + [f"__0{_METADATA}"]
+    for name in names:
+        f = os.path.join(path, name)
+        if os.path.isfile(f):
+            return f
+    return None
+
+
+# --- the saved StorageMeta, read from the pickle without unpickling it ----------------------
+# ``Metadata.storage_meta`` is pickled after every entry, so it is found from the end of the
+# file; only the few opcodes a StorageMeta is made of are evaluated (strings, None, a path,
+# a list of strings), and nothing is imported or called: the ``.metadata`` is not unpickled
+# (it can be very large, and reshard's native reader has read it already).
+_SM_MARKERS = (b"\x8c\x0bStorageMeta", b"ctorch.distributed.checkpoint.metadata\nStorageMeta\n")
+_PATH_CLASSES = {
+    "PosixPath": pathlib.PurePosixPath if os.name != "posix" else pathlib.PosixPath,
+    "PurePosixPath": pathlib.PurePosixPath,
+    "WindowsPath": pathlib.PureWindowsPath if os.name != "nt" else pathlib.WindowsPath,
+    "PureWindowsPath": pathlib.PureWindowsPath,
+}
+_UNKNOWN = object()  # a value the scan does not evaluate (a memo reference, a call)
+
+
+class _Global(tuple):
+    """A global the pickle names: ``(module, name)``, never imported."""
+
+
+class _Target:
+    """The StorageMeta object being built."""
+
+
+def _saved_storage_meta_fields(data: bytes) -> Optional[Dict[str, Any]]:
+    """The plain fields of the last StorageMeta pickled in ``data``: ``checkpoint_id`` (a
+    string or path), ``save_id`` and ``load_id`` (strings or None), ``modules`` (a list of
+    strings); other values are left out. None when there is none or it cannot be followed."""
+    state = _storage_meta_state(data)
+    if state is None:
+        return None
+    kinds = {"checkpoint_id": (str, pathlib.PurePath), "save_id": (str, type(None)), "load_id": (str, type(None))}
+    fields = {k: v for k, v in state.items() if k in kinds and isinstance(v, kinds[k])}
+    modules = state.get("modules")
+    if isinstance(modules, list) and all(isinstance(m, str) for m in modules):
+        fields["modules"] = modules
+    return fields
+
+
+def _storage_meta_state(data: bytes) -> Optional[Dict[str, Any]]:
+    """The state dict of the last StorageMeta pickled in ``data`` (values it does not
+    evaluate are ``_UNKNOWN``), or None."""
+    start = max(data.rfind(m) for m in _SM_MARKERS)
+    if start < 0:
+        return None
+    stack: List[Any] = []
+    marks: List[int] = []
+
+    def to_mark() -> List[Any]:
+        at = marks.pop()
+        items = stack[at:]
+        del stack[at:]
+        return items
+
+    target = _Target()
+    try:
+        for op, arg, _pos in pickletools.genops(data[start:]):
+            name = op.name
+            if name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT", "FRAME"):
+                continue
+            if name in ("GET", "BINGET", "LONG_BINGET"):
+                stack.append(_UNKNOWN)
+            elif isinstance(arg, (str, int)) and not isinstance(arg, bool) and name not in ("GLOBAL", "PROTO"):
+                stack.append(arg)  # strings and ints
+            elif name == "NONE":
+                stack.append(None)
+            elif name in ("NEWTRUE", "NEWFALSE"):
+                stack.append(name == "NEWTRUE")
+            elif name == "MARK":
+                marks.append(len(stack))
+            elif name == "EMPTY_TUPLE":
+                stack.append(())
+            elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+                n = int(name[-1])
+                items = stack[-n:]
+                del stack[-n:]
+                stack.append(tuple(items))
+            elif name == "TUPLE":
+                stack.append(tuple(to_mark()))
+            elif name == "EMPTY_LIST":
+                stack.append([])
+            elif name == "LIST":
+                stack.append(to_mark())
+            elif name == "APPEND":
+                v = stack.pop()
+                stack[-1].append(v)
+            elif name == "APPENDS":
+                items = to_mark()
+                stack[-1].extend(items)
+            elif name == "EMPTY_DICT":
+                stack.append({})
+            elif name in ("SETITEM", "SETITEMS", "DICT"):
+                items = [stack.pop(), stack.pop()][::-1] if name == "SETITEM" else to_mark()
+                d = {} if name == "DICT" else stack[-1]
+                for k, v in zip(items[::2], items[1::2]):
+                    if isinstance(k, str):
+                        d[k] = v
+                if name == "DICT":
+                    stack.append(d)
+            elif name == "STACK_GLOBAL":
+                gname = stack.pop()
+                module = stack.pop() if stack else _UNKNOWN
+                stack.append(_Global((module, gname)))
+            elif name == "GLOBAL":
+                stack.append(_Global(tuple(str(arg).split(" ", 1))))
+            elif name in ("NEWOBJ", "NEWOBJ_EX"):
+                if name == "NEWOBJ_EX":
+                    stack.pop()
+                stack.pop()
+                cls = stack.pop()
+                if not (isinstance(cls, _Global) and cls[1] == "StorageMeta" and not marks):
+                    return None
+                stack.append(target)
+            elif name == "REDUCE":
+                args = stack.pop()
+                fn = stack.pop()
+                path_cls = _PATH_CLASSES.get(fn[1]) if isinstance(fn, _Global) and fn[0] == "pathlib" else None
+                ok = path_cls is not None and isinstance(args, tuple) and all(isinstance(a, str) for a in args)
+                stack.append(path_cls(*args) if ok else _UNKNOWN)  # type: ignore[misc]
+            elif name == "BUILD":
+                state = stack.pop()
+                obj = stack.pop()
+                return state if obj is target and isinstance(state, dict) else None
+            else:
+                return None
+    except (ValueError, IndexError, AttributeError, TypeError):
+        return None
+    return None
+
+
+def _saved_storage_meta(path: str, rank: Optional[int] = None) -> Optional[Any]:
+    """The ``StorageMeta`` saved in the DCP metadata of the local folder ``path`` (what torch's
+    reader returns, before it sets ``load_id``), or None (no such file, or none saved)."""
+    f = _metadata_file(path, rank)
+    if f is None or _StorageMeta is None:
+        return None
+    try:
+        with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            start = max(mm.rfind(m) for m in _SM_MARKERS)
+            fields = _saved_storage_meta_fields(mm[start:]) if start >= 0 else None
+    except (OSError, ValueError):
+        return None
+    if fields is None:
+        return None
+    fields.pop("load_id", None)  # the reader's, set by the caller
+    return _StorageMeta(**fields)
+
+
+# --- DCP metadata for torch's own reader (items with stream transforms reshard lacks) --------
+_DCP_META = "torch.distributed.checkpoint.metadata"
+_DCP_GLOBALS = {
+    (_DCP_META, n)
+    for n in (
+        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
+        "MetadataIndex", "TensorProperties", "_MEM_FORMAT_ENCODING", "StorageMeta",
+    )
+} | {
+    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),
+    ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"),
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"),
+    ("torch.distributed.checkpoint.planner", "SavePlan"),
+    ("torch.distributed.checkpoint.planner", "WriteItem"),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"),
+    ("torch.distributed.checkpoint.planner", "TensorWriteData"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP ``.metadata`` naming only the globals reshard's native reader allows
+    there (torch's metadata classes, ``torch.Size``, dtypes, paths); anything else is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "pathlib" and name in _PATH_CLASSES:
+            return _PATH_CLASSES[name]
+        if (module, name) in _DCP_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
+
+
+def _load_dcp_metadata(f: str) -> Metadata:
+    """The DCP metadata in file ``f``, through :class:`_MetadataUnpickler`."""
+    with open(f, "rb") as fh:
+        md = _MetadataUnpickler(fh).load()
+    if not isinstance(md, Metadata):
+        raise CheckpointError(f"{f}: holds a {type(md).__name__}, not DCP Metadata")
+    return md
+
+
 class StorageReader(_TorchStorageReader):
     """A ``torch.distributed.checkpoint.StorageReader`` reading the checkpoint at ``path``
     (any format :func:`reshard.open` reads, or an open :class:`reshard.Checkpoint`), whatever
     the world size it was saved at: ``dcp.load(sd, storage_reader=StorageReader(path))``.
-    The checkpoint is opened (and validated) here, so a missing or corrupt checkpoint
-    raises a :class:`reshard.ReshardError` at once."""
 
-    def __init__(self, path: PathOrCheckpoint) -> None:
+    As torch's ``FileSystemReader``, nothing is opened here: each load opens the checkpoint
+    in :meth:`read_metadata` (so a missing or corrupt checkpoint raises a
+    :class:`reshard.ReshardError` there), and a reader can be made before the checkpoint
+    exists and used for several loads. ``_extension_registry`` (torch's
+    ``ExtensionRegistry``, EXPERIMENTAL as in torch) decodes the items of a local DCP folder
+    saved through a stream transform reshard does not decode itself (zstd it does)."""
+
+    def __init__(self, path: PathOrCheckpoint, _extension_registry: Optional["ExtensionRegistry"] = None) -> None:
         super().__init__()
         self._ck: Optional[Checkpoint] = None
+        self._given: Optional[Checkpoint] = None  # an open Checkpoint the caller gave
         self._format: Optional[str] = None
+        self._extension_registry = _extension_registry
         self._set(path)
-        self.load_id = uuid.uuid4().hex
-        # the non-tensor values by name once the metadata is read: (raw, pickled) once read
-        self._extras: Optional[Dict[str, Optional[Tuple[Optional[bytes], bytes]]]] = None
-        self._dtypes: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
+        self.load_id = str(uuid.uuid4())
+        self._clear()
 
     def _set(self, path: PathOrCheckpoint) -> None:
+        """Read ``path`` from now on (opened by the next :meth:`read_metadata`)."""
         if isinstance(path, Checkpoint):
-            self._ck = path
+            self._ck = self._given = path
             self._format = path.format
             self.path = path.path
         else:
             self.path = os.fspath(path)
+            self._ck = self._given = None
             self._format = None
-            self._ck = _open(self.path)
+
+    def _clear(self) -> None:
+        """Forget what the last load read."""
+        # the non-tensor values by name once the metadata is read: (raw, pickled) once read
+        self._extras: Optional[Dict[str, Optional[Tuple[Optional[bytes], bytes]]]] = None
+        self._dtypes: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
+        # torch's reader, for a DCP folder with stream transforms reshard does not decode
+        self._torch_reader: Optional[_TorchFileSystemReader] = None
+        # a load has read from the open checkpoint: the next read_metadata opens it again
+        self._used = False
 
     @property
     def checkpoint(self) -> Checkpoint:
-        """The open checkpoint (opened again after :meth:`reset` once it was read)."""
+        """The open checkpoint (opened now when no load has opened it yet)."""
         if self._ck is None:
             self._ck = _open(self.path, format=self._format)
         return self._ck
@@ -91,24 +331,36 @@ class StorageReader(_TorchStorageReader):
         return self.path
 
     def reset(self, checkpoint_id: Union[str, "os.PathLike[str]", None] = None) -> None:
-        """Start a new read: of ``checkpoint_id`` when given (opened at once), else of the
-        same path, opened again so that files written since are seen."""
+        """Start a new read (a new ``load_id``): of ``checkpoint_id`` when given, else of the
+        same path; either is opened by the next :meth:`read_metadata`, so files written since
+        are seen (an open :class:`reshard.Checkpoint` given is read again as it is)."""
         if checkpoint_id:
             self._set(checkpoint_id)  # type: ignore[arg-type]
-        elif self._extras is not None:
+        elif self._given is None:
             self._ck = None
-        self._extras = None
-        self._dtypes = {}
-        self.load_id = uuid.uuid4().hex
+        self._clear()
+        self.load_id = str(uuid.uuid4())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """torch's ``Metadata`` of the checkpoint: one ``TensorStorageMetadata`` per tensor
         (its dtype and global shape, one chunk covering it) and one
-        ``BytesStorageMetadata`` per non-tensor value, by reshard's flat names. Other
-        arguments (torch's ``rank=``) are ignored: every rank sees the whole checkpoint."""
-        ck = self.checkpoint
+        ``BytesStorageMetadata`` per non-tensor value, by reshard's flat names. Its
+        ``storage_meta`` is, as torch's reader gives it, the one saved in a local DCP folder's
+        metadata (``checkpoint_id``, ``save_id``, ``modules``), else one with the path read,
+        and this reader's ``load_id``. Other arguments (torch's ``rank=``) are ignored: every
+        rank sees the whole checkpoint. The checkpoint is opened here (again once a load has
+        read from it), so a missing or corrupt one raises its ReshardError here."""
+        if self._given is None and self._used:
+            self._ck = None
+        self._clear()
+        try:
+            ck = self.checkpoint
+        except CheckpointError as e:
+            md = self._transformed_metadata(e, kwargs.get("rank"))
+            if md is None:
+                raise
+            return md
         sdm: Dict[str, Any] = {}
-        self._dtypes = {}
         for name, dt, shape, _layout in ck.tensors():
             size = torch.Size(shape)
             sdm[name] = TensorStorageMetadata(
@@ -117,19 +369,55 @@ class StorageReader(_TorchStorageReader):
                 chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)],
             )
             self._dtypes[name] = (dt, tuple(shape))
-        self._extras = {}
+        extras: Dict[str, Optional[Tuple[Optional[bytes], bytes]]] = {}
         for name in ck._extra_names():  # the values are read when a plan asks for them
             sdm[name] = BytesStorageMetadata()
-            self._extras[name] = None
+            extras[name] = None
+        self._extras = extras
         planner_data = {name: tuple(parts) for name, parts in ck.paths().items() if name in sdm}
         md = Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data={})
         if _StorageMeta is not None and hasattr(md, "storage_meta"):
-            md.storage_meta = _StorageMeta(checkpoint_id=self.path, load_id=self.load_id)
+            sm = _saved_storage_meta(ck.path, kwargs.get("rank"))
+            md.storage_meta = sm or _StorageMeta(checkpoint_id=self.path)
+            md.storage_meta.load_id = self.load_id
+        return md
+
+    def _transformed_metadata(self, error: CheckpointError, rank: Optional[int]) -> Optional[Metadata]:
+        """When ``error`` (the native open's) is a local DCP folder's items saved through
+        stream transforms reshard does not decode and ``_extension_registry`` knows them: its
+        metadata, the reads left to torch's ``FileSystemReader`` with that registry. None
+        when that is not the case; a CheckpointError when the registry lacks a transform."""
+        registry = self._extension_registry
+        f = _metadata_file(self.path, rank)
+        if registry is None or f is None:
+            return None
+        try:
+            md = _load_dcp_metadata(f)
+        except (pickle.UnpicklingError, OSError, EOFError, AttributeError, ImportError, CheckpointError):
+            return None
+        infos = (md.storage_data or {}).values()
+        chains = {tuple(getattr(info, "transform_descriptors", None) or ()) for info in infos}
+        if chains <= _NATIVE_TRANSFORMS:
+            return None  # the native error stands: transforms are not what it is about
+        for chain in sorted(chains - _NATIVE_TRANSFORMS):
+            try:
+                registry.from_descriptor_list(list(chain))
+            except ValueError as ve:
+                raise CheckpointError(f"{error} (nor does the _extension_registry given: {ve})") from None
+        self._torch_reader = _TorchFileSystemReader(self.path, _extension_registry=registry)
+        self._torch_reader.load_id = self.load_id
+        if getattr(md, "storage_meta", None) is None and _StorageMeta is not None:
+            md.storage_meta = _StorageMeta()
+        if getattr(md, "storage_meta", None) is not None:
+            md.storage_meta.load_id = self.load_id
         return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Nothing to set up: the checkpoint was opened already."""
-        if self._extras is None:
+        """Nothing to set up once :meth:`read_metadata` opened the checkpoint (torch's reader
+        takes the metadata, when it reads)."""
+        if self._torch_reader is not None:
+            self._torch_reader.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        elif self._extras is None:
             self.read_metadata()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -144,9 +432,14 @@ class StorageReader(_TorchStorageReader):
         """Read every item of ``plan``: tensor regions in one native read (straight into each
         target that is a contiguous CPU tensor of the checkpoint's dtype, else through a
         temporary and ``copy_``), then ``planner.commit_tensor``; non-tensor values through
-        ``planner.load_bytes``. Returns a completed future."""
+        ``planner.load_bytes``. Returns a completed future. (Items of stream transforms
+        reshard does not decode: torch's ``FileSystemReader.read_data``.)"""
+        if self._torch_reader is not None:
+            self._used = True
+            return self._torch_reader.read_data(plan, planner)
         if self._extras is None:
             self.read_metadata()
+        self._used = True
         extras = self._extras or {}
         ck = self.checkpoint
         tensor_items = [i for i in plan.items if i.type != LoadItemType.BYTE_IO]
@@ -209,10 +502,12 @@ class StorageReader(_TorchStorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, "os.PathLike[str]"]) -> bool:
-        """Whether ``checkpoint_id`` is a path that exists or an object-store URL (reshard
-        detects its format when it opens it)."""
+        """What torch's ``FileSystemReader.validate_checkpoint_id`` says (any ``Path``; a local
+        path, existing or not, under a writable folder), and True for the object-store URLs
+        reshard reads (reshard detects the format when it opens the checkpoint)."""
         try:
-            text = os.fspath(checkpoint_id)
-            return _reshard.is_url(text) or os.path.exists(text)
+            if _reshard.is_url(os.fspath(checkpoint_id)):
+                return True
+            return bool(_TorchFileSystemReader.validate_checkpoint_id(checkpoint_id))
         except TypeError:
             return False

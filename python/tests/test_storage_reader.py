@@ -239,7 +239,9 @@ def test_interface():
     assert not getattr(rt.StorageReader, "__abstractmethods__", set())
     ckpt = FIX / "fsdp2_w2_f32" / "checkpoint"
     assert rt.StorageReader.validate_checkpoint_id(ckpt)
-    assert not rt.StorageReader.validate_checkpoint_id(FIX / "no_such_checkpoint")
+    # as torch's FileSystemReader: a path that does not exist (yet) is valid too
+    assert rt.StorageReader.validate_checkpoint_id(FIX / "no_such_checkpoint")
+    assert not rt.StorageReader.validate_checkpoint_id("nope://bucket/ck")
     r = rt.StorageReader(reshard.open(ckpt))
     assert r.checkpoint_id == str(ckpt)
     md = r.read_metadata()
@@ -360,11 +362,19 @@ def test_hf_sharded_folder(tmp_path):
 
 # --- (4) errors ------------------------------------------------------------------------------
 def test_missing_checkpoint_raises_reshard_error(tmp_path):
-    with pytest.raises(reshard.ReshardError, match="no_such"):
-        rt.StorageReader(tmp_path / "no_such")
+    """As torch's FileSystemReader, the reader opens nothing before read_metadata: a missing
+    checkpoint raises a reshard error there, and fails dcp.load as torch's reader's
+    FileNotFoundError does (torch's loader reports the read_metadata error)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    r = rt.StorageReader(tmp_path / "no_such")
+    with pytest.raises(reshard.ReshardError, match="no_such") as ei:
+        r.read_metadata()
     good = rt.StorageReader(FIX / "fsdp2_w2_f32" / "checkpoint")
-    with pytest.raises(reshard.ReshardError, match="no_such"):
+    with pytest.raises(CheckpointException) as ce:
         dcp.load({}, checkpoint_id=str(tmp_path / "no_such"), storage_reader=good, no_dist=True)
+    (err, _tb), = ce.value.failures.values()
+    assert f"global metadata read failed: {ei.value}" in str(err)
 
 
 def test_read_metadata_error_and_read_error(tmp_path):
@@ -475,6 +485,7 @@ WORKER = textwrap.dedent(
         shutil.copytree(ckpt, bad)
     dist.barrier()
     reader = rt.StorageReader(bad)
+    reader.read_metadata()  # opened (and checked) before the file is cut: the reads fail
     dist.barrier()
     if rank == 0:
         f = os.path.join(bad, "__3_0.distcp")
