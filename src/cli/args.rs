@@ -383,7 +383,10 @@ fn convert_help() -> String {
          Without --format, the output format follows DST, M and the source: for M = 1 a file\n\
          named {} is that format, any other name a Hugging Face sharded\n\
          directory; for M > 1 a DCP or DeepSpeed source keeps its format, a safetensors\n\
-         source gives per-rank safetensors shards. `plan` and `convert` say which format they chose and why.\n\nFormats:\n{}",
+         source gives per-rank safetensors shards. `plan` and `convert` say which format they chose and why.\n\
+         A DST named for another output is refused, not overruled: a file name ({}) for a\n\
+         folder format or another file format, a name ending in / for one file.\n\nFormats:\n{}",
+        files.join(", "),
         files.join(", "),
         formats.join("\n")
     )
@@ -399,6 +402,13 @@ pub fn hint(e: &Error) -> String {
                 .into()
         }
         (Some(Hint::Tag), _) => " with --tag NAME".into(),
+        (Some(Hint::FormatFromName(ext)), _) => {
+            format!(", or drop --format to write one .{ext} file")
+        }
+        (Some(Hint::FolderFormat(name)), _) => match Format::named(name) {
+            Some(f) => format!(" (add --format {name} for {})", f.capabilities().noun),
+            None => String::new(),
+        },
         (Some(Hint::WorldSize), Error::TooManyRanks { world, .. }) => {
             let more: Vec<&str> = Format::all()
                 .filter(|f| f.holds(*world))

@@ -12,6 +12,7 @@ mod cli;
 mod folders;
 mod library;
 mod loader;
+mod outputs;
 mod parts;
 mod per_rank;
 mod ties;
