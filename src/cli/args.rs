@@ -48,11 +48,14 @@ pub enum Cmd {
     },
     /// Dry run: show what a conversion would read and write, without writing anything.
     #[command(
-        after_help = "Examples:\n  reshard plan ckpt/ --to 1\n  reshard plan ckpt/ --to 8 --ops\n  reshard plan ckpt/ --layout tp.json --json"
+        after_help = "Examples:\n  reshard plan ckpt/ model.safetensors --to 1\n  reshard plan ckpt/ --to 8 --ops\n  reshard plan ckpt/ out/ --layout tp.json --json\n\nThe output format is chosen as `convert` chooses it for the same DST; without DST, as for a\nfolder (or a name without an extension)."
     )]
     Plan {
         /// Source checkpoint.
         src: PathBuf,
+        /// The destination `convert` would write (optional: it guides the output format, and
+        /// a name that says another output is refused as `convert` refuses it).
+        dst: Option<PathBuf>,
         #[command(flatten)]
         source: SourceArgs,
         #[command(flatten)]

@@ -1,5 +1,6 @@
-//! What `convert` writes where: a destination named for another output is refused, not
-//! overruled.
+//! What `convert` writes where, and what `plan` says of it: a destination named for another
+//! output is refused, not overruled; `plan SRC DST` decides the format as `convert SRC DST`
+//! does.
 
 use crate::common::*;
 use std::path::{Path, PathBuf};
@@ -8,6 +9,16 @@ use std::path::{Path, PathBuf};
 /// with a `meta.pt` (non-tensor entries) and nesting.
 fn source() -> PathBuf {
     fixture("fabric_fsdp1_w4_f32_torch21/checkpoint")
+}
+
+/// Every regular file under `dir` (or `dir` itself when a file), with its size.
+fn files_under(dir: &Path) -> Vec<(PathBuf, u64)> {
+    let mut out: Vec<(PathBuf, u64)> = snapshot(dir)
+        .into_iter()
+        .map(|(p, b)| (p, b.len() as u64))
+        .collect();
+    out.sort();
+    out
 }
 
 #[test]
@@ -108,4 +119,84 @@ fn destinations_that_name_their_output_are_written_as_before() {
         assert_eq!((ck.format, ck.ranks), (*format, *ranks), "{name} {args:?}");
         assert_eq!(at(name).is_dir(), format.is_dir(), "{name} {args:?}");
     }
+}
+
+#[test]
+fn plan_with_a_destination_decides_the_format_as_convert_does() {
+    let src = source();
+    let d = tempfile::tempdir().unwrap();
+    let st = d.path().join("model.safetensors");
+    // without DST a consolidated model is a folder (hf), as before; with one named
+    // .safetensors, one safetensors file, as `convert` writes it
+    let text = ok(&["plan", s(&src), "--to", "1"]);
+    assert!(
+        text.contains("-> hf (1 rank(s)); output format hf"),
+        "{text}"
+    );
+    assert!(text.contains("into a folder (no DST given)"), "{text}");
+    let text = ok(&["plan", s(&src), s(&st), "--to", "1"]);
+    assert!(
+        text.contains(
+            "-> safetensors (1 rank(s)); output format safetensors: the destination ends in .safetensors"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("into {} (one file)", s(&st))),
+        "{text}"
+    );
+    let plan: serde_json::Value =
+        serde_json::from_str(&ok(&["plan", s(&src), s(&st), "--to", "1", "--json"])).unwrap();
+    let target = &plan["target"];
+    assert_eq!(target["path"], s(&st));
+    assert_eq!(target["format"], "safetensors");
+    assert_eq!(target["container"], "file");
+    assert_eq!(
+        names(d.path()),
+        Vec::<String>::new(),
+        "plan wrote something"
+    );
+    // what it plans is what convert writes
+    let summary = convert(&src, &st, &["--to", "1"]);
+    assert!(
+        summary.contains("output format safetensors: the destination ends in .safetensors"),
+        "{summary}"
+    );
+    let files = target["files"].as_array().unwrap();
+    assert_eq!(files.len(), 1, "{target}");
+    assert_eq!(files[0]["size"], std::fs::metadata(&st).unwrap().len());
+    // a folder: the files planned are those written
+    let out = d.path().join("out");
+    let plan: serde_json::Value =
+        serde_json::from_str(&ok(&["plan", s(&src), s(&out), "--to", "2", "--json"])).unwrap();
+    assert_eq!(plan["target"]["format"], "dcp");
+    assert_eq!(plan["target"]["container"], "directory");
+    convert(&src, &out, &["--to", "2"]);
+    let mut planned: Vec<(PathBuf, u64)> = plan["target"]["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| {
+            (
+                out.join(f["path"].as_str().unwrap()),
+                f["size"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    planned.sort();
+    assert_eq!(planned, files_under(&out));
+    // a destination convert refuses, plan refuses alike
+    let bad = d.path().join("x.safetensors");
+    for args in [&["--to", "2"][..], &["--to", "1", "--format", "dcp"]] {
+        let plan_err = fails(
+            &[&["plan", s(&src), s(&bad)][..], args].concat(),
+            "x.safetensors: a .safetensors name is one file",
+        );
+        let convert_err = fails(
+            &[&["convert", s(&src), s(&bad)][..], args].concat(),
+            "x.safetensors",
+        );
+        assert_eq!(plan_err, convert_err, "{args:?}");
+    }
+    assert!(!bad.exists());
 }
