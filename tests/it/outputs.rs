@@ -1,6 +1,7 @@
-//! What `convert` writes where, and what `plan` says of it: a destination named for another
-//! output is refused, not overruled; `plan SRC DST` decides the format as `convert SRC DST`
-//! does.
+//! What `convert` writes where, and what `plan` and `inspect` say of it: a destination named
+//! for another output is refused, not overruled; `plan SRC DST` decides the format as
+//! `convert SRC DST` does; `inspect` counts the files and bytes `convert` reported and knows
+//! reshard wrote them.
 
 use crate::common::*;
 use std::path::{Path, PathBuf};
@@ -19,6 +20,15 @@ fn files_under(dir: &Path) -> Vec<(PathBuf, u64)> {
         .collect();
     out.sort();
     out
+}
+
+/// The part of `convert`'s summary line that `inspect` repeats: `N file(s), T tensor(s),
+/// SIZE` (between the ranks and the timing).
+fn written(summary: &str) -> &str {
+    let line = summary.lines().next().unwrap();
+    let from = line.find(" rank(s), ").unwrap() + " rank(s), ".len();
+    let to = line.rfind(" in ").unwrap();
+    &line[from..to]
 }
 
 #[test]
@@ -199,4 +209,55 @@ fn plan_with_a_destination_decides_the_format_as_convert_does() {
         assert_eq!(plan_err, convert_err, "{args:?}");
     }
     assert!(!bad.exists());
+}
+
+#[test]
+fn inspect_counts_the_files_and_bytes_convert_wrote_and_knows_reshard_wrote_them() {
+    let src = source();
+    let d = tempfile::tempdir().unwrap();
+    let reshard_v = format!("reshard {}", env!("CARGO_PKG_VERSION"));
+    let dcp = format!("{reshard_v} (DCP in the torch 2.1 layout)");
+    let cases: &[(&str, &[&str], &str)] = &[
+        ("out", &["--to", "2"], &dcp),
+        ("hf", &["--to", "1", "--format", "hf"], &reshard_v),
+        ("model.safetensors", &["--to", "1"], &reshard_v),
+        ("hfs", &["--to", "3", "--format", "hf-storage"], &reshard_v),
+        (
+            "model.pt",
+            &["--to", "1"],
+            "reshard (a torch.save zip archive)",
+        ),
+    ];
+    for (name, args, producer) in cases {
+        let dst = d.path().join(name);
+        let summary = convert(&src, &dst, args);
+        let insp = ok(&["inspect", s(&dst)]);
+        let first = insp.lines().next().unwrap();
+        assert!(
+            first.contains(written(&summary)),
+            "{name}: convert said `{}`, inspect `{first}`",
+            written(&summary)
+        );
+        assert!(
+            insp.contains(&format!("  written by {producer}\n")),
+            "{name}: {insp}"
+        );
+        let on_disk = files_under(&dst);
+        let j: serde_json::Value =
+            serde_json::from_str(&ok(&["inspect", s(&dst), "--json"])).unwrap();
+        assert_eq!(j["on_disk"]["files"], on_disk.len(), "{name}");
+        assert_eq!(
+            j["on_disk"]["bytes"],
+            on_disk.iter().map(|(_, n)| n).sum::<u64>(),
+            "{name}"
+        );
+        assert_eq!(j["producer"], *producer, "{name}");
+    }
+    // a checkpoint torch wrote is still torch's
+    let insp = ok(&["inspect", s(&src)]);
+    assert!(
+        insp.contains("  written by torch 2.1–2.3 (no DCP version)\n"),
+        "{insp}"
+    );
+    assert!(insp.contains(" 6 file(s), 65 tensor(s), "), "{insp}");
 }

@@ -92,6 +92,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         let mut ck = super::safetensors::read(&single)?;
         ck.format = Format::HF;
         ck.path = dir.to_path_buf();
+        ck.side_files = side_files(dir, None);
         return Ok(ck);
     };
     let text = std::fs::read_to_string(&index).at(&index)?;
@@ -162,9 +163,19 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             ));
         }
     }
-    let mut ck = checkpoint(Format::HF, dir, files, 1, tensors, metadata)?;
-    ck.checksums = checksums;
+    let mut ck = checkpoint(Format::HF, dir, files, 1, tensors, metadata, checksums)?;
+    ck.side_files = side_files(dir, Some(index));
     Ok(ck)
+}
+
+/// The files of the Hugging Face folder `dir` besides its weights: its index, and the
+/// companions beside them (`config.json`).
+fn side_files(dir: &Path, index: Option<PathBuf>) -> Vec<PathBuf> {
+    let companions = crate::checkpoint::COMPANIONS
+        .iter()
+        .map(|n| dir.join(n))
+        .filter(|p| p.is_file());
+    index.into_iter().chain(companions).collect()
 }
 
 /// Lay out a consolidated target as Hugging Face shards of at most `max_shard_size` bytes

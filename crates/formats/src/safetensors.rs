@@ -375,8 +375,13 @@ pub fn extras_from_metadata(
 /// non-string keys) survive a trip through safetensors.
 pub const EXTRAS_PICKLE_KEY: &str = "reshard.extras.pickle";
 
+/// The safetensors `__metadata__` key under which reshard records its version (`0.1.0`) in
+/// every file it writes, so that `inspect` can say what wrote it.
+pub const VERSION_KEY: &str = "reshard.version";
+
 /// The string metadata a safetensors-family header carries for `opts`: the caller's
-/// metadata, `format: pt` (the Hugging Face convention) unless set, and what safetensors
+/// metadata, `format: pt` (the Hugging Face convention) unless set, reshard's version
+/// ([`VERSION_KEY`]), and what safetensors
 /// cannot hold itself — non-tensor entries as JSON under [`EXTRAS_KEY`] (and their exact
 /// Python values under [`EXTRAS_PICKLE_KEY`]), and the nesting of the names written (tensors
 /// in `target`, entries in `opts.extras`) under [`PATHS_KEY`].
@@ -388,6 +393,7 @@ pub fn header_metadata(
     metadata
         .entry("format".into())
         .or_insert_with(|| "pt".into());
+    metadata.insert(VERSION_KEY.into(), env!("CARGO_PKG_VERSION").into());
     if !opts.extras.is_empty() {
         let json: serde_json::Map<String, serde_json::Value> = opts
             .extras
@@ -433,7 +439,10 @@ pub fn header_metadata(
 }
 
 /// A safetensors-family checkpoint: tensors and string metadata, with the non-tensor entries
-/// and nesting reshard recorded in the metadata taken out of it.
+/// and nesting reshard recorded in the metadata taken out of it, and the CRC-32s its files
+/// record ([`recorded_crcs`]). Its producer is reshard when the metadata names reshard's
+/// version ([`VERSION_KEY`], taken out too) or the files record CRC-32s (which only reshard
+/// writes).
 pub fn checkpoint(
     format: Format,
     path: &Path,
@@ -441,12 +450,20 @@ pub fn checkpoint(
     ranks: u32,
     tensors: Vec<TensorLayout>,
     mut metadata: BTreeMap<String, String>,
+    checksums: Vec<crate::RecordCrc>,
 ) -> Result<Checkpoint> {
     let extras = extras_from_metadata(path, &mut metadata)?;
     let paths = paths_from_metadata(path, &mut metadata)?;
+    let producer = match metadata.remove(VERSION_KEY) {
+        Some(v) => Some(format!("reshard {}", crate::error::one_line(&v))),
+        None if !checksums.is_empty() => Some("reshard (no version recorded)".to_string()),
+        None => None,
+    };
     let mut ck = Checkpoint::of_tensors(format, path, files, ranks, tensors, metadata);
     ck.extras = extras;
     ck.paths = paths;
+    ck.checksums = checksums;
+    ck.producer = producer;
     Ok(ck)
 }
 
@@ -494,16 +511,15 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
         .into_iter()
         .map(|t| TensorLayout::whole(t.name, t.dtype, t.shape, 0, t.offset, None))
         .collect();
-    let mut ck = checkpoint(
+    checkpoint(
         Format::SAFETENSORS,
         path,
         vec![path.to_path_buf()],
         1,
         tensors,
         h.metadata,
-    )?;
-    ck.checksums = checksums;
-    Ok(ck)
+        checksums,
+    )
 }
 
 /// `target`'s tensors as header entries, in the order that aligns their data.
