@@ -253,7 +253,8 @@ pub struct TargetArgs {
     /// Cast floating tensors (f16, bf16, f32, f64) to this dtype.
     #[arg(long, value_name = "DTYPE")]
     dtype: Option<DType>,
-    /// Largest data file of an hf output (e.g. 5GB, 500MiB).
+    /// Largest file of an hf output, its header included (e.g. 5GB, 500MiB); a tensor too
+    /// large for that gets a file of its own, larger.
     #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value = "5GB")]
     max_shard_size: u64,
     /// Worker threads (default: one per core).

@@ -1,7 +1,7 @@
 //! What `convert` writes where, and what `plan` and `inspect` say of it: a destination named
 //! for another output is refused, not overruled; `plan SRC DST` decides the format as
 //! `convert SRC DST` does; `inspect` counts the files and bytes `convert` reported and knows
-//! reshard wrote them.
+//! reshard wrote them; `--max-shard-size` bounds whole files, headers included.
 
 use crate::common::*;
 use std::path::{Path, PathBuf};
@@ -260,4 +260,113 @@ fn inspect_counts_the_files_and_bytes_convert_wrote_and_knows_reshard_wrote_them
         "{insp}"
     );
     assert!(insp.contains(" 6 file(s), 65 tensor(s), "), "{insp}");
+}
+
+/// The safetensors files of an hf folder, with their sizes.
+fn shards(hf: &Path) -> Vec<(PathBuf, u64)> {
+    files_under(hf)
+        .into_iter()
+        .filter(|(p, _)| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect()
+}
+
+#[test]
+fn max_shard_size_bounds_each_file_with_its_header() {
+    let src = source();
+    let d = tempfile::tempdir().unwrap();
+    // the largest tensor is 1.7 KiB: every shard, header included, fits 5 KB
+    let hf = d.path().join("hf");
+    convert(
+        &src,
+        &hf,
+        &["--to", "1", "--format", "hf", "--max-shard-size", "5KB"],
+    );
+    let files = shards(&hf);
+    assert!(files.len() > 4, "{files:?}");
+    for (p, n) in &files {
+        assert!(*n <= 5000, "{}: {n} bytes, over 5 KB", p.display());
+    }
+    // the shards keep what each file needs (format, CRC-32s, reshard's version); the
+    // checkpoint's non-tensor entries and nesting are in the index, once
+    let index = json_object(&hf.join("model.safetensors.index.json"));
+    let meta = index["metadata"].as_object().unwrap();
+    for k in ["reshard.extras", "reshard.extras.pickle", "reshard.paths"] {
+        assert!(meta[k].is_string(), "index metadata {k}: {meta:?}");
+    }
+    for (p, _) in &files {
+        let bytes = std::fs::read(p).unwrap();
+        let (_, m) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let m = m.metadata().clone().unwrap();
+        let mut keys: Vec<&str> = m.keys().map(String::as_str).collect();
+        keys.sort();
+        assert_eq!(
+            keys,
+            vec!["format", "reshard.crc32", "reshard.version"],
+            "{}",
+            p.display()
+        );
+        assert_eq!(m["format"], "pt");
+    }
+    // read back whole, non-tensor entries and nesting included: equal to the source
+    let same = |a: &Path, b: &Path| {
+        let o = reshard(&["diff", s(a), s(b)]);
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let paths = |p: &Path| -> serde_json::Value {
+            serde_json::from_str::<serde_json::Value>(&ok(&["inspect", s(p), "--json"])).unwrap()
+                ["paths"]
+                .clone()
+        };
+        assert_eq!(
+            paths(a),
+            paths(b),
+            "nesting of {} and {}",
+            a.display(),
+            b.display()
+        );
+    };
+    same(&src, &hf);
+    // a limit below the largest tensor: that tensor gets a file of its own
+    let small = d.path().join("small");
+    convert(
+        &src,
+        &small,
+        &["--to", "1", "--format", "hf", "--max-shard-size", "1000B"],
+    );
+    for (p, n) in shards(&small) {
+        let held = read_safetensors(&p).len();
+        assert!(
+            n <= 1000 || held == 1,
+            "{}: {n} bytes for {held} tensors",
+            p.display()
+        );
+    }
+    same(&src, &small);
+    // torch's safetensors and transformers load the shards through the index
+    let Some(py) = torch_or_skip() else {
+        return;
+    };
+    let full = d.path().join("full.safetensors");
+    convert(&src, &full, &["--to", "1"]);
+    judge(&py, &["hf-load", s(&hf), s(&full)]);
+    python(
+        &py,
+        &format!(
+            r#"
+from transformers.utils.hub import get_checkpoint_shard_files
+from transformers.modeling_utils import load_state_dict
+d = {hf:?}
+files, meta = get_checkpoint_shard_files(d, d + "/model.safetensors.index.json", local_files_only=True)
+sd = {{}}
+for f in files:
+    sd.update(load_state_dict(f))
+assert set(sd) == set(meta["weight_map"]) and len(sd) == 65, sorted(sd)
+"#,
+            hf = s(&hf)
+        ),
+    );
 }

@@ -672,7 +672,8 @@ fn check_name(dst: &Path, format: Format, world: u64, asked: bool) -> Result<()>
 /// Writer settings.
 #[derive(Clone, Debug)]
 pub struct WriteOptions {
-    /// Largest data file of a Hugging Face sharded output.
+    /// Largest file of a Hugging Face sharded output, its header included (a tensor too large
+    /// for that gets a file of its own).
     pub max_shard_size: u64,
     /// String metadata to carry into safetensors headers.
     pub metadata: BTreeMap<String, String>,

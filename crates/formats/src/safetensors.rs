@@ -243,6 +243,50 @@ pub fn output_file(
     ))
 }
 
+/// The size of a file [`output_file`] would write, or a little more, grown one entry at a
+/// time: a file's header included, for packing entries into files of at most so many bytes
+/// (a Hugging Face shard, [`crate::hf`]) without laying out each candidate.
+#[derive(Clone, Copy, Debug)]
+pub struct FileSize {
+    /// The length prefix and JSON header of the entries so far (without padding).
+    header: u64,
+    /// Their data.
+    data: u64,
+}
+
+impl FileSize {
+    /// A file of no entries with `metadata` (as given to [`output_file`]).
+    pub fn new(metadata: &BTreeMap<String, String>) -> Result<FileSize> {
+        let mut metadata = metadata.clone();
+        metadata.insert(CRC_KEY.into(), "[]".into());
+        let (header, _, _) = layout_file(&[], &metadata)?;
+        Ok(FileSize {
+            header: header.len() as u64,
+            data: 0,
+        })
+    }
+
+    /// With `e` after the entries so far.
+    pub fn with(self, e: &Entry) -> FileSize {
+        let n = e.nbytes();
+        let key = serde_json::to_string(&e.name).unwrap_or_default();
+        let value = serde_json::json!({"dtype": e.dtype.name(), "shape": e.shape, "data_offsets": [self.data, self.data + n]});
+        // `,"name":{…}`, and its CRC placeholder: `,\"@@@@@@@@\"` inside the escaped
+        // `reshard.crc32` string
+        let entry = 1 + key.len() + 1 + value.to_string().len();
+        let crc = 1 + 2 + CRC_HOLE.len() + 2;
+        FileSize {
+            header: self.header + (entry + crc) as u64,
+            data: self.data + n,
+        }
+    }
+
+    /// At least the file's size: header padding included.
+    pub fn bytes(self) -> u64 {
+        self.header + 7 + self.data
+    }
+}
+
 /// Position of `needle` in `hay` at or after `from`.
 fn find(hay: &[u8], needle: &[u8], from: usize) -> Option<usize> {
     hay.get(from..)?
@@ -378,6 +422,11 @@ pub const EXTRAS_PICKLE_KEY: &str = "reshard.extras.pickle";
 /// The safetensors `__metadata__` key under which reshard records its version (`0.1.0`) in
 /// every file it writes, so that `inspect` can say what wrote it.
 pub const VERSION_KEY: &str = "reshard.version";
+
+/// The keys of [`header_metadata`] that hold for a whole checkpoint rather than for the file
+/// they are in (non-tensor entries, nesting): a Hugging Face sharded output keeps them once,
+/// in its index, instead of in every shard ([`crate::hf`]).
+pub const CHECKPOINT_KEYS: &[&str] = &[EXTRAS_KEY, EXTRAS_PICKLE_KEY, PATHS_KEY];
 
 /// The string metadata a safetensors-family header carries for `opts`: the caller's
 /// metadata, `format: pt` (the Hugging Face convention) unless set, reshard's version
