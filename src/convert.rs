@@ -7,7 +7,7 @@ use crate::commit::parts::{Manifest, PartsArea, Record, SpanRecord};
 use crate::commit::{self, Staging};
 use crate::error::{Error, Result};
 use crate::exec::{self, ExecOptions, ExecStats, KnownCrc};
-use crate::formats::{self, Aliasing, Checkpoint, Choice, Format, Output, WriteOptions};
+use crate::formats::{self, Aliasing, Checkpoint, Format, Output, WriteOptions};
 use crate::layout::{DType, TensorLayout};
 use crate::parts::{split, Part, Span};
 use crate::per_rank::{classify, Policy};
@@ -24,8 +24,8 @@ use std::sync::Arc;
 pub struct ConvertOptions {
     /// The target layout (mesh and placements); its world size is the target M.
     pub layout: LayoutSpec,
-    /// Output format; `None` chooses it from the destination, M and the source
-    /// ([`formats::choose`]).
+    /// Output format; `None` chooses it from the destination, M and the source. Either way
+    /// a destination whose name says another output is refused ([`formats::output_format`]).
     pub format: Option<Format>,
     /// Tensors to keep.
     pub select: Selection,
@@ -130,19 +130,17 @@ impl Job {
     }
 }
 
-/// Read `src` and prepare its conversion (`dst` only guides the format choice).
+/// Read `src` and prepare its conversion to `dst`: the output format as
+/// [`formats::output_format`] decides it from `dst`'s name (refusing a name that says another
+/// output), M, the source and the options. `dst` is `None` for a plan made before the
+/// destination is named (the format is then chosen as for a folder or a name without an
+/// extension). Nothing is written.
 pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions) -> Result<Job> {
     let src = src.as_ref();
     opts.layout.check()?;
     let source = Checkpoint::open_with(src, None, &opts.open)?;
     let world = opts.layout.world();
-    let (format, format_reason) = match opts.format {
-        Some(format) => (format, None),
-        None => {
-            let Choice { format, reason } = formats::choose(dst, world, source.format);
-            (format, Some(reason))
-        }
-    };
+    let (format, format_reason) = formats::output_format(dst, world, source.format, opts.format)?;
     let selected = opts.select.apply(&source)?;
     let kept_extras: Vec<_> = source
         .extras

@@ -56,9 +56,10 @@ pub use reshard_core::{layout, parts, per_rank, plan, target};
 #[cfg(not(feature = "internals"))]
 pub mod formats {
     pub use reshard_formats::{
-        checkpoints_in, choose, detect, latest_step, step_of, write, Aliasing, Capabilities,
-        Checkpoint, Choice, Codec, Container, Extra, Family, Format, KeyPart, Output, Probe,
-        Recognition, RecordCrc, WriteOptions, EXTRAS_KEY, EXTRAS_PICKLE_KEY, PATHS_KEY, REGISTRY,
+        checkpoints_in, choose, detect, latest_step, output_format, step_of, write, Aliasing,
+        Capabilities, Checkpoint, Choice, Codec, Container, Extra, Family, Format, KeyPart, Output,
+        Probe, Recognition, RecordCrc, WriteOptions, EXTRAS_KEY, EXTRAS_PICKLE_KEY, PATHS_KEY,
+        REGISTRY,
     };
 }
 /// The formats crate whole, at its old path, for the project's tests, benches and fuzz

@@ -487,7 +487,10 @@ def convert(
 ) -> Dict[str, Any]:
     """Convert checkpoint ``src`` into ``dst`` for ``world_size`` ranks, as ``reshard
     convert`` does: the output format from ``format`` or from ``dst``, the world size and
-    the source; the output appears atomically, or not at all.
+    the source; the output appears atomically, or not at all. A ``dst`` whose name says
+    another output (``x.safetensors`` for the folder of several ranks, ``x.pt`` with
+    ``format="dcp"``) raises :class:`RequestError`, saying what to name it. ``max_shard_size``:
+    the largest file of an ``hf`` output, in bytes, its header included.
 
     ``part=(k, n)`` runs only part ``k`` of ``n`` of the conversion, beside workers running
     the others (``reshard convert --part K/N``): the worker that finishes last makes ``dst``

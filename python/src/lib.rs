@@ -58,6 +58,13 @@ fn hint(e: &Error) -> String {
             ": pass per_rank_state=\"drop\" (leave it out) or per_rank_state=\"rank0\" (keep rank 0's)".into()
         }
         (Some(Hint::Tag), _) => " with tag=\"NAME\"".into(),
+        (Some(Hint::FormatFromName(ext)), _) => {
+            format!(", or leave format out to write one .{ext} file")
+        }
+        (Some(Hint::FolderFormat(name)), _) => match Format::named(name) {
+            Some(f) => format!(" (with format=\"{name}\" for {})", f.capabilities().noun),
+            None => String::new(),
+        },
         (Some(Hint::WorldSize), Error::TooManyRanks { world, .. }) => {
             let more: Vec<String> = Format::all()
                 .filter(|f| f.holds(*world))

@@ -48,11 +48,14 @@ pub enum Cmd {
     },
     /// Dry run: show what a conversion would read and write, without writing anything.
     #[command(
-        after_help = "Examples:\n  reshard plan ckpt/ --to 1\n  reshard plan ckpt/ --to 8 --ops\n  reshard plan ckpt/ --layout tp.json --json"
+        after_help = "Examples:\n  reshard plan ckpt/ model.safetensors --to 1\n  reshard plan ckpt/ --to 8 --ops\n  reshard plan ckpt/ out/ --layout tp.json --json\n\nThe output format is chosen as `convert` chooses it for the same DST; without DST, as for a\nfolder (or a name without an extension)."
     )]
     Plan {
         /// Source checkpoint.
         src: PathBuf,
+        /// The destination `convert` would write (optional: it guides the output format, and
+        /// a name that says another output is refused as `convert` refuses it).
+        dst: Option<PathBuf>,
         #[command(flatten)]
         source: SourceArgs,
         #[command(flatten)]
@@ -250,7 +253,8 @@ pub struct TargetArgs {
     /// Cast floating tensors (f16, bf16, f32, f64) to this dtype.
     #[arg(long, value_name = "DTYPE", value_parser = DType::cast_target)]
     dtype: Option<DType>,
-    /// Largest data file of an hf output (e.g. 5GB, 500MiB).
+    /// Largest file of an hf output, its header included (e.g. 5GB, 500MiB); a tensor too
+    /// large for that gets a file of its own, larger.
     #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value = "5GB")]
     max_shard_size: u64,
     /// Worker threads (default: one per core).
@@ -383,7 +387,10 @@ fn convert_help() -> String {
          Without --format, the output format follows DST, M and the source: for M = 1 a file\n\
          named {} is that format, any other name a Hugging Face sharded\n\
          directory; for M > 1 a DCP or DeepSpeed source keeps its format, a safetensors\n\
-         source gives per-rank safetensors shards. `plan` and `convert` say which format they chose and why.\n\nFormats:\n{}",
+         source gives per-rank safetensors shards. `plan` and `convert` say which format they chose and why.\n\
+         A DST named for another output is refused, not overruled: a file name ({}) for a\n\
+         folder format or another file format, a name ending in / for one file.\n\nFormats:\n{}",
+        files.join(", "),
         files.join(", "),
         formats.join("\n")
     )
@@ -399,6 +406,13 @@ pub fn hint(e: &Error) -> String {
                 .into()
         }
         (Some(Hint::Tag), _) => " with --tag NAME".into(),
+        (Some(Hint::FormatFromName(ext)), _) => {
+            format!(", or drop --format to write one .{ext} file")
+        }
+        (Some(Hint::FolderFormat(name)), _) => match Format::named(name) {
+            Some(f) => format!(" (add --format {name} for {})", f.capabilities().noun),
+            None => String::new(),
+        },
         (Some(Hint::WorldSize), Error::TooManyRanks { world, .. }) => {
             let more: Vec<&str> = Format::all()
                 .filter(|f| f.holds(*world))

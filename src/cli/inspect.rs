@@ -34,6 +34,12 @@ pub fn run(
     };
     if as_json {
         let mut v = serde_json::to_value(&ck).map_err(|e| Error::usage(e.to_string()))?;
+        let disk = ck.disk_files();
+        v["on_disk"] = serde_json::json!({
+            "files": disk.len(),
+            "bytes": disk.iter().map(|(_, n)| n).sum::<u64>(),
+        });
+        v["tensor_bytes"] = serde_json::json!(ck.nbytes());
         v["per_rank"] = serde_json::json!(found.per_rank);
         v["tied"] = serde_json::json!(found.ties);
         v["checkpoints_in_folder"] = serde_json::json!(found.siblings);
@@ -62,17 +68,20 @@ fn mark(name: &str) -> String {
     }
 }
 
-/// The table: a summary line, metadata, one line per tensor, the non-tensor entries, ties
-/// and per-rank state.
+/// The table: a summary line (files and bytes on disk, then the tensors' own), metadata,
+/// one line per tensor, the non-tensor entries, ties and per-rank state.
 fn print_table(out: &mut dyn Write, ck: &Checkpoint, found: &Findings) -> io::Result<()> {
+    // the files and bytes on disk, as `convert` counts what it writes
+    let disk = ck.disk_files();
     writeln!(
         out,
-        "{}: {} checkpoint, {} rank(s), {} file(s), {} tensor(s), {}",
+        "{}: {} checkpoint, {} rank(s), {} file(s), {} tensor(s), {} ({} of tensor data)",
         ck.path.display(),
         ck.format,
         ck.ranks,
-        ck.files.len(),
+        disk.len(),
         ck.tensors.len(),
+        size(disk.iter().map(|(_, n)| n).sum()),
         size(ck.nbytes())
     )?;
     for (k, v) in &ck.metadata {

@@ -47,11 +47,20 @@ fn run(cli: Cli, out: &mut dyn Write) -> Result<Outcome> {
         Cmd::Inspect { path, source, json } => inspect::run(&path, &source.options(), json, out),
         Cmd::Plan {
             src,
+            dst,
             source,
             target,
             ops,
             json,
-        } => plan::run(&src, &source.options(), &target, ops, json, out),
+        } => plan::run(
+            &src,
+            dst.as_deref(),
+            &source.options(),
+            &target,
+            ops,
+            json,
+            out,
+        ),
         Cmd::Convert {
             src,
             dst,

@@ -8,9 +8,12 @@ use crate::Result;
 use std::io::{self, Write};
 use std::path::Path;
 
-/// Plan the conversion of `src` to `target` and print it to `out` (`ops`: every copy op too).
+/// Plan the conversion of `src` to `target`, written to `dst` when given, and print it to
+/// `out` (`ops`: every copy op too). The output format is decided as `convert` decides it
+/// ([`convert::prepare`]), refusals included.
 pub fn run(
     src: &Path,
+    dst: Option<&Path>,
     source: &crate::OpenOptions,
     target: &TargetArgs,
     ops: bool,
@@ -19,15 +22,30 @@ pub fn run(
 ) -> Result<Outcome> {
     let mut opts = target.options(true)?;
     opts.open = source.clone();
-    let job = convert::prepare(src, None, &opts)?;
-    shown(print(out, &job, &opts, ops, as_json))?;
+    let job = convert::prepare(src, dst, &opts)?;
+    shown(print(out, &job, dst, &opts, ops, as_json))?;
     Ok(Outcome::Clean)
+}
+
+/// What the plan writes into: `dst` and whether it is one file or a folder, or, without
+/// one, the kind of destination it assumes.
+fn destination(job: &Job, dst: Option<&Path>) -> String {
+    let kind = if job.format.is_dir() {
+        "a folder"
+    } else {
+        "one file"
+    };
+    match dst {
+        Some(d) => format!("{} ({kind})", d.display()),
+        None => format!("{kind} (no DST given)"),
+    }
 }
 
 /// The plan as JSON, or as a summary, a table of tensors and (with `ops`) the copy ops.
 fn print(
     out: &mut dyn Write,
     job: &Job,
+    dst: Option<&Path>,
     opts: &ConvertOptions,
     ops: bool,
     as_json: bool,
@@ -37,7 +55,7 @@ fn print(
     if as_json {
         let v = serde_json::json!({
             "source": {"path": job.source.path, "format": job.source.format, "ranks": job.source.ranks, "files": job.source.file_names()},
-            "target": {"format": job.format, "format_reason": job.format_reason, "ranks": job.world,
+            "target": {"path": dst, "container": job.format.capabilities().container, "format": job.format, "format_reason": job.format_reason, "ranks": job.world,
                        "files": job.output.files.iter().map(|f| serde_json::json!({"path": f.path, "size": f.size})).collect::<Vec<_>>()},
             "bytes_read": job.plan.bytes_read(),
             "bytes_written": job.plan.bytes_written(),
@@ -46,7 +64,7 @@ fn print(
         });
         return json(out, &v);
     }
-    print_summary(out, job, threads, &load)?;
+    print_summary(out, job, dst, threads, &load)?;
     print_tensors(out, job)?;
     if ops {
         print_ops(out, job)?;
@@ -54,8 +72,15 @@ fn print(
     Ok(())
 }
 
-/// Formats and ranks, bytes read and written, the per-thread balance and the output files.
-fn print_summary(out: &mut dyn Write, job: &Job, threads: usize, load: &[u64]) -> io::Result<()> {
+/// Formats and ranks, the destination, bytes read and written, the per-thread balance and
+/// the output files.
+fn print_summary(
+    out: &mut dyn Write,
+    job: &Job,
+    dst: Option<&Path>,
+    threads: usize,
+    load: &[u64],
+) -> io::Result<()> {
     let p = &job.plan;
     writeln!(
         out,
@@ -67,6 +92,7 @@ fn print_summary(out: &mut dyn Write, job: &Job, threads: usize, load: &[u64]) -
         job.format,
         job.format_reason.as_deref().unwrap_or("as asked")
     )?;
+    writeln!(out, "into {}", destination(job, dst))?;
     writeln!(
         out,
         "{} tensor(s), {} op(s); read {} from {} of {} file(s); write {} into {} file(s)",

@@ -14,6 +14,7 @@ mod errors;
 mod folders;
 mod library;
 mod loader;
+mod outputs;
 mod parts;
 mod per_rank;
 mod ties;

@@ -73,6 +73,11 @@ pub enum Hint {
     WorldSize,
     /// Name which of the checkpoints a folder holds to open (a DeepSpeed tag, a step folder).
     Tag,
+    /// Leave the output format to the destination's name, which asks for one file with this
+    /// extension (`pt`).
+    FormatFromName(&'static str),
+    /// Ask for this folder format (its name), writing to a folder.
+    FolderFormat(&'static str),
 }
 
 /// `text` with its control characters (newlines, carriage returns, terminal escapes) written

@@ -75,6 +75,11 @@ pub struct Checkpoint {
     pub path: PathBuf,
     /// Data files; [`crate::layout::Loc::file`] indexes this list.
     pub files: Vec<PathBuf>,
+    /// The checkpoint's other files: those that hold no tensor data but belong to it (DCP's
+    /// `.metadata` and `meta.pt`, a Hugging Face index and `config.json`, DeepSpeed's
+    /// `latest`). With [`Checkpoint::files`], every file a conversion writes for it
+    /// ([`Checkpoint::disk_files`]).
+    pub side_files: Vec<PathBuf>,
     /// Number of ranks (shards) it was written by.
     pub ranks: u32,
     /// The tensors, in the checkpoint's own order.
@@ -278,6 +283,7 @@ impl Checkpoint {
             format,
             path: path.to_path_buf(),
             files,
+            side_files: vec![],
             ranks,
             tensors,
             metadata,
@@ -499,6 +505,28 @@ impl Checkpoint {
     /// Total bytes of all tensors (each counted once).
     pub fn nbytes(&self) -> u64 {
         self.tensors.iter().map(|t| t.nbytes()).sum()
+    }
+
+    /// Every file the checkpoint consists of, with its size in bytes: its data files (less
+    /// the reader's scratch files), then its [`Checkpoint::side_files`]. What `convert`
+    /// counts of the outputs it writes: its files, headers and metadata included.
+    pub fn disk_files(&self) -> Vec<(PathBuf, u64)> {
+        let listed = self.storage.files();
+        let size = |p: &Path| {
+            listed
+                .iter()
+                .find(|(q, _)| q == p)
+                .map(|(_, n)| *n)
+                .or_else(|| std::fs::metadata(p).ok().map(|m| m.len()))
+                .unwrap_or(0)
+        };
+        let scratch = |p: &Path| self.scratch.iter().any(|s| s.as_ref() as &Path == p);
+        self.files
+            .iter()
+            .filter(|p| !scratch(p))
+            .chain(&self.side_files)
+            .map(|p| (self.shown(p), size(p)))
+            .collect()
     }
 
     /// The checkpoint's files as its user names them: their URLs when it is in object

@@ -6,9 +6,9 @@
 //! ([`Checkpoint::companions`]) and are written beside an output's weights.
 
 use super::safetensors::{
-    aligned_entries, full_layouts, output_file, read_header, recorded_crcs, Entry,
+    aligned_entries, full_layouts, output_file, read_header, recorded_crcs, Entry, FileSize,
 };
-use super::safetensors::{checkpoint, header_metadata};
+use super::safetensors::{checkpoint, header_metadata, CHECKPOINT_KEYS};
 use super::{
     Aliasing, Capabilities, Checkpoint, Codec, Container, Family, Format, Output, Probe,
     Recognition, TargetTensor, WriteOptions,
@@ -16,7 +16,7 @@ use super::{
 use crate::error::{Error, IoContext, Result};
 use crate::layout::TensorLayout;
 use reshard_core::output::OutputFile;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 /// The index file's name.
@@ -57,7 +57,7 @@ static CAPS: Capabilities = Capabilities {
     extensions: &[],
     max_world: Some(1),
     family: Family::Safetensors,
-    extras_kept: "as JSON in the safetensors __metadata__ key `reshard.extras`",
+    extras_kept: "as JSON under `reshard.extras` in the index's metadata",
     aliasing: Aliasing::Forbidden,
 };
 
@@ -76,6 +76,17 @@ impl Codec for Hf {
     fn write(&self, target: &[TargetTensor], _world: u32, opts: &WriteOptions) -> Result<Output> {
         write(target, opts)
     }
+    /// The JSON files whole, however large (an index keeps the checkpoint's non-tensor
+    /// entries and nesting, which can pass the size fetched whole), the rest as the family
+    /// does: small files whole, the headers of large shards.
+    fn index(&self, files: &[(PathBuf, u64)], fetch: crate::index::Fetch) -> Result<()> {
+        let json = |p: &Path| p.extension().is_some_and(|e| e == "json");
+        let (whole, rest): (Vec<_>, Vec<_>) = files.iter().cloned().partition(|(p, _)| json(p));
+        for (path, size) in &whole {
+            fetch(path, &[(0, *size)])?;
+        }
+        crate::index::small_whole_else(&rest, fetch, crate::index::safetensors_header)
+    }
 }
 
 /// Read a Hugging Face sharded checkpoint.
@@ -92,6 +103,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         let mut ck = super::safetensors::read(&single)?;
         ck.format = Format::HF;
         ck.path = dir.to_path_buf();
+        ck.side_files = side_files(dir, None);
         return Ok(ck);
     };
     let text = std::fs::read_to_string(&index).at(&index)?;
@@ -101,6 +113,7 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
         .get("weight_map")
         .and_then(|m| m.as_object())
         .ok_or_else(|| Error::format(&index, "has no `weight_map` object"))?;
+    let kept = index_metadata(&index, &json)?;
     let mut files: Vec<PathBuf> = vec![];
     let mut file_ix: HashMap<String, u32> = HashMap::new();
     let mut headers = vec![];
@@ -162,27 +175,70 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
             ));
         }
     }
-    let mut ck = checkpoint(Format::HF, dir, files, 1, tensors, metadata)?;
-    ck.checksums = checksums;
+    // what reshard keeps once for the checkpoint, in the index (in every shard before)
+    metadata.extend(kept);
+    let mut ck = checkpoint(Format::HF, dir, files, 1, tensors, metadata, checksums)?;
+    ck.side_files = side_files(dir, Some(index));
     Ok(ck)
 }
 
+/// The [`CHECKPOINT_KEYS`] an index's `metadata` object holds (reshard writes them there, as
+/// the strings a safetensors header would hold).
+fn index_metadata(index: &Path, json: &serde_json::Value) -> Result<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    let Some(m) = json.get("metadata").and_then(|m| m.as_object()) else {
+        return Ok(out);
+    };
+    for key in CHECKPOINT_KEYS {
+        match m.get(*key) {
+            None => {}
+            Some(serde_json::Value::String(v)) => {
+                out.insert(key.to_string(), v.clone());
+            }
+            Some(_) => {
+                return Err(Error::format(
+                    index,
+                    format!("`metadata.{key}` is not a string"),
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The files of the Hugging Face folder `dir` besides its weights: its index, and the
+/// companions beside them (`config.json`).
+fn side_files(dir: &Path, index: Option<PathBuf>) -> Vec<PathBuf> {
+    let companions = crate::checkpoint::COMPANIONS
+        .iter()
+        .map(|n| dir.join(n))
+        .filter(|p| p.is_file());
+    index.into_iter().chain(companions).collect()
+}
+
 /// Lay out a consolidated target as Hugging Face shards of at most `max_shard_size` bytes
-/// (a tensor larger than that gets a file of its own) plus the index.
+/// each, header included (a tensor too large for that with its header gets a file of its
+/// own), plus the index. What holds for the whole checkpoint ([`CHECKPOINT_KEYS`]: non-tensor
+/// entries, nesting) is kept once, in the index's `metadata`, not in every shard.
 pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
-    let entries = aligned_entries(target);
+    let mut metadata = header_metadata(target, opts)?;
+    let kept: BTreeMap<String, String> = CHECKPOINT_KEYS
+        .iter()
+        .filter_map(|k| Some((k.to_string(), metadata.remove(*k)?)))
+        .collect();
+    let empty = FileSize::new(&metadata)?;
     let mut groups: Vec<Vec<Entry>> = vec![];
-    let mut cur = 0u64;
-    for e in entries {
-        let n = e.shape.iter().product::<u64>() * e.dtype.size() as u64;
+    let mut size = empty;
+    for e in aligned_entries(target) {
+        let grown = size.with(&e);
         match groups.last_mut() {
-            Some(g) if cur + n <= opts.max_shard_size => {
+            Some(g) if grown.bytes() <= opts.max_shard_size => {
                 g.push(e);
-                cur += n;
+                size = grown;
             }
             _ => {
+                size = empty.with(&e);
                 groups.push(vec![e]);
-                cur = n;
             }
         }
     }
@@ -190,7 +246,6 @@ pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
         groups.push(vec![]);
     }
     let n = groups.len();
-    let metadata = header_metadata(target, opts)?;
     let mut files = vec![];
     let mut tensors = vec![];
     let mut weight_map = serde_json::Map::new();
@@ -212,7 +267,12 @@ pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
             ordered.insert(t.name.clone(), v.clone());
         }
     }
-    let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": ordered});
+    let mut index_meta = serde_json::Map::new();
+    index_meta.insert("total_size".into(), total.into());
+    for (k, v) in kept {
+        index_meta.insert(k, v.into());
+    }
+    let index = serde_json::json!({"metadata": index_meta, "weight_map": ordered});
     let mut bytes = serde_json::to_vec_pretty(&index).unwrap_or_default();
     bytes.push(b'\n');
     files.push(OutputFile {

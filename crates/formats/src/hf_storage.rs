@@ -121,9 +121,15 @@ pub fn read(dir: &Path) -> Result<Checkpoint> {
     }
     let ranks = rank_count(dir, &ranks_seen, world, named)?;
     let tensors = tensors.layouts();
-    let mut ck = checkpoint(Format::HF_STORAGE, dir, files, ranks, tensors, metadata)?;
-    ck.checksums = checksums;
-    Ok(ck)
+    checkpoint(
+        Format::HF_STORAGE,
+        dir,
+        files,
+        ranks,
+        tensors,
+        metadata,
+        checksums,
+    )
 }
 
 /// A header's `DCP_SHARDING_INFO` (an empty map when it has none).

@@ -55,7 +55,7 @@ pub use reshard_core::model::{Extra, KeyPart, RecordCrc, Weights};
 pub use reshard_core::output::OutputFile;
 pub use reshard_core::target::TargetTensor;
 
-use crate::error::{Error, IoContext, Result};
+use crate::error::{Error, Hint, IoContext, Result};
 use crate::layout::TensorLayout;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -556,10 +556,124 @@ pub fn choose(dst: Option<&Path>, world: u64, source: Format) -> Choice {
     }
 }
 
+/// The output format of a conversion to `dst` at `world` ranks from a `source` checkpoint,
+/// and why: `asked` when given (the reason is then `None`), else [`choose`]'s. The one place
+/// the front door decides it, for a conversion and for its plan alike. `dst` is `None` for a
+/// plan made before the destination is named: nothing is checked against a name then.
+///
+/// Refused when the name of `dst` says another output than the format writes, rather than
+/// overruled: a name with a file format's extension ([`Capabilities::extensions`]:
+/// `x.safetensors`, `x.pt`) for a folder format or another file format, and a name ending in
+/// `/` for a one-file format. The refusal says what to name instead; its [`Hint`] says which
+/// setting would let the name through.
+///
+/// [`Hint`]: crate::error::Hint
+pub fn output_format(
+    dst: Option<&Path>,
+    world: u64,
+    source: Format,
+    asked: Option<Format>,
+) -> Result<(Format, Option<String>)> {
+    let (format, reason) = match asked {
+        Some(f) => (f, None),
+        None => {
+            let Choice { format, reason } = choose(dst, world, source);
+            (format, Some(reason))
+        }
+    };
+    if let Some(dst) = dst {
+        check_name(dst, format, world, asked.is_some())?;
+    }
+    Ok((format, reason))
+}
+
+/// The file format whose extension ([`Capabilities::extensions`]) the last component of
+/// `dst` has, and that extension.
+pub fn named_by(dst: &Path) -> Option<(Format, &'static str)> {
+    let ext = dst.extension()?.to_str()?;
+    Format::all().find_map(|f| {
+        let e = f.capabilities().extensions.iter().find(|e| **e == ext)?;
+        Some((f, *e))
+    })
+}
+
+/// Whether `dst` is written as a folder: its text ends in `/` (or the platform's separator).
+fn names_folder(dst: &Path) -> bool {
+    let text = dst.as_os_str().to_string_lossy();
+    text.ends_with('/') || text.ends_with(std::path::MAIN_SEPARATOR)
+}
+
+/// Refuse a destination whose name says another output than `format` writes at `world`
+/// ranks (`asked`: the format was asked for, not chosen); see [`output_format`].
+fn check_name(dst: &Path, format: Format, world: u64, asked: bool) -> Result<()> {
+    let shown = dst.display();
+    let what = if asked {
+        format!("the {format} output asked for")
+    } else {
+        format!("the {format} output for {world} rank(s)")
+    };
+    if names_folder(dst) {
+        if format.is_dir() {
+            return Ok(());
+        }
+        let text = dst.to_string_lossy();
+        let file = text.trim_end_matches(['/', std::path::MAIN_SEPARATOR]);
+        let ext = format.capabilities().extensions.first().copied();
+        let suggestion = match ext {
+            Some(e) if !file.ends_with(&format!(".{e}")) => format!("{file}.{e}"),
+            _ => file.to_string(),
+        };
+        return Err(Error::usage(format!(
+            "{shown}: a name ending in / is a folder, but {what} is one file: name a file such as {suggestion}"
+        )));
+    }
+    let Some((named, ext)) = named_by(dst) else {
+        return Ok(());
+    };
+    if format == named {
+        return Ok(());
+    }
+    if format.is_dir() {
+        let folder = format!("{}/", dst.with_extension("").display());
+        let why = if asked {
+            format!("{what} is a folder")
+        } else {
+            format!("{world} rank(s) are written as a folder ({format})")
+        };
+        let msg = format!(
+            "{shown}: a .{ext} name is one file, but {why}: name a folder such as {folder}"
+        );
+        if asked && named.holds(world) {
+            return Err(Error::refused(msg, Hint::FormatFromName(ext)));
+        }
+        let family = named.capabilities().family;
+        let alternative = Format::all()
+            .find(|f| f.is_dir() && f.holds(world) && f.capabilities().family == family)
+            .filter(|f| !asked && *f != format);
+        return Err(match alternative {
+            Some(f) => Error::refused(msg, Hint::FolderFormat(f.name())),
+            None => Error::usage(msg),
+        });
+    }
+    // another file format, which only asking for it gives
+    let renamed = match format.capabilities().extensions.first() {
+        Some(e) => dst.with_extension(e).display().to_string(),
+        None => format!("{} without the .{ext}", dst.display()),
+    };
+    Err(Error::refused(
+        format!(
+            "{shown}: a .{ext} name is a .{ext} file, but {what} is {}: name it {renamed}",
+            format.capabilities().noun
+        ),
+        Hint::FormatFromName(ext),
+    ))
+}
+
 /// Writer settings.
 #[derive(Clone, Debug)]
 pub struct WriteOptions {
-    /// Largest data file of a Hugging Face sharded output.
+    /// Largest file of a Hugging Face sharded output, its header included (a tensor too large
+    /// for that gets a file of its own).
     pub max_shard_size: u64,
     /// String metadata to carry into safetensors headers.
     pub metadata: BTreeMap<String, String>,

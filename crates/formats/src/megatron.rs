@@ -107,6 +107,7 @@ fn read(dir: &Path, lazy: bool) -> Result<Checkpoint> {
         .collect();
     entries.retain(|e| !taken.contains(e.name.as_str()));
     ck.extras.extend(entries);
+    ck.side_files.extend([common, dir.join(METADATA_JSON)]);
     ck.format = Format::MEGATRON;
     ck.producer = Some(format!(
         "megatron-core (torch_dist), {}",

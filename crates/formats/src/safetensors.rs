@@ -324,6 +324,50 @@ pub fn output_file(
     ))
 }
 
+/// The size of a file [`output_file`] would write, or a little more, grown one entry at a
+/// time: a file's header included, for packing entries into files of at most so many bytes
+/// (a Hugging Face shard, [`crate::hf`]) without laying out each candidate.
+#[derive(Clone, Copy, Debug)]
+pub struct FileSize {
+    /// The length prefix and JSON header of the entries so far (without padding).
+    header: u64,
+    /// Their data.
+    data: u64,
+}
+
+impl FileSize {
+    /// A file of no entries with `metadata` (as given to [`output_file`]).
+    pub fn new(metadata: &BTreeMap<String, String>) -> Result<FileSize> {
+        let mut metadata = metadata.clone();
+        metadata.insert(CRC_KEY.into(), "[]".into());
+        let (header, _, _) = layout_file(&[], &metadata)?;
+        Ok(FileSize {
+            header: header.len() as u64,
+            data: 0,
+        })
+    }
+
+    /// With `e` after the entries so far.
+    pub fn with(self, e: &Entry) -> FileSize {
+        let n = e.nbytes();
+        let key = serde_json::to_string(&e.name).unwrap_or_default();
+        let value = serde_json::json!({"dtype": e.dtype.name(), "shape": e.shape, "data_offsets": [self.data, self.data + n]});
+        // `,"name":{…}`, and its CRC placeholder: `,\"@@@@@@@@\"` inside the escaped
+        // `reshard.crc32` string
+        let entry = 1 + key.len() + 1 + value.to_string().len();
+        let crc = 1 + 2 + CRC_HOLE.len() + 2;
+        FileSize {
+            header: self.header + (entry + crc) as u64,
+            data: self.data + n,
+        }
+    }
+
+    /// At least the file's size: header padding included.
+    pub fn bytes(self) -> u64 {
+        self.header + 7 + self.data
+    }
+}
+
 /// Position of `needle` in `hay` at or after `from`.
 fn find(hay: &[u8], needle: &[u8], from: usize) -> Option<usize> {
     hay.get(from..)?
@@ -456,8 +500,18 @@ pub fn extras_from_metadata(
 /// non-string keys) survive a trip through safetensors.
 pub const EXTRAS_PICKLE_KEY: &str = "reshard.extras.pickle";
 
+/// The safetensors `__metadata__` key under which reshard records its version (`0.1.0`) in
+/// every file it writes, so that `inspect` can say what wrote it.
+pub const VERSION_KEY: &str = "reshard.version";
+
+/// The keys of [`header_metadata`] that hold for a whole checkpoint rather than for the file
+/// they are in (non-tensor entries, nesting): a Hugging Face sharded output keeps them once,
+/// in its index, instead of in every shard ([`crate::hf`]).
+pub const CHECKPOINT_KEYS: &[&str] = &[EXTRAS_KEY, EXTRAS_PICKLE_KEY, PATHS_KEY];
+
 /// The string metadata a safetensors-family header carries for `opts`: the caller's
-/// metadata, `format: pt` (the Hugging Face convention) unless set, and what safetensors
+/// metadata, `format: pt` (the Hugging Face convention) unless set, reshard's version
+/// ([`VERSION_KEY`]), and what safetensors
 /// cannot hold itself — non-tensor entries as JSON under [`EXTRAS_KEY`] (and their exact
 /// Python values under [`EXTRAS_PICKLE_KEY`]), and the nesting of the names written (tensors
 /// in `target`, entries in `opts.extras`) under [`PATHS_KEY`].
@@ -469,6 +523,7 @@ pub fn header_metadata(
     metadata
         .entry("format".into())
         .or_insert_with(|| "pt".into());
+    metadata.insert(VERSION_KEY.into(), env!("CARGO_PKG_VERSION").into());
     if !opts.extras.is_empty() {
         let json: serde_json::Map<String, serde_json::Value> = opts
             .extras
@@ -514,7 +569,10 @@ pub fn header_metadata(
 }
 
 /// A safetensors-family checkpoint: tensors and string metadata, with the non-tensor entries
-/// and nesting reshard recorded in the metadata taken out of it.
+/// and nesting reshard recorded in the metadata taken out of it, and the CRC-32s its files
+/// record ([`recorded_crcs`]). Its producer is reshard when the metadata names reshard's
+/// version ([`VERSION_KEY`], taken out too) or the files record CRC-32s (which only reshard
+/// writes).
 pub fn checkpoint(
     format: Format,
     path: &Path,
@@ -522,12 +580,20 @@ pub fn checkpoint(
     ranks: u32,
     tensors: Vec<TensorLayout>,
     mut metadata: BTreeMap<String, String>,
+    checksums: Vec<crate::RecordCrc>,
 ) -> Result<Checkpoint> {
     let extras = extras_from_metadata(path, &mut metadata)?;
     let paths = paths_from_metadata(path, &mut metadata)?;
+    let producer = match metadata.remove(VERSION_KEY) {
+        Some(v) => Some(format!("reshard {}", crate::error::one_line(&v))),
+        None if !checksums.is_empty() => Some("reshard (no version recorded)".to_string()),
+        None => None,
+    };
     let mut ck = Checkpoint::of_tensors(format, path, files, ranks, tensors, metadata);
     ck.extras = extras;
     ck.paths = paths;
+    ck.checksums = checksums;
+    ck.producer = producer;
     Ok(ck)
 }
 
@@ -575,16 +641,15 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
         .into_iter()
         .map(|t| TensorLayout::whole(t.name, t.dtype, t.shape, 0, t.offset, None))
         .collect();
-    let mut ck = checkpoint(
+    checkpoint(
         Format::SAFETENSORS,
         path,
         vec![path.to_path_buf()],
         1,
         tensors,
         h.metadata,
-    )?;
-    ck.checksums = checksums;
-    Ok(ck)
+        checksums,
+    )
 }
 
 /// `target`'s tensors as header entries, in the order that aligns their data.

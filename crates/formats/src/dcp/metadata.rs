@@ -135,6 +135,8 @@ pub(super) struct Meta {
     /// Stream transform lists; index 0 is the empty list.
     pub(super) transforms: Vec<Vec<String>>,
     pub(super) version: Option<String>,
+    /// The version of reshard that wrote it (`Metadata.reshard_version`, [`RESHARD_VERSION`]).
+    pub(super) reshard: Option<String>,
     /// Tensors stored in a block-flattened view ([`crate::layout::BlockFlat`]), with their
     /// real shapes: megatron-core's `mcore_data[key]["nd_reformulated_orig_global_shape"]`.
     pub(super) reformulated: HashMap<String, Vec<u64>>,
@@ -171,6 +173,10 @@ fn non_negative(v: Option<Obj>) -> Option<u64> {
     v?.as_int().and_then(|i| u64::try_from(i).ok())
 }
 
+/// The attribute of the `Metadata` object in which reshard records its version: one torch
+/// leaves alone (unpickling sets it on the instance; no torch field has that name).
+pub const RESHARD_VERSION: &str = "reshard_version";
+
 /// Decode one metadata pickle (`origin` is its index in the list of metadata files).
 fn parse_metadata(path: &Path, bytes: &[u8], origin: usize) -> Result<Meta> {
     let err = |msg: String| Error::format(path, msg);
@@ -194,6 +200,10 @@ fn parse_metadata(path: &Path, bytes: &[u8], origin: usize) -> Result<Meta> {
     meta.reformulated = mcore_data(root).map_err(err)?;
     meta.version = root
         .get("version")
+        .and_then(Obj::as_str)
+        .map(str::to_string);
+    meta.reshard = root
+        .get(RESHARD_VERSION)
         .and_then(Obj::as_str)
         .map(str::to_string);
     Ok(meta)
@@ -527,6 +537,7 @@ impl<'p> Merged<'p> {
             files,
             transforms,
             version,
+            reshard,
             reformulated,
         } = m;
         let remap = self.remap(&files, &transforms)?;
@@ -566,6 +577,9 @@ impl<'p> Merged<'p> {
         }
         if self.out.version.is_none() {
             self.out.version = version;
+        }
+        if self.out.reshard.is_none() {
+            self.out.reshard = reshard;
         }
         Ok(())
     }

@@ -37,6 +37,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::layout::{BlockFlat, DType, Loc, Piece, TensorLayout};
 pub use codec::Dcp;
 use memmap2::Mmap;
+pub use metadata::RESHARD_VERSION;
 use metadata::{load_metadata, Item, Kind, Meta};
 use rayon::prelude::*;
 use std::collections::{BTreeMap, HashMap};
@@ -406,9 +407,11 @@ fn read_with(dir: &Path, lazy: bool) -> Result<Checkpoint> {
         extras.extend(read_meta_pt(&meta_pt)?);
     }
     let ranks = count_ranks(dir, &sources)?;
-    let producer = Some(match &meta.version {
-        None => "torch 2.1–2.3 (no DCP version)".to_string(),
-        Some(v) => format!("torch >= 2.4 (DCP {v})"),
+    let side_files = side_files(dir, &meta_paths, &sources, &meta_pt);
+    let producer = Some(match (&meta.reshard, &meta.version) {
+        (Some(r), _) => format!("reshard {r} (DCP in the torch 2.1 layout)"),
+        (None, None) => "torch 2.1–2.3 (no DCP version)".to_string(),
+        (None, Some(v)) => format!("torch >= 2.4 (DCP {v})"),
     });
     let locator: Option<Arc<dyn Locate>> = lazy.then(|| {
         Arc::new(Items {
@@ -420,6 +423,7 @@ fn read_with(dir: &Path, lazy: bool) -> Result<Checkpoint> {
         format: Format::DCP,
         path: dir.to_path_buf(),
         files: sources.into_iter().map(|s| s.path).collect(),
+        side_files,
         ranks,
         tensors,
         metadata: BTreeMap::new(),
@@ -934,6 +938,28 @@ fn unflatten(t: TensorLayout, shape: &[u64]) -> std::result::Result<TensorLayout
         pieces,
         ..t
     })
+}
+
+/// The files of a DCP folder that hold no item its metadata names: the metadata files
+/// (`meta_paths`), the data files of ranks that stored nothing (torch and reshard create them
+/// empty), and Lightning's `meta.pt` when there is one.
+fn side_files(
+    dir: &Path,
+    meta_paths: &[PathBuf],
+    sources: &[Source],
+    meta_pt: &Path,
+) -> Vec<PathBuf> {
+    let mut out = meta_paths.to_vec();
+    for name in crate::file_names(dir).unwrap_or_default() {
+        let path = dir.join(&name);
+        if name.ends_with(".distcp") && !sources.iter().any(|s| s.path == path) {
+            out.push(path);
+        }
+    }
+    if meta_pt.is_file() {
+        out.push(meta_pt.to_path_buf());
+    }
+    out
 }
 
 /// The world size: one more than the highest rank of every `__R_*` data file and

@@ -391,7 +391,7 @@ impl Keys<'_> {
     fn metadata(&self, opts: &WriteOptions) -> Vec<Literal> {
         let mut p = Pickler::with_memo().in_blocks(METADATA_BLOCK);
         p.new_object(META, "Metadata");
-        p.dict_with(3, |p, field| match field {
+        p.dict_with(4, |p, field| match field {
             0 => {
                 p.str("state_dict_metadata");
                 self.state_dict_metadata(p);
@@ -400,9 +400,15 @@ impl Keys<'_> {
                 p.str("planner_data");
                 self.planner_data(p, opts);
             }
-            _ => {
+            2 => {
                 p.str("storage_data");
                 self.storage_data(p);
+            }
+            _ => {
+                // who wrote it, for `inspect`: an attribute torch's `Metadata` does not have,
+                // which unpickling sets on the instance and torch never reads
+                p.str(super::RESHARD_VERSION);
+                p.str(env!("CARGO_PKG_VERSION"));
             }
         });
         p.op(op::BUILD);

@@ -266,6 +266,11 @@ pub fn read(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
         format: Format::DEEPSPEED,
         path: path.to_path_buf(),
         files,
+        // `latest`, when it named the tag folder read
+        side_files: Some(path.join("latest"))
+            .filter(|l| dir.as_path() != path && l.is_file())
+            .into_iter()
+            .collect(),
         ranks: dp as u32,
         tensors: r.tensors,
         metadata: BTreeMap::new(),

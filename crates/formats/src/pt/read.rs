@@ -85,6 +85,9 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
         .map(|v| v.trim().to_string())
         .filter(|v| !v.is_empty() && v.len() <= 8 && v.bytes().all(|b| b.is_ascii_digit()));
     let producer = match version {
+        _ if save::written_by_reshard(&item.archive, bytes) => {
+            "reshard (a torch.save zip archive)".to_string()
+        }
         Some(v) => format!("torch.save (zip, archive version {v})"),
         None => "torch.save (zip)".to_string(),
     };
@@ -92,6 +95,7 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
         format: Format::PT,
         path: path.to_path_buf(),
         files: vec![path.to_path_buf()],
+        side_files: vec![],
         ranks: 1,
         tensors: w.tensors,
         metadata: BTreeMap::new(),

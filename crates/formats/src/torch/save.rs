@@ -599,17 +599,44 @@ fn fnv1a(h: &mut u64, bytes: &[u8]) {
     }
 }
 
+/// The seed of the `.data/serialization_id` reshard writes for an archive of `data.pkl`
+/// `pickle_bytes` and `storages` (keys and byte lengths, in record order).
+fn content_seed(pickle_bytes: &[u8], storages: &[(String, u64)]) -> u64 {
+    let mut seed = 0xcbf2_9ce4_8422_2325u64;
+    fnv1a(&mut seed, pickle_bytes);
+    for (key, len) in storages {
+        fnv1a(&mut seed, key.as_bytes());
+        fnv1a(&mut seed, &len.to_le_bytes());
+    }
+    seed
+}
+
+/// Whether reshard wrote the archive in `bytes`: its `.data/serialization_id` is the one
+/// [`standard_records`] derives from the archive's content, where torch writes 40 random
+/// digits (a chance of 1 in 10^40 of matching).
+pub fn written_by_reshard(archive: &Archive, bytes: &[u8]) -> bool {
+    let p = &archive.prefix;
+    let (Ok(id), Ok(pkl)) = (
+        archive.read(bytes, &format!("{p}/.data/serialization_id")),
+        archive.read(bytes, &format!("{p}/data.pkl")),
+    ) else {
+        return false;
+    };
+    let data = format!("{p}/data/");
+    let storages: Vec<(String, u64)> = archive
+        .entries
+        .iter()
+        .filter_map(|e| Some((e.name.strip_prefix(&data)?.to_string(), e.size)))
+        .collect();
+    id == serialization_id(content_seed(pkl, &storages)).as_bytes()
+}
+
 /// The records torch 2.15 writes, in its order: `data.pkl`, `.format_version` (`1`),
 /// `.storage_alignment` (`64`), `byteorder` (`little`), `data/<key>` per storage (data
 /// records of the given byte lengths, in the given order), `version` (`3\n`),
 /// `.data/serialization_id` (40 digits derived from the content).
 pub fn standard_records(pickle_bytes: Vec<u8>, storages: &[(String, u64)]) -> Vec<Record> {
-    let mut seed = 0xcbf2_9ce4_8422_2325u64;
-    fnv1a(&mut seed, &pickle_bytes);
-    for (key, len) in storages {
-        fnv1a(&mut seed, key.as_bytes());
-        fnv1a(&mut seed, &len.to_le_bytes());
-    }
+    let seed = content_seed(&pickle_bytes, storages);
     let mut records = vec![
         Record::literal("data.pkl", pickle_bytes),
         Record::literal(".format_version", b"1".to_vec()),
