@@ -233,7 +233,8 @@ pub struct TargetArgs {
     /// Target world size M (default layout: Shard(0) over M ranks, as FSDP2).
     #[arg(long, value_name = "M")]
     to: Option<u64>,
-    /// Target layout file (JSON: mesh and per-name-glob placements); see the README.
+    /// Target layout file (JSON: mesh and per-name-glob placements); see docs/guide.md,
+    /// "Layout files".
     #[arg(long, value_name = "FILE")]
     layout: Option<PathBuf>,
     #[arg(long, value_name = "FORMAT", help = format_help())]

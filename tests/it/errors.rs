@@ -90,10 +90,16 @@ fn an_unwritable_destination_is_named_not_its_lock_file() {
     // folders no process may create files in, whoever runs the tests (root included): the
     // reason is the kernel's (/proc takes no new files; /sys refuses them, or is mounted
     // read-only in containers), the path is the destination
-    for dst in ["/proc/model.safetensors", "/sys/model.pt"] {
-        for extra in [&[][..], &["--format", "dcp"], &["--part", "0/2"]] {
-            cannot_write(Path::new(dst), extra, &format!("{dst}: cannot write: "));
-        }
+    // (a folder format gets a folder's name: a `.safetensors` name is refused for it first)
+    for (dst, extra) in [
+        ("/proc/model.safetensors", &[][..]),
+        ("/proc/model.safetensors", &["--part", "0/2"]),
+        ("/proc/model", &["--format", "dcp"]),
+        ("/sys/model.pt", &[]),
+        ("/sys/model.pt", &["--part", "0/2"]),
+        ("/sys/model", &["--format", "dcp"]),
+    ] {
+        cannot_write(Path::new(dst), extra, &format!("{dst}: cannot write: "));
     }
     cannot_write(
         Path::new("/proc/model.safetensors"),
