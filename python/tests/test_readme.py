@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -160,11 +161,42 @@ def test_readme_runs_as_written(workdir):
                 if s.status:
                     new_lines.append(f"? {s.status}")
             updates.append((b, "\n".join(new_lines) + "\n"))
+    failures.extend(_debug_info_in_what_was_installed(d))
     if os.environ.get("RESHARD_README_UPDATE") == "1":
         for b, body in reversed(updates):
             text = text[:b.start] + body + text[b.end:]
         README.write_text(text)
     assert not failures, "\n\n".join(failures)
+
+
+def _elf_section_names(path: Path) -> set[str]:
+    """The section names of a 64-bit little-endian ELF file."""
+    data = path.read_bytes()
+    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, f"{path}: not a 64-bit LE ELF file"
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names = headers[shstrndx][4]
+    return {data[names + h[0]:data.index(b"\0", names + h[0])].decode() for h in headers}
+
+
+def _debug_info_in_what_was_installed(d: Path) -> list[str]:
+    """What the README's install commands put in place (the `reshard` binary `cargo install`
+    built, the native module `pip install ./python` built) carries no debug info: the release
+    profile is what users build."""
+    installed = [d / "cargo-home" / "bin" / "reshard",
+                 *sorted(d.glob("venv/lib/python*/site-packages/reshard/_reshard*.so"))]
+    failures = []
+    for f in installed:
+        if not f.exists():
+            failures.append(f"{f}: not installed by the README's commands")
+            continue
+        debug = sorted(n for n in _elf_section_names(f) if n.startswith(".debug"))
+        if debug:
+            failures.append(f"{f} ({f.stat().st_size >> 20} MiB) carries debug info: {debug}")
+    if len(installed) < 2:
+        failures.append(f"no native module under {d}/venv (pip install ./python)")
+    return failures
 
 
 def test_matching_rules():
