@@ -291,8 +291,8 @@ def worker(args):
     dist.destroy_process_group()
     # Everything is written: leave without running C++ static destructors, where a thread
     # still joinable at exit aborts the process ("terminate called without an active
-    # exception", seen once in a CI run of the resume check at dp 2, ZeRO-3). A failure before
-    # this line still fails the job, and the caller checks what was written.
+    # exception" may come from there: seen once in a CI run of the resume check at dp 2).
+    # A failure before this line still fails the job, and the caller checks what was written.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
