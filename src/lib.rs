@@ -86,7 +86,9 @@ pub(crate) use reshard_core::error;
 pub(crate) use reshard_formats::checkpoint;
 pub(crate) use reshard_storage::sys;
 
-pub use checkpoint::{read_companion as read_model_config, Checkpoint, OpenOptions};
+pub use checkpoint::{
+    read_companion as read_model_config, Checkpoint, OpenOptions, PathFlavor, SavedId, SavedMeta,
+};
 pub use convert::{ConvertOptions, Job};
 pub use error::{Error, Hint, Result};
 pub use exec::{ExecOptions, ExecStats, Progress};

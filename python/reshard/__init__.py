@@ -203,6 +203,12 @@ class Checkpoint:
         """The names of the non-tensor entries, in the checkpoint's order; nothing is read."""
         return self._ck.extra_names()
 
+    def _storage_meta(self) -> Optional[Dict[str, Any]]:
+        """What the writer recorded of the save (DCP's ``Metadata.storage_meta``, torch >= 2.4)
+        as the native reader gives it (``checkpoint_id``, ``checkpoint_id_path``, ``save_id``,
+        ``modules``), or None; nothing is read."""
+        return self._ck.storage_meta
+
     def _extras(self, names: Optional[Sequence[str]] = None) -> List[Tuple[str, Optional[bytes], bytes]]:
         """The non-tensor entries (those in ``names`` when given), in the checkpoint's order, as
         ``(name, raw, pickled)`` for :func:`reshard._values.decode`: each stored item is read

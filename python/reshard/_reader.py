@@ -18,11 +18,9 @@ zstd) is read by torch's own ``FileSystemReader`` with the ``_extension_registry
 """
 
 import io
-import mmap
 import os
 import pathlib
 import pickle
-import pickletools
 import uuid
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
@@ -81,151 +79,34 @@ def _metadata_file(path: str, rank: Optional[int]) -> Optional[str]:
     return None
 
 
-# --- the saved StorageMeta, read from the pickle without unpickling it ----------------------
-# ``Metadata.storage_meta`` is pickled after every entry, so it is found from the end of the
-# file; only the few opcodes a StorageMeta is made of are evaluated (strings, None, a path,
-# a list of strings), and nothing is imported or called: the ``.metadata`` is not unpickled
-# (it can be very large, and reshard's native reader has read it already).
-_SM_MARKERS = (b"\x8c\x0bStorageMeta", b"ctorch.distributed.checkpoint.metadata\nStorageMeta\n")
+# --- the saved StorageMeta, as the native reader read it ----------------------------------
+# ``pathlib`` path classes by the name a pickle gives them (the pure one where the concrete
+# one cannot be made on this system).
 _PATH_CLASSES = {
     "PosixPath": pathlib.PurePosixPath if os.name != "posix" else pathlib.PosixPath,
     "PurePosixPath": pathlib.PurePosixPath,
     "WindowsPath": pathlib.PureWindowsPath if os.name != "nt" else pathlib.WindowsPath,
     "PureWindowsPath": pathlib.PureWindowsPath,
 }
-_UNKNOWN = object()  # a value the scan does not evaluate (a memo reference, a call)
+# ... by the flavour the native reader names (``checkpoint_id_path``)
+_PATH_FLAVORS = {"posix": _PATH_CLASSES["PosixPath"], "windows": _PATH_CLASSES["WindowsPath"]}
 
 
-class _Global(tuple):
-    """A global the pickle names: ``(module, name)``, never imported."""
-
-
-class _Target:
-    """The StorageMeta object being built."""
-
-
-def _saved_storage_meta_fields(data: bytes) -> Optional[Dict[str, Any]]:
-    """The plain fields of the last StorageMeta pickled in ``data``: ``checkpoint_id`` (a
-    string or path), ``save_id`` and ``load_id`` (strings or None), ``modules`` (a list of
-    strings); other values are left out. None when there is none or it cannot be followed."""
-    state = _storage_meta_state(data)
-    if state is None:
+def _saved_storage_meta(ck: Checkpoint) -> Optional[Any]:
+    """torch's ``StorageMeta`` saved with ``ck`` (what torch's reader returns, before it sets
+    ``load_id``), or None (none saved: torch < 2.4, another format). The native reader read it
+    from the DCP metadata (rank 0's, of per-rank metadata) with its allow-list, calling
+    nothing; ``checkpoint_id`` is rebuilt as the path object it was saved as, or its str."""
+    saved = ck._storage_meta()
+    if saved is None or _StorageMeta is None:
         return None
-    kinds = {"checkpoint_id": (str, pathlib.PurePath), "save_id": (str, type(None)), "load_id": (str, type(None))}
-    fields = {k: v for k, v in state.items() if k in kinds and isinstance(v, kinds[k])}
-    modules = state.get("modules")
-    if isinstance(modules, list) and all(isinstance(m, str) for m in modules):
-        fields["modules"] = modules
-    return fields
-
-
-def _storage_meta_state(data: bytes) -> Optional[Dict[str, Any]]:
-    """The state dict of the last StorageMeta pickled in ``data`` (values it does not
-    evaluate are ``_UNKNOWN``), or None."""
-    start = max(data.rfind(m) for m in _SM_MARKERS)
-    if start < 0:
-        return None
-    stack: List[Any] = []
-    marks: List[int] = []
-
-    def to_mark() -> List[Any]:
-        at = marks.pop()
-        items = stack[at:]
-        del stack[at:]
-        return items
-
-    target = _Target()
-    try:
-        for op, arg, _pos in pickletools.genops(data[start:]):
-            name = op.name
-            if name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT", "FRAME"):
-                continue
-            if name in ("GET", "BINGET", "LONG_BINGET"):
-                stack.append(_UNKNOWN)
-            elif isinstance(arg, (str, int)) and not isinstance(arg, bool) and name not in ("GLOBAL", "PROTO"):
-                stack.append(arg)  # strings and ints
-            elif name == "NONE":
-                stack.append(None)
-            elif name in ("NEWTRUE", "NEWFALSE"):
-                stack.append(name == "NEWTRUE")
-            elif name == "MARK":
-                marks.append(len(stack))
-            elif name == "EMPTY_TUPLE":
-                stack.append(())
-            elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
-                n = int(name[-1])
-                items = stack[-n:]
-                del stack[-n:]
-                stack.append(tuple(items))
-            elif name == "TUPLE":
-                stack.append(tuple(to_mark()))
-            elif name == "EMPTY_LIST":
-                stack.append([])
-            elif name == "LIST":
-                stack.append(to_mark())
-            elif name == "APPEND":
-                v = stack.pop()
-                stack[-1].append(v)
-            elif name == "APPENDS":
-                items = to_mark()
-                stack[-1].extend(items)
-            elif name == "EMPTY_DICT":
-                stack.append({})
-            elif name in ("SETITEM", "SETITEMS", "DICT"):
-                items = [stack.pop(), stack.pop()][::-1] if name == "SETITEM" else to_mark()
-                d = {} if name == "DICT" else stack[-1]
-                for k, v in zip(items[::2], items[1::2]):
-                    if isinstance(k, str):
-                        d[k] = v
-                if name == "DICT":
-                    stack.append(d)
-            elif name == "STACK_GLOBAL":
-                gname = stack.pop()
-                module = stack.pop() if stack else _UNKNOWN
-                stack.append(_Global((module, gname)))
-            elif name == "GLOBAL":
-                stack.append(_Global(tuple(str(arg).split(" ", 1))))
-            elif name in ("NEWOBJ", "NEWOBJ_EX"):
-                if name == "NEWOBJ_EX":
-                    stack.pop()
-                stack.pop()
-                cls = stack.pop()
-                if not (isinstance(cls, _Global) and cls[1] == "StorageMeta" and not marks):
-                    return None
-                stack.append(target)
-            elif name == "REDUCE":
-                args = stack.pop()
-                fn = stack.pop()
-                path_cls = _PATH_CLASSES.get(fn[1]) if isinstance(fn, _Global) and fn[0] == "pathlib" else None
-                ok = path_cls is not None and isinstance(args, tuple) and all(isinstance(a, str) for a in args)
-                stack.append(path_cls(*args) if ok else _UNKNOWN)  # type: ignore[misc]
-            elif name == "BUILD":
-                state = stack.pop()
-                obj = stack.pop()
-                return state if obj is target and isinstance(state, dict) else None
-            else:
-                return None
-    except (ValueError, IndexError, AttributeError, TypeError):
-        return None
-    return None
-
-
-def _saved_storage_meta(path: str, rank: Optional[int] = None) -> Optional[Any]:
-    """The ``StorageMeta`` saved in the DCP metadata of the local folder ``path`` (what torch's
-    reader returns, before it sets ``load_id``), or None (no such file, or none saved)."""
-    f = _metadata_file(path, rank)
-    if f is None or _StorageMeta is None:
-        return None
-    try:
-        with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            start = max(mm.rfind(m) for m in _SM_MARKERS)
-            fields = _saved_storage_meta_fields(mm[start:]) if start >= 0 else None
-    except (OSError, ValueError):
-        return None
-    if fields is None:
-        return None
-    fields.pop("load_id", None)  # the reader's, set by the caller
-    return _StorageMeta(**fields)
+    cid: Any = saved.get("checkpoint_id")
+    flavor = _PATH_FLAVORS.get(saved.get("checkpoint_id_path") or "")
+    if cid is not None and flavor is not None:
+        cid = flavor(cid)
+    fields = {"checkpoint_id": cid, "save_id": saved.get("save_id"), "modules": list(saved.get("modules") or [])}
+    known = getattr(_StorageMeta, "__dataclass_fields__", fields)  # torch 2.4 has no modules
+    return _StorageMeta(**{k: v for k, v in fields.items() if k in known})
 
 
 # --- DCP metadata for torch's own reader (items with stream transforms reshard lacks) --------
@@ -345,9 +226,9 @@ class StorageReader(_TorchStorageReader):
         """torch's ``Metadata`` of the checkpoint: one ``TensorStorageMetadata`` per tensor
         (its dtype and global shape, one chunk covering it) and one
         ``BytesStorageMetadata`` per non-tensor value, by reshard's flat names. Its
-        ``storage_meta`` is, as torch's reader gives it, the one saved in a local DCP folder's
-        metadata (``checkpoint_id``, ``save_id``, ``modules``), else one with the path read,
-        and this reader's ``load_id``. Other arguments (torch's ``rank=``) are ignored: every
+        ``storage_meta`` is, as torch's reader gives it, the one saved in a DCP checkpoint's
+        metadata (``checkpoint_id``, ``save_id``, ``modules``; rank 0's of per-rank
+        metadata), else one with the path read, and this reader's ``load_id``. Other arguments (torch's ``rank=``) are ignored: every
         rank sees the whole checkpoint. The checkpoint is opened here (again once a load has
         read from it), so a missing or corrupt one raises its ReshardError here."""
         if self._given is None and self._used:
@@ -377,7 +258,7 @@ class StorageReader(_TorchStorageReader):
         planner_data = {name: tuple(parts) for name, parts in ck.paths().items() if name in sdm}
         md = Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data={})
         if _StorageMeta is not None and hasattr(md, "storage_meta"):
-            sm = _saved_storage_meta(ck.path, kwargs.get("rank"))
+            sm = _saved_storage_meta(ck)
             md.storage_meta = sm or _StorageMeta(checkpoint_id=self.path)
             md.storage_meta.load_id = self.load_id
         return md

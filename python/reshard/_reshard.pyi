@@ -1,7 +1,7 @@
 """Type stubs of the native module (a thin PyO3 binding of the reshard library)."""
 
 from os import PathLike
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypedDict, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple, TypedDict, Union
 
 from typing_extensions import Unpack
 
@@ -26,6 +26,14 @@ class InternalError(ReshardError):
 _Part = Tuple[List[int], List[int], List[int]]
 _Dest = Tuple[str, str, List[int], List[_Part], int, int]
 
+class _StorageMeta(TypedDict):
+    """``NativeCheckpoint.storage_meta``: torch's ``StorageMeta`` as saved, but ``load_id``."""
+
+    checkpoint_id: Optional[str]  # the text (a path's as Python's str() of it), or None
+    checkpoint_id_path: Optional[Literal["posix", "windows"]]  # saved as that pathlib path
+    save_id: Optional[str]
+    modules: List[str]
+
 class NativeCheckpoint:
     """An open checkpoint: layouts and byte locations, no data."""
 
@@ -39,6 +47,9 @@ class NativeCheckpoint:
     def world_size(self) -> int: ...
     @property
     def producer(self) -> Optional[str]: ...
+    @property
+    def storage_meta(self) -> Optional[_StorageMeta]:
+        """What the writer recorded of the save (DCP's ``Metadata.storage_meta``), or None."""
     @property
     def metadata(self) -> List[Tuple[str, str]]: ...
     @property

@@ -195,6 +195,27 @@ impl PyCheckpoint {
         self.ck.producer.clone()
     }
 
+    /// What the writer recorded of the save (DCP's `Metadata.storage_meta`, torch >= 2.4), or
+    /// `None`: a dict with `checkpoint_id` (its text, or `None`), `checkpoint_id_path`
+    /// (`"posix"` or `"windows"` when it was saved as a `pathlib` path, else `None`),
+    /// `save_id` (`None` when not saved) and `modules` (a list of str).
+    #[getter]
+    fn storage_meta<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(sm) = &self.ck.saved else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        let id = sm.checkpoint_id.as_ref();
+        d.set_item("checkpoint_id", id.map(|i| i.text.as_str()))?;
+        d.set_item(
+            "checkpoint_id_path",
+            id.and_then(|i| i.path).map(|f| f.name()),
+        )?;
+        d.set_item("save_id", sm.save_id.as_deref())?;
+        d.set_item("modules", &sm.modules)?;
+        Ok(Some(d))
+    }
+
     /// String metadata (safetensors headers).
     #[getter]
     fn metadata(&self) -> Vec<(String, String)> {

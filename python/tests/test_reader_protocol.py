@@ -296,24 +296,48 @@ class _Call:
         return (_record, ("called",))
 
 
-def test_saved_storage_meta_scan_is_not_fooled():
-    """The scan of the pickle calls nothing (only path classes are made): a StorageMeta whose
-    fields are other objects (a call, a function) gives only its plain fields; a
-    truncated or foreign stream gives nothing."""
+def test_a_hostile_storage_meta_calls_nothing(tmp_path):
+    """The saved StorageMeta is read by the native reader, which calls nothing: a .metadata
+    whose StorageMeta holds a call or a function is refused, with an error naming the file;
+    fields of other plain types are left out; a path and a str come back as saved; a
+    storage_meta that is no StorageMeta, or a truncated .metadata, is not read as one."""
     from torch.distributed.checkpoint.metadata import StorageMeta
 
-    from reshard._reader import _saved_storage_meta_fields
+    ck = tmp_path / "ck"
+    save(state(), ck)
+    with open(ck / ".metadata", "rb") as f:
+        md = pickle.load(f)
 
-    sm = StorageMeta(checkpoint_id=Path("/x/ck"), save_id="abc", modules=["m"])
-    assert _saved_storage_meta_fields(pickle.dumps(sm)) == {
-        "checkpoint_id": Path("/x/ck"), "save_id": "abc", "load_id": None, "modules": ["m"]
-    }
+    def saved(sm, protocol=None):
+        md.storage_meta = sm
+        with open(ck / ".metadata", "wb") as f:
+            pickle.dump(md, f, protocol=protocol)
+        r = rt.StorageReader(ck)
+        got = r.read_metadata().storage_meta
+        assert got.load_id == r.load_id
+        return (got.checkpoint_id, got.save_id, got.modules)
+
     for proto in range(2, pickle.HIGHEST_PROTOCOL + 1):
-        odd = StorageMeta(checkpoint_id=_Call(), save_id="abc", modules=[os.path.join])
-        assert _saved_storage_meta_fields(pickle.dumps(odd, protocol=proto)) == {"save_id": "abc", "load_id": None}
-        assert not _CALLED, "the scan called what the pickle names"
-    for junk in (b"", b"\x8c\x0bStorageMeta", b"\x8c\x0bStorageMeta\x94\x93\x94)\x81\x94R", b"xStorageMeta"):
-        assert _saved_storage_meta_fields(junk) is None
+        for odd in (
+            StorageMeta(checkpoint_id=_Call(), save_id="abc"),
+            StorageMeta(checkpoint_id="ck", save_id="abc", modules=[os.path.join]),
+        ):
+            with pytest.raises(reshard.CheckpointError, match=r"\.metadata.*global"):
+                saved(odd, proto)
+            assert not _CALLED, "the reader called what the pickle names"
+        assert saved(StorageMeta(checkpoint_id=Path("/x/ck"), save_id="abc", modules=["m"]), proto) == (
+            Path("/x/ck"), "abc", ["m"]
+        )
+    assert saved(StorageMeta(checkpoint_id="s3://b/ck", save_id="abc")) == ("s3://b/ck", "abc", [])
+    assert saved(StorageMeta(checkpoint_id=3, save_id=b"abc", modules="m")) == (None, None, [])
+    assert saved(StorageMeta(checkpoint_id=Path("rel/ck"), save_id="x", modules=["a", 1])) == (Path("rel/ck"), "x", [])
+    for other in (None, 5, {"save_id": "abc"}):  # no StorageMeta saved: torch's own, the path read
+        assert saved(other) == (str(ck), None, [])
+    data = (ck / ".metadata").read_bytes()
+    for junk in (b"", data[: len(data) // 2], data[:-1]):
+        (ck / ".metadata").write_bytes(junk)
+        with pytest.raises(reshard.ReshardError):
+            rt.StorageReader(ck).read_metadata()
 
 
 # --- (5) _extension_registry -----------------------------------------------------------------

@@ -8,6 +8,7 @@ killed run's incomplete multipart upload aborted by the next run."""
 
 import json
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -281,6 +282,11 @@ def test_open_and_torch_load_from_s3(s3env, tmp_path):
     dcp.load(sd2, storage_reader=StorageReader(url), no_dist=True)
     for k, v in _local_tensors(src).items():
         assert same(sd2[k], v), k
+    # the StorageMeta saved in the .metadata, read from the URL
+    with open(src / ".metadata", "rb") as f:
+        want = pickle.load(f).storage_meta
+    sm = StorageReader(url).read_metadata().storage_meta
+    assert want is not None and (sm.checkpoint_id, sm.save_id) == (want.checkpoint_id, want.save_id)
 
 
 def _local_tensors(src: Path) -> dict:

@@ -94,6 +94,11 @@ pub struct Checkpoint {
     /// What wrote the checkpoint, where that can be told (e.g. `torch >= 2.4 (DCP 1.0.0)`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub producer: Option<String>,
+    /// What the writer recorded of the save itself, where the format keeps it (DCP's
+    /// `Metadata.storage_meta`, torch >= 2.4): the id of the checkpoint and of the save, and
+    /// the modules saved. `None` where nothing was recorded.
+    #[serde(skip)]
+    pub saved: Option<SavedMeta>,
     /// The checkpoint's name inside its folder of several: the DeepSpeed tag read
     /// (`global_step100`), or the sub-folder opened (`--tag`, a torchtitan `step-1000`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -120,6 +125,91 @@ pub struct Checkpoint {
     /// checkpoint is.
     #[serde(skip)]
     pub(crate) storage: Arc<dyn Storage>,
+}
+
+/// What a checkpoint's writer recorded of the save itself ([`Checkpoint::saved`]): for DCP,
+/// torch's `StorageMeta` (`Metadata.storage_meta`) but for its `load_id`, which a reader sets.
+/// Fields the file does not hold, or holds as another type, are `None` (`modules`: empty).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SavedMeta {
+    /// The checkpoint's id as the writer gave it: a path or a str.
+    pub checkpoint_id: Option<SavedId>,
+    /// The id of the save (a UUID, torch's `save_id`).
+    pub save_id: Option<String>,
+    /// The modules the writer recorded (torch's `modules`).
+    pub modules: Vec<String>,
+}
+
+/// A [`SavedMeta::checkpoint_id`]: its text, and whether it was saved as a path.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SavedId {
+    /// The text: a str as it is; a path as Python's `str()` of it would be (see
+    /// [`PathFlavor::render`]).
+    pub text: String,
+    /// The kind of path it was (a `pathlib` path object); `None` for a str.
+    pub path: Option<PathFlavor>,
+}
+
+/// The kind of a `pathlib` path a pickle holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PathFlavor {
+    /// `pathlib.PosixPath` (or `PurePosixPath`): `/`-separated.
+    Posix,
+    /// `pathlib.WindowsPath` (or `PureWindowsPath`): `\`-separated.
+    Windows,
+}
+
+impl PathFlavor {
+    /// `posix` or `windows`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PathFlavor::Posix => "posix",
+            PathFlavor::Windows => "windows",
+        }
+    }
+
+    /// The path made of `parts` (the arguments of the path class, as its pickle holds them)
+    /// as text. Posix: as Python's `str(PurePosixPath(*parts))` — a part starting with `/`
+    /// starts again from it, empty and `.` components are dropped, a leading `//` (exactly
+    /// two) is kept, and nothing at all is `.`. Windows: the parts joined with `\` (`/` read
+    /// as `\`, no separator doubled), without Python's drive and root rules; `PureWindowsPath`
+    /// of the text gives the same path for the parts torch writes (a drive, then names).
+    pub fn render<'a>(self, parts: impl IntoIterator<Item = &'a str>) -> String {
+        match self {
+            PathFlavor::Posix => {
+                let mut root = "";
+                let mut names: Vec<&str> = vec![];
+                for part in parts {
+                    if part.starts_with('/') {
+                        names.clear();
+                        let slashes = part.len() - part.trim_start_matches('/').len();
+                        root = if slashes == 2 { "//" } else { "/" };
+                    }
+                    names.extend(part.split('/').filter(|n| !n.is_empty() && *n != "."));
+                }
+                let text = format!("{root}{}", names.join("/"));
+                if text.is_empty() {
+                    ".".to_string()
+                } else {
+                    text
+                }
+            }
+            PathFlavor::Windows => {
+                let mut text = String::new();
+                for part in parts {
+                    let part = part.replace('/', "\\");
+                    if part.is_empty() {
+                        continue;
+                    }
+                    if !text.is_empty() && !text.ends_with('\\') && !part.starts_with('\\') {
+                        text.push('\\');
+                    }
+                    text.push_str(&part);
+                }
+                text
+            }
+        }
+    }
 }
 
 /// Finds where the pieces a lazy reader left pending ([`Loc::pending`]) really are: the
@@ -290,6 +380,7 @@ impl Checkpoint {
             extras: vec![],
             paths: BTreeMap::new(),
             producer: None,
+            saved: None,
             tag: None,
             companions: vec![],
             scratch: vec![],

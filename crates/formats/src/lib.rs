@@ -50,7 +50,7 @@ pub(crate) use reshard_core::{error, layout, plan};
 pub(crate) use reshard_storage::{read, sys};
 
 pub use self::safetensors::{EXTRAS_KEY, EXTRAS_PICKLE_KEY, PATHS_KEY};
-pub use crate::checkpoint::{Checkpoint, Locate, OpenOptions};
+pub use crate::checkpoint::{Checkpoint, Locate, OpenOptions, PathFlavor, SavedId, SavedMeta};
 pub use reshard_core::model::{Extra, KeyPart, RecordCrc, Weights};
 pub use reshard_core::output::OutputFile;
 pub use reshard_core::target::TargetTensor;

@@ -10,6 +10,7 @@
 //! hint torch records in it, checked, and by offsets where the hint is absent or wrong.
 
 use super::METADATA;
+use crate::checkpoint::{PathFlavor, SavedId, SavedMeta};
 use crate::error::{Error, IoContext, Result};
 use crate::layout::{DType, Region};
 use crate::torch::pickle::{self, Obj};
@@ -140,6 +141,8 @@ pub(super) struct Meta {
     /// Tensors stored in a block-flattened view ([`crate::layout::BlockFlat`]), with their
     /// real shapes: megatron-core's `mcore_data[key]["nd_reformulated_orig_global_shape"]`.
     pub(super) reformulated: HashMap<String, Vec<u64>>,
+    /// `Metadata.storage_meta` (torch >= 2.4; absent before, or `None`).
+    pub(super) saved: Option<SavedMeta>,
 }
 
 impl Meta {
@@ -206,7 +209,63 @@ fn parse_metadata(path: &Path, bytes: &[u8], origin: usize) -> Result<Meta> {
         .get(RESHARD_VERSION)
         .and_then(Obj::as_str)
         .map(str::to_string);
+    meta.saved = root.get("storage_meta").and_then(storage_meta);
     Ok(meta)
+}
+
+/// `Metadata.storage_meta`, torch's `StorageMeta(checkpoint_id, save_id, load_id, modules)`
+/// (torch >= 2.4), as a [`SavedMeta`]: `None` when absent, `None`, or not a `StorageMeta`.
+/// Fields of other types than torch writes are left out (`load_id` is the reader's, never
+/// read): a `checkpoint_id` that is neither a str nor a `pathlib` path of str parts, a
+/// `save_id` that is no str, `modules` that are not a list of str.
+fn storage_meta(sm: Obj) -> Option<SavedMeta> {
+    let class = Some(("torch.distributed.checkpoint.metadata", "StorageMeta"));
+    if sm.class() != class || sm.kind() != "object" {
+        return None;
+    }
+    let modules = sm
+        .get("modules")
+        .and_then(Obj::as_list)
+        .and_then(|l| {
+            l.map(|m| m.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+        })
+        .unwrap_or_default();
+    Some(SavedMeta {
+        checkpoint_id: sm.get("checkpoint_id").and_then(saved_id),
+        save_id: sm.get("save_id").and_then(Obj::as_str).map(str::to_string),
+        modules,
+    })
+}
+
+/// A `StorageMeta.checkpoint_id`: a str, or a `pathlib` path made of str parts (the path's
+/// text per [`PathFlavor::render`]).
+fn saved_id(id: Obj) -> Option<SavedId> {
+    if let Some(s) = id.as_str() {
+        return Some(SavedId {
+            text: s.to_string(),
+            path: None,
+        });
+    }
+    let flavor = match id.class() {
+        Some(("pathlib", "PosixPath" | "PurePosixPath")) => PathFlavor::Posix,
+        Some(("pathlib", "WindowsPath" | "PureWindowsPath")) => PathFlavor::Windows,
+        _ => return None,
+    };
+    // a call of the path class (`REDUCE` with its parts): not the bare class, nor an
+    // object built from a state
+    if id.kind() != "object" || id.state().is_some() {
+        return None;
+    }
+    let parts = id
+        .args()?
+        .as_list()?
+        .map(Obj::as_str)
+        .collect::<Option<Vec<&str>>>()?;
+    Some(SavedId {
+        text: flavor.render(parts),
+        path: Some(flavor),
+    })
 }
 
 /// `Metadata.state_dict_metadata`: every key, tensor or `BYTE_IO`, in order (a key listed
@@ -539,6 +598,7 @@ impl<'p> Merged<'p> {
             version,
             reshard,
             reformulated,
+            saved,
         } = m;
         let remap = self.remap(&files, &transforms)?;
         for mut e in entries {
@@ -580,6 +640,10 @@ impl<'p> Merged<'p> {
         }
         if self.out.reshard.is_none() {
             self.out.reshard = reshard;
+        }
+        // rank 0's (the first file's), as torch's reader gives rank 0 without a global one
+        if mi == 0 {
+            self.out.saved = saved;
         }
         Ok(())
     }
@@ -726,4 +790,217 @@ pub(super) fn load_metadata(dir: &Path) -> Result<(Vec<PathBuf>, Meta)> {
         merge(&paths, metas)?
     };
     Ok((paths, meta))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::torch::pickle::{pickle, PyValue};
+
+    const META: &str = "torch.distributed.checkpoint.metadata";
+
+    fn fixture(case: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures")
+            .join(case)
+            .join("checkpoint")
+    }
+
+    fn s(x: &str) -> PyValue {
+        PyValue::Str(x.into())
+    }
+
+    fn path(class: &str, parts: &[&str]) -> PyValue {
+        PyValue::call("pathlib", class, parts.iter().map(|p| s(p)).collect())
+    }
+
+    fn storage_meta(fields: Vec<(&str, PyValue)>) -> PyValue {
+        PyValue::object(META, "StorageMeta", Some(PyValue::str_dict(fields)))
+    }
+
+    /// A `Metadata` of no entries whose `storage_meta` is `sm`, parsed.
+    fn parsed(sm: PyValue) -> Result<Meta> {
+        let md = PyValue::object(
+            META,
+            "Metadata",
+            Some(PyValue::str_dict(vec![
+                ("state_dict_metadata", PyValue::Dict(vec![])),
+                ("planner_data", PyValue::Dict(vec![])),
+                ("storage_data", PyValue::Dict(vec![])),
+                ("storage_meta", sm),
+                ("version", s("1.0.0")),
+            ])),
+        );
+        parse_metadata(Path::new("ck/.metadata"), &pickle(&md), 0)
+    }
+
+    fn saved(sm: PyValue) -> Option<SavedMeta> {
+        parsed(sm).expect("parses").saved
+    }
+
+    fn id(text: &str, path: Option<PathFlavor>) -> Option<SavedId> {
+        Some(SavedId {
+            text: text.into(),
+            path,
+        })
+    }
+
+    #[test]
+    fn storage_meta_of_torch_2_4_and_later() {
+        // the global .metadata (torch 2.15): PosixPath('checkpoint'), the writer's save_id
+        let (_, meta) = load_metadata(&fixture("fsdp2_w4_f32_shard1")).unwrap();
+        assert_eq!(
+            meta.saved,
+            Some(SavedMeta {
+                checkpoint_id: id("checkpoint", Some(PathFlavor::Posix)),
+                save_id: Some("82ecc7be-7381-4310-940d-d9c788751566".into()),
+                modules: vec![],
+            })
+        );
+        // per-rank metadata (use_collectives=False): each rank saved its own save_id;
+        // merged, rank 0's
+        let dir = fixture("fsdp2_w2_f32_nocoll");
+        let rank1 = dir.join("__1.metadata");
+        let one = parse_metadata(&rank1, &std::fs::read(&rank1).unwrap(), 0).unwrap();
+        assert_eq!(
+            one.saved.and_then(|s| s.save_id).as_deref(),
+            Some("d7079b4f-f570-4a52-a5c4-b8a01aba80a8")
+        );
+        let (paths, meta) = load_metadata(&dir).unwrap();
+        assert_eq!(paths.len(), 2);
+        let sm = meta.saved.expect("rank 0's storage_meta");
+        assert_eq!(
+            sm.save_id.as_deref(),
+            Some("c590468a-9815-4f46-b2d4-4bad6c2c3440")
+        );
+        assert_eq!(sm.checkpoint_id, id("checkpoint", Some(PathFlavor::Posix)));
+    }
+
+    #[test]
+    fn no_storage_meta_before_torch_2_4() {
+        let (_, meta) = load_metadata(&fixture("torch21_shardedtensor_w3")).unwrap();
+        assert_eq!(meta.saved, None);
+        assert_eq!(meta.version, None);
+    }
+
+    #[test]
+    fn storage_meta_fields_of_each_kind() {
+        let full = storage_meta(vec![
+            ("checkpoint_id", path("PosixPath", &["/", "x", "ck"])),
+            ("save_id", s("abc")),
+            ("load_id", s("not read")),
+            ("modules", PyValue::List(vec![s("m"), s("n")])),
+        ]);
+        assert_eq!(
+            saved(full),
+            Some(SavedMeta {
+                checkpoint_id: id("/x/ck", Some(PathFlavor::Posix)),
+                save_id: Some("abc".into()),
+                modules: vec!["m".into(), "n".into()],
+            })
+        );
+        let text = storage_meta(vec![("checkpoint_id", s("s3://bucket/ck"))]);
+        assert_eq!(
+            saved(text).and_then(|s| s.checkpoint_id),
+            id("s3://bucket/ck", None)
+        );
+        let win = storage_meta(vec![("checkpoint_id", path("WindowsPath", &["C:\\", "x"]))]);
+        assert_eq!(
+            saved(win).and_then(|s| s.checkpoint_id),
+            id("C:\\x", Some(PathFlavor::Windows))
+        );
+        // a StorageMeta made without a state: all fields absent
+        assert_eq!(
+            saved(PyValue::object(META, "StorageMeta", None)),
+            Some(SavedMeta::default())
+        );
+    }
+
+    #[test]
+    fn storage_meta_of_other_types_is_left_out() {
+        // no StorageMeta: absent, None, another value, another object
+        assert_eq!(saved(PyValue::None), None);
+        assert_eq!(saved(PyValue::Int(3)), None);
+        assert_eq!(saved(PyValue::Dict(vec![(s("save_id"), s("x"))])), None);
+        assert_eq!(
+            saved(PyValue::object(META, "MetadataIndex", None)),
+            None,
+            "another class"
+        );
+        assert_eq!(saved(PyValue::torch_size(&[1])), None);
+        // fields of other types: each left out, never a panic
+        let odd = storage_meta(vec![
+            ("checkpoint_id", PyValue::Int(3)),
+            ("save_id", PyValue::List(vec![s("abc")])),
+            ("modules", s("m")),
+        ]);
+        assert_eq!(saved(odd), Some(SavedMeta::default()));
+        let odd = storage_meta(vec![
+            ("checkpoint_id", path("PosixPath", &["a", "b"])),
+            ("save_id", PyValue::None),
+            ("modules", PyValue::List(vec![s("a"), PyValue::Int(1)])),
+        ]);
+        assert_eq!(
+            saved(odd),
+            Some(SavedMeta {
+                checkpoint_id: id("a/b", Some(PathFlavor::Posix)),
+                ..SavedMeta::default()
+            })
+        );
+        // a path of other parts, a bare path class, a path made without arguments
+        for cid in [
+            PyValue::call("pathlib", "PosixPath", vec![s("a"), PyValue::Int(1)]),
+            PyValue::call("pathlib", "PosixPath", vec![PyValue::List(vec![s("a")])]),
+            PyValue::call("pathlib", "PosixPath", vec![PyValue::Tuple(vec![s("a")])]),
+            PyValue::Global {
+                module: "pathlib".into(),
+                name: "PosixPath".into(),
+            },
+            PyValue::object("pathlib", "PosixPath", Some(s("/x"))),
+            PyValue::torch_size(&[1, 2]),
+        ] {
+            let sm = storage_meta(vec![("checkpoint_id", cid), ("save_id", s("abc"))]);
+            assert_eq!(
+                saved(sm),
+                Some(SavedMeta {
+                    save_id: Some("abc".into()),
+                    ..SavedMeta::default()
+                })
+            );
+        }
+        // a state that is no dict
+        let listy = PyValue::object(META, "StorageMeta", Some(PyValue::List(vec![s("x")])));
+        assert_eq!(saved(listy), Some(SavedMeta::default()));
+    }
+
+    #[test]
+    fn a_storage_meta_naming_other_globals_is_an_error_naming_the_file() {
+        // what a pickle would call (a function as checkpoint_id) is refused, not called
+        let sm = storage_meta(vec![(
+            "checkpoint_id",
+            PyValue::call("os", "system", vec![s("true")]),
+        )]);
+        let e = parsed(sm).expect_err("refused").to_string();
+        assert!(e.contains("ck/.metadata") && e.contains("os.system"), "{e}");
+    }
+
+    #[test]
+    fn posix_paths_render_as_python_str() {
+        let r = |parts: &[&str]| PathFlavor::Posix.render(parts.iter().copied());
+        // each as Python's str(PurePosixPath(*parts))
+        assert_eq!(r(&["/", "x", "ck"]), "/x/ck");
+        assert_eq!(r(&["checkpoint"]), "checkpoint");
+        assert_eq!(r(&["a", "", "b"]), "a/b");
+        assert_eq!(r(&["//", "a"]), "//a");
+        assert_eq!(r(&["//a", "b"]), "//a/b");
+        assert_eq!(r(&["///a"]), "/a");
+        assert_eq!(r(&[]), ".");
+        assert_eq!(r(&["a", "/b"]), "/b");
+        assert_eq!(r(&["a", "//b"]), "//b");
+        assert_eq!(r(&["a/./b/"]), "a/b");
+        assert_eq!(r(&["..", "a"]), "../a");
+        let w = |parts: &[&str]| PathFlavor::Windows.render(parts.iter().copied());
+        assert_eq!(w(&["C:\\", "x", "ck"]), "C:\\x\\ck");
+        assert_eq!(w(&["x", "y/z"]), "x\\y\\z");
+    }
 }

@@ -430,6 +430,7 @@ fn read_with(dir: &Path, lazy: bool) -> Result<Checkpoint> {
         extras,
         paths: meta.planner.into_iter().collect(),
         producer,
+        saved: meta.saved,
         tag: None,
         companions: vec![],
         scratch,

@@ -277,6 +277,7 @@ pub fn read(path: &Path, opts: &OpenOptions) -> Result<Checkpoint> {
         extras: r.extras,
         paths: r.paths,
         producer: Some(producer),
+        saved: None,
         tag: dir.file_name().and_then(|n| n.to_str()).map(str::to_string),
         companions: vec![],
         scratch: vec![],

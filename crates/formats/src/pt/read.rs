@@ -102,6 +102,7 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
         extras: w.extras,
         paths: w.paths,
         producer: Some(producer),
+        saved: None,
         tag: None,
         companions: vec![],
         scratch: vec![],

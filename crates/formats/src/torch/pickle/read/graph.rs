@@ -99,6 +99,14 @@ impl<'g> Obj<'g> {
         }
     }
 
+    /// The arguments (a tuple) an object was made with: `REDUCE`'s, `NEWOBJ`'s.
+    pub fn args(self) -> Option<Obj<'g>> {
+        match self.node() {
+            Node::Object { args, .. } => Some(self.at(*args)),
+            _ => None,
+        }
+    }
+
     /// Look up a str key in a dict, or in an object's state dict (also the dict half of a
     /// `(dict, slotstate)` state tuple). The last matching pair wins, as in
     /// [`Value::get`](crate::torch::pickle::Value::get).
