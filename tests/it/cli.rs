@@ -242,6 +242,26 @@ fn bad(ck: &Path, needle: &str) {
 }
 
 #[test]
+fn gaps_in_torchs_shard_numbering_are_ranks_that_stored_nothing() {
+    // torch's HuggingFaceStorageWriter writes no file for a rank that only holds replicas
+    // (a 2 x 2 mesh with [Shard(0), Replicate()] writes shard-00001 and shard-00003): the
+    // files present are the checkpoint, as torch's reader takes them
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    write_hf_storage(&ck, &fsdp_shards(&model(), 2));
+    std::fs::rename(
+        ck.join("shard-00002-model-00001-of-00001.safetensors"),
+        ck.join("shard-00003-model-00001-of-00001.safetensors"),
+    )
+    .unwrap();
+    let insp = ok(&["inspect", s(&ck)]);
+    assert!(insp.contains("hf-storage checkpoint, 3 rank(s), 2 file(s)"), "{insp}");
+    let out = d.path().join("one.safetensors");
+    convert(&ck, &out, &["--to", "1", "-q"]);
+    assert_eq!(read_safetensors(&out), model());
+}
+
+#[test]
 fn bad_inputs_fail_with_one_line_naming_the_file() {
     let m = model();
     // truncated shard
@@ -267,9 +287,19 @@ fn bad_inputs_fail_with_one_line_naming_the_file() {
         &ck,
         "shard-00002-model-00001-of-00001.safetensors: is not a valid safetensors file",
     );
-    // missing rank file
+    // a lost rank file of torch's writer (which records no world size): its chunks are
+    // regions no piece covers
     std::fs::remove_file(&f).unwrap();
-    bad(&ck, "shard-00002-…: is missing");
+    bad(
+        &ck,
+        "ck: tensor `model.ids`: pieces cover 16 of 22 elements: region [3:6, 0:2] is not covered",
+    );
+    // a lost rank file of reshard's output (which records its world size) is named
+    let (d, ck) = synthetic(4);
+    let mid = d.path().join("mid");
+    convert(&ck, &mid, &["--to", "3", "--format", "hf-storage", "-q"]);
+    std::fs::remove_file(mid.join("shard-00002-model-00001-of-00001.safetensors")).unwrap();
+    bad(&mid, "shard-00002-…: is missing");
 
     // a gap: one chunk dropped
     let (_d, ck) = synthetic(4);

@@ -266,30 +266,32 @@ impl Gathered {
     }
 }
 
-/// The number of ranks: one past the highest seen, or the world size reshard recorded; with
-/// rank-named files, every rank's checked present.
+/// The number of ranks: one past the highest seen, or the world size reshard recorded.
+/// torch's writer writes no file for a rank that holds nothing to store (a replica of what a
+/// lower rank stores), so its numbering may have gaps (`shard-00001-…`, `shard-00003-…`): the
+/// files present are what was saved, as torch's reader takes them, and a chunk lost with a
+/// file shows as a region no piece covers. reshard's outputs record their world size and
+/// give every rank a file, so there a missing rank file is named.
 fn rank_count(
     dir: &Path,
     ranks_seen: &HashSet<u32>,
     world: Option<u32>,
     named: bool,
 ) -> Result<u32> {
-    let mut ranks = ranks_seen.iter().max().map_or(1, |m| m + 1);
-    if let Some(w) = world.filter(|&w| w > ranks && named) {
-        // reshard records the world size: the last ranks' files cannot go missing unseen
-        ranks = w;
-    }
-    if named {
-        if let Some(missing) = (0..ranks).find(|r| !ranks_seen.contains(r)) {
-            return Err(Error::format(
-                dir.join(format!("shard-{:05}-…", missing + 1)),
-                format!(
-                    "is missing: files of {} ranks are present, up to shard {:05}",
-                    ranks_seen.len(),
-                    ranks
-                ),
-            ));
-        }
+    let seen = ranks_seen.iter().max().map_or(1, |m| m + 1);
+    let Some(world) = world.filter(|_| named) else {
+        return Ok(seen);
+    };
+    let ranks = seen.max(world);
+    if let Some(missing) = (0..ranks).find(|r| !ranks_seen.contains(r)) {
+        return Err(Error::format(
+            dir.join(format!("shard-{:05}-…", missing + 1)),
+            format!(
+                "is missing: files of {} ranks are present, up to shard {:05}",
+                ranks_seen.len(),
+                ranks
+            ),
+        ));
     }
     Ok(ranks)
 }
