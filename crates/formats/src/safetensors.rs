@@ -59,6 +59,10 @@ fn dtype_of(d: Dtype) -> Option<DType> {
         Dtype::F64 => DType::F64,
         Dtype::I64 => DType::I64,
         Dtype::U64 => DType::U64,
+        Dtype::C64 => DType::C64,
+        Dtype::F8_E4M3FNUZ => DType::F8E4M3FNUZ,
+        Dtype::F8_E5M2FNUZ => DType::F8E5M2FNUZ,
+        Dtype::F8_E8M0 => DType::F8E8M0,
         _ => return None,
     })
 }
@@ -228,6 +232,36 @@ impl Entry {
     fn nbytes(&self) -> u64 {
         self.shape.iter().product::<u64>() * self.dtype.size() as u64
     }
+
+    /// The dtype name and shape the header records for this entry. Safetensors has no
+    /// complex32 or complex128: those are stored as their real pairs (f16 / f64, one more
+    /// dimension of 2, as `torch.view_as_real` gives them; the bytes are the same). A dtype
+    /// safetensors cannot hold at all (float4_e2m1fn_x2) is refused, naming the tensor.
+    fn stored(&self) -> Result<(&'static str, Vec<u64>)> {
+        match self.dtype {
+            DType::C32 | DType::C128 => {
+                let part = self.dtype.complex_part().unwrap_or(DType::F64);
+                let mut shape = self.shape.clone();
+                shape.push(2);
+                Ok((part.name(), shape))
+            }
+            DType::F4E2M1X2 => Err(Error::layout(
+                &self.name,
+                format!(
+                    "dtype {} (torch.float4_e2m1fn_x2) has no safetensors counterpart; write \
+                     it to a DCP or .pt checkpoint, or leave it out with --exclude",
+                    self.dtype
+                ),
+            )),
+            d => Ok((d.name(), self.shape.clone())),
+        }
+    }
+
+    /// The header's value for this entry, its data at `rel` in the data section.
+    fn header_value(&self, rel: u64) -> Result<serde_json::Value> {
+        let (dtype, shape) = self.stored()?;
+        Ok(serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [rel, rel + self.nbytes()]}))
+    }
 }
 
 /// Order entries for writing: decreasing element size (stable), so each tensor's data is
@@ -253,10 +287,7 @@ pub fn layout_file(
     let mut rels = Vec::with_capacity(entries.len());
     for e in entries {
         let n = e.nbytes();
-        header.insert(
-            e.name.clone(),
-            serde_json::json!({"dtype": e.dtype.name(), "shape": e.shape, "data_offsets": [rel, rel + n]}),
-        );
+        header.insert(e.name.clone(), e.header_value(rel)?);
         rels.push(rel);
         rel += n;
     }
@@ -351,7 +382,8 @@ impl FileSize {
     pub fn with(self, e: &Entry) -> FileSize {
         let n = e.nbytes();
         let key = serde_json::to_string(&e.name).unwrap_or_default();
-        let value = serde_json::json!({"dtype": e.dtype.name(), "shape": e.shape, "data_offsets": [self.data, self.data + n]});
+        // a dtype safetensors cannot hold is refused when the file is laid out
+        let value = e.header_value(self.data).unwrap_or_default();
         // `,"name":{…}`, and its CRC placeholder: `,\"@@@@@@@@\"` inside the escaped
         // `reshard.crc32` string
         let entry = 1 + key.len() + 1 + value.to_string().len();
