@@ -720,3 +720,52 @@ pub fn full_layouts(entries: &[Entry], offsets: &[u64], file: u32) -> Vec<Tensor
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(name: &str, dtype: DType, shape: &[u64]) -> Entry {
+        Entry {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+        }
+    }
+
+    #[test]
+    fn dtypes_safetensors_lacks_are_stored_as_real_pairs_or_refused() {
+        let entries = [
+            entry("c128", DType::C128, &[3]),
+            entry("c64", DType::C64, &[3]),
+            entry("c32", DType::C32, &[2, 1]),
+            entry("e8m0", DType::F8E8M0, &[4]),
+            entry("fnuz", DType::F8E4M3FNUZ, &[4]),
+        ];
+        let (bytes, offsets, size) = layout_file(&entries, &BTreeMap::new()).unwrap();
+        let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
+        let infos = meta.tensors();
+        let got = |n: &str| (infos[n].dtype, infos[n].shape.clone());
+        assert_eq!(got("c128"), (Dtype::F64, vec![3, 2]));
+        assert_eq!(got("c64"), (Dtype::C64, vec![3]));
+        assert_eq!(got("c32"), (Dtype::F16, vec![2, 1, 2]));
+        assert_eq!(got("e8m0"), (Dtype::F8_E8M0, vec![4]));
+        assert_eq!(got("fnuz"), (Dtype::F8_E4M3FNUZ, vec![4]));
+        // the same bytes as the complex tensors: 48 + 24 + 8 + 4 + 4
+        assert_eq!(size - offsets[0], 88);
+        // what the crate reads back is what reshard reads
+        for (n, d) in [("c64", DType::C64), ("e8m0", DType::F8E8M0)] {
+            assert_eq!(dtype_of(infos[n].dtype), Some(d));
+        }
+        let e = layout_file(
+            &[entry("x", DType::F4E2M1X2, &[2])],
+            &BTreeMap::new(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("`x`") && e.contains("F4_E2M1FN_X2") && e.contains("no safetensors"),
+            "{e}"
+        );
+    }
+}
