@@ -260,7 +260,9 @@ impl Entry {
     /// The header's value for this entry, its data at `rel` in the data section.
     fn header_value(&self, rel: u64) -> Result<serde_json::Value> {
         let (dtype, shape) = self.stored()?;
-        Ok(serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [rel, rel + self.nbytes()]}))
+        Ok(
+            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [rel, rel + self.nbytes()]}),
+        )
     }
 }
 
@@ -757,12 +759,9 @@ mod tests {
         for (n, d) in [("c64", DType::C64), ("e8m0", DType::F8E8M0)] {
             assert_eq!(dtype_of(infos[n].dtype), Some(d));
         }
-        let e = layout_file(
-            &[entry("x", DType::F4E2M1X2, &[2])],
-            &BTreeMap::new(),
-        )
-        .unwrap_err()
-        .to_string();
+        let e = layout_file(&[entry("x", DType::F4E2M1X2, &[2])], &BTreeMap::new())
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("`x`") && e.contains("F4_E2M1FN_X2") && e.contains("no safetensors"),
             "{e}"
