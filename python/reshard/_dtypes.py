@@ -18,10 +18,18 @@ _TORCH = {
     "F64": "float64",
     "I64": "int64",
     "U64": "uint64",
+    "C32": "complex32",
+    "C64": "complex64",
+    "C128": "complex128",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F4_E2M1FN_X2": "float4_e2m1fn_x2",
 }
 
-# numpy names the same types as torch; it has no bfloat16 or float8.
-_NUMPY = {k: v for k, v in _TORCH.items() if k not in ("BF16", "F8_E4M3", "F8_E5M2")}
+# numpy names the same types as torch; it has no bfloat16, complex32, float8 or float4.
+_NO_NUMPY = ("BF16", "C32", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0", "F4_E2M1FN_X2")
+_NUMPY = {k: v for k, v in _TORCH.items() if k not in _NO_NUMPY}
 
 _ALIASES = {
     "bf16": "BF16", "bfloat16": "BF16", "f16": "F16", "fp16": "F16", "half": "F16",
@@ -29,7 +37,10 @@ _ALIASES = {
     "f64": "F64", "fp64": "F64", "double": "F64", "float64": "F64", "bool": "BOOL",
     "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "int32": "I32",
     "uint32": "U32", "int64": "I64", "uint64": "U64", "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
+    "float8_e5m2": "F8_E5M2", "c32": "C32", "complex32": "C32", "chalf": "C32", "c64": "C64",
+    "complex64": "C64", "cfloat": "C64", "c128": "C128", "complex128": "C128",
+    "cdouble": "C128", "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    "float8_e8m0fnu": "F8_E8M0", "f8_e8m0": "F8_E8M0", "float4_e2m1fn_x2": "F4_E2M1FN_X2",
 }
 
 
@@ -62,7 +73,8 @@ def torch_dtype(name: str) -> Any:
 
 
 def numpy_dtype(name: str) -> Any:
-    """The numpy dtype of reshard's dtype ``name`` (bfloat16 and float8 have none)."""
+    """The numpy dtype of reshard's dtype ``name`` (bfloat16, complex32, float8 and float4
+    have none)."""
     import numpy as np
     from ._reshard import RequestError
 

@@ -59,6 +59,10 @@ fn dtype_of(d: Dtype) -> Option<DType> {
         Dtype::F64 => DType::F64,
         Dtype::I64 => DType::I64,
         Dtype::U64 => DType::U64,
+        Dtype::C64 => DType::C64,
+        Dtype::F8_E4M3FNUZ => DType::F8E4M3FNUZ,
+        Dtype::F8_E5M2FNUZ => DType::F8E5M2FNUZ,
+        Dtype::F8_E8M0 => DType::F8E8M0,
         _ => return None,
     })
 }
@@ -228,6 +232,38 @@ impl Entry {
     fn nbytes(&self) -> u64 {
         self.shape.iter().product::<u64>() * self.dtype.size() as u64
     }
+
+    /// The dtype name and shape the header records for this entry. Safetensors has no
+    /// complex32 or complex128: those are stored as their real pairs (f16 / f64, one more
+    /// dimension of 2, as `torch.view_as_real` gives them; the bytes are the same). A dtype
+    /// safetensors cannot hold at all (float4_e2m1fn_x2) is refused, naming the tensor.
+    fn stored(&self) -> Result<(&'static str, Vec<u64>)> {
+        match self.dtype {
+            DType::C32 | DType::C128 => {
+                let part = self.dtype.complex_part().unwrap_or(DType::F64);
+                let mut shape = self.shape.clone();
+                shape.push(2);
+                Ok((part.name(), shape))
+            }
+            DType::F4E2M1X2 => Err(Error::layout(
+                &self.name,
+                format!(
+                    "dtype {} (torch.float4_e2m1fn_x2) has no safetensors counterpart; write \
+                     it to a DCP or .pt checkpoint, or leave it out with --exclude",
+                    self.dtype
+                ),
+            )),
+            d => Ok((d.name(), self.shape.clone())),
+        }
+    }
+
+    /// The header's value for this entry, its data at `rel` in the data section.
+    fn header_value(&self, rel: u64) -> Result<serde_json::Value> {
+        let (dtype, shape) = self.stored()?;
+        Ok(
+            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [rel, rel + self.nbytes()]}),
+        )
+    }
 }
 
 /// Order entries for writing: decreasing element size (stable), so each tensor's data is
@@ -253,10 +289,7 @@ pub fn layout_file(
     let mut rels = Vec::with_capacity(entries.len());
     for e in entries {
         let n = e.nbytes();
-        header.insert(
-            e.name.clone(),
-            serde_json::json!({"dtype": e.dtype.name(), "shape": e.shape, "data_offsets": [rel, rel + n]}),
-        );
+        header.insert(e.name.clone(), e.header_value(rel)?);
         rels.push(rel);
         rel += n;
     }
@@ -351,7 +384,8 @@ impl FileSize {
     pub fn with(self, e: &Entry) -> FileSize {
         let n = e.nbytes();
         let key = serde_json::to_string(&e.name).unwrap_or_default();
-        let value = serde_json::json!({"dtype": e.dtype.name(), "shape": e.shape, "data_offsets": [self.data, self.data + n]});
+        // a dtype safetensors cannot hold is refused when the file is laid out
+        let value = e.header_value(self.data).unwrap_or_default();
         // `,"name":{…}`, and its CRC placeholder: `,\"@@@@@@@@\"` inside the escaped
         // `reshard.crc32` string
         let entry = 1 + key.len() + 1 + value.to_string().len();
@@ -687,4 +721,50 @@ pub fn full_layouts(entries: &[Entry], offsets: &[u64], file: u32) -> Vec<Tensor
             TensorLayout::whole(e.name.clone(), e.dtype, e.shape.clone(), file, offset, None)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(name: &str, dtype: DType, shape: &[u64]) -> Entry {
+        Entry {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+        }
+    }
+
+    #[test]
+    fn dtypes_safetensors_lacks_are_stored_as_real_pairs_or_refused() {
+        let entries = [
+            entry("c128", DType::C128, &[3]),
+            entry("c64", DType::C64, &[3]),
+            entry("c32", DType::C32, &[2, 1]),
+            entry("e8m0", DType::F8E8M0, &[4]),
+            entry("fnuz", DType::F8E4M3FNUZ, &[4]),
+        ];
+        let (bytes, offsets, size) = layout_file(&entries, &BTreeMap::new()).unwrap();
+        let meta: Metadata = serde_json::from_slice(&bytes[8..]).unwrap();
+        let infos = meta.tensors();
+        let got = |n: &str| (infos[n].dtype, infos[n].shape.clone());
+        assert_eq!(got("c128"), (Dtype::F64, vec![3, 2]));
+        assert_eq!(got("c64"), (Dtype::C64, vec![3]));
+        assert_eq!(got("c32"), (Dtype::F16, vec![2, 1, 2]));
+        assert_eq!(got("e8m0"), (Dtype::F8_E8M0, vec![4]));
+        assert_eq!(got("fnuz"), (Dtype::F8_E4M3FNUZ, vec![4]));
+        // the same bytes as the complex tensors: 48 + 24 + 8 + 4 + 4
+        assert_eq!(size - offsets[0], 88);
+        // what the crate reads back is what reshard reads
+        for (n, d) in [("c64", DType::C64), ("e8m0", DType::F8E8M0)] {
+            assert_eq!(dtype_of(infos[n].dtype), Some(d));
+        }
+        let e = layout_file(&[entry("x", DType::F4E2M1X2, &[2])], &BTreeMap::new())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`x`") && e.contains("F4_E2M1FN_X2") && e.contains("no safetensors"),
+            "{e}"
+        );
+    }
 }

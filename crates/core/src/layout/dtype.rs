@@ -1,10 +1,13 @@
-//! Element types, named as safetensors names them, with their sizes and cast rules.
+//! Element types, named as safetensors names them (torch's dtypes that safetensors lacks by
+//! names of the same style), with their sizes and cast rules.
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
 
-/// The element type of a tensor. Every safetensors dtype that torch can produce.
+/// The element type of a tensor: every dtype that torch can save with `torch.save` and
+/// `torch.distributed.checkpoint` and that is plain bytes per element (not the quantized
+/// types, whose scales live outside the storage, nor the `bits*` raw types).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum DType {
@@ -41,11 +44,29 @@ pub enum DType {
     I64,
     /// `uint64`.
     U64,
+    /// `complex32` (`chalf`): pairs of f16, real part first.
+    C32,
+    /// `complex64` (`cfloat`): pairs of f32, real part first.
+    C64,
+    /// `complex128` (`cdouble`): pairs of f64, real part first.
+    C128,
+    /// `float8_e4m3fnuz`.
+    #[serde(rename = "F8_E4M3FNUZ")]
+    F8E4M3FNUZ,
+    /// `float8_e5m2fnuz`.
+    #[serde(rename = "F8_E5M2FNUZ")]
+    F8E5M2FNUZ,
+    /// `float8_e8m0fnu`.
+    #[serde(rename = "F8_E8M0")]
+    F8E8M0,
+    /// `float4_e2m1fn_x2`: two fp4 values in each byte, one element per byte.
+    #[serde(rename = "F4_E2M1FN_X2")]
+    F4E2M1X2,
 }
 
 impl DType {
-    /// All dtypes, in safetensors' order.
-    pub const ALL: [DType; 15] = [
+    /// All dtypes: safetensors' classic ones in its order, then the ones added since.
+    pub const ALL: [DType; 22] = [
         DType::Bool,
         DType::U8,
         DType::I8,
@@ -61,15 +82,31 @@ impl DType {
         DType::F64,
         DType::I64,
         DType::U64,
+        DType::C32,
+        DType::C64,
+        DType::C128,
+        DType::F8E4M3FNUZ,
+        DType::F8E5M2FNUZ,
+        DType::F8E8M0,
+        DType::F4E2M1X2,
     ];
 
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
-            DType::Bool | DType::U8 | DType::I8 | DType::F8E4M3 | DType::F8E5M2 => 1,
+            DType::Bool
+            | DType::U8
+            | DType::I8
+            | DType::F8E4M3
+            | DType::F8E5M2
+            | DType::F8E4M3FNUZ
+            | DType::F8E5M2FNUZ
+            | DType::F8E8M0
+            | DType::F4E2M1X2 => 1,
             DType::I16 | DType::U16 | DType::F16 | DType::BF16 => 2,
-            DType::I32 | DType::U32 | DType::F32 => 4,
-            DType::F64 | DType::I64 | DType::U64 => 8,
+            DType::I32 | DType::U32 | DType::F32 | DType::C32 => 4,
+            DType::F64 | DType::I64 | DType::U64 | DType::C64 => 8,
+            DType::C128 => 16,
         }
     }
 
@@ -91,11 +128,30 @@ impl DType {
             DType::F64 => "F64",
             DType::I64 => "I64",
             DType::U64 => "U64",
+            DType::C32 => "C32",
+            DType::C64 => "C64",
+            DType::C128 => "C128",
+            DType::F8E4M3FNUZ => "F8_E4M3FNUZ",
+            DType::F8E5M2FNUZ => "F8_E5M2FNUZ",
+            DType::F8E8M0 => "F8_E8M0",
+            DType::F4E2M1X2 => "F4_E2M1FN_X2",
+        }
+    }
+
+    /// For a complex dtype, the floating dtype of its real and imaginary parts (a complex
+    /// element is two of them, real first, as `torch.view_as_real` shows it).
+    pub fn complex_part(self) -> Option<DType> {
+        match self {
+            DType::C32 => Some(DType::F16),
+            DType::C64 => Some(DType::F32),
+            DType::C128 => Some(DType::F64),
+            _ => None,
         }
     }
 
     /// True for the floating types reshard can cast between (f16, bf16, f32, f64).
-    /// fp8 tensors are floating too but move as bytes only.
+    /// fp8 and fp4 tensors are floating too, and complex ones are pairs of floats, but they
+    /// move as bytes only.
     pub fn is_castable_float(self) -> bool {
         matches!(self, DType::F16 | DType::BF16 | DType::F32 | DType::F64)
     }
@@ -116,13 +172,23 @@ impl DType {
         }
     }
 
-    /// True for every floating type, fp8 included.
+    /// True for every real floating type, fp8 and fp4 included (complex types are not).
     pub fn is_float(self) -> bool {
-        self.is_castable_float() || matches!(self, DType::F8E4M3 | DType::F8E5M2)
+        self.is_castable_float()
+            || matches!(
+                self,
+                DType::F8E4M3
+                    | DType::F8E5M2
+                    | DType::F8E4M3FNUZ
+                    | DType::F8E5M2FNUZ
+                    | DType::F8E8M0
+                    | DType::F4E2M1X2
+            )
     }
 
     /// Whether values of `self` may be converted to `to`: identity, or between f16/bf16/f32/f64.
-    /// Casts between unrelated kinds (float → int, int → float, fp8) are refused.
+    /// Casts between unrelated kinds (float → int, int → float, fp8, fp4, complex) are
+    /// refused.
     pub fn can_cast_to(self, to: DType) -> bool {
         self == to || (self.is_castable_float() && to.is_castable_float())
     }
@@ -156,11 +222,19 @@ impl FromStr for DType {
             "f64" | "float64" | "double" => DType::F64,
             "i64" | "int64" | "long" => DType::I64,
             "u64" | "uint64" => DType::U64,
+            "c32" | "complex32" | "chalf" => DType::C32,
+            "c64" | "complex64" | "cfloat" => DType::C64,
+            "c128" | "complex128" | "cdouble" => DType::C128,
+            "f8_e4m3fnuz" | "float8_e4m3fnuz" => DType::F8E4M3FNUZ,
+            "f8_e5m2fnuz" | "float8_e5m2fnuz" => DType::F8E5M2FNUZ,
+            "f8_e8m0" | "float8_e8m0fnu" => DType::F8E8M0,
+            "f4_e2m1fn_x2" | "float4_e2m1fn_x2" => DType::F4E2M1X2,
             _ => {
                 return Err(format!(
                     "unknown dtype `{s}` (expected bool, u8, i8, f8_e4m3, f8_e5m2, i16, u16, \
-                     f16, bf16, i32, u32, f32, f64, i64 or u64, in either case; torch's names \
-                     such as float32 and bfloat16 too)"
+                     f16, bf16, i32, u32, f32, f64, i64, u64, c32, c64, c128, f8_e4m3fnuz, \
+                     f8_e5m2fnuz, f8_e8m0 or f4_e2m1fn_x2, in either case; torch's names such \
+                     as float32, bfloat16 and complex64 too)"
                 ))
             }
         };
@@ -180,10 +254,45 @@ mod tests {
                 serde_json::to_string(&d).unwrap(),
                 format!("\"{}\"", d.name())
             );
-            assert!(matches!(d.size(), 1 | 2 | 4 | 8));
+            assert!(matches!(d.size(), 1 | 2 | 4 | 8 | 16));
         }
         assert_eq!("bfloat16".parse::<DType>().unwrap(), DType::BF16);
-        assert!("complex32".parse::<DType>().is_err());
+        assert!("complex256".parse::<DType>().is_err());
+    }
+
+    #[test]
+    fn the_dtypes_beyond_safetensors_classic_ones() {
+        // (dtype, reshard name, torch name, bytes per element)
+        let table = [
+            (DType::C32, "C32", "complex32", 4),
+            (DType::C64, "C64", "complex64", 8),
+            (DType::C128, "C128", "complex128", 16),
+            (DType::F8E4M3FNUZ, "F8_E4M3FNUZ", "float8_e4m3fnuz", 1),
+            (DType::F8E5M2FNUZ, "F8_E5M2FNUZ", "float8_e5m2fnuz", 1),
+            (DType::F8E8M0, "F8_E8M0", "float8_e8m0fnu", 1),
+            (DType::F4E2M1X2, "F4_E2M1FN_X2", "float4_e2m1fn_x2", 1),
+        ];
+        for (d, name, torch, size) in table {
+            assert_eq!(d.name(), name);
+            assert_eq!(torch.parse::<DType>(), Ok(d));
+            assert_eq!(name.to_lowercase().parse::<DType>(), Ok(d));
+            assert_eq!(d.size(), size);
+            assert!(DType::ALL.contains(&d));
+        }
+        assert_eq!("cfloat".parse::<DType>(), Ok(DType::C64));
+        assert_eq!("cdouble".parse::<DType>(), Ok(DType::C128));
+        assert_eq!("chalf".parse::<DType>(), Ok(DType::C32));
+        // a complex element is two of its part's, real first
+        for d in DType::ALL {
+            match d.complex_part() {
+                Some(p) => {
+                    assert_eq!(d.size(), 2 * p.size());
+                    assert!(p.is_castable_float() && !d.is_float());
+                }
+                None => assert!(!d.name().starts_with('C')),
+            }
+        }
+        assert!(DType::F8E8M0.is_float() && DType::F4E2M1X2.is_float());
     }
 
     #[test]
@@ -224,5 +333,28 @@ mod tests {
         assert!(!DType::I64.can_cast_to(DType::F64));
         assert!(!DType::F8E4M3.can_cast_to(DType::F32));
         assert!(DType::I64.can_cast_to(DType::I64));
+        // complex, fp8 and fp4 move as bytes: copies only, no cast either way
+        for d in [
+            DType::C32,
+            DType::C64,
+            DType::C128,
+            DType::F8E4M3FNUZ,
+            DType::F8E5M2FNUZ,
+            DType::F8E8M0,
+            DType::F4E2M1X2,
+        ] {
+            assert!(d.can_cast_to(d));
+            for f in [DType::F16, DType::BF16, DType::F32, DType::F64] {
+                assert!(!d.can_cast_to(f) && !f.can_cast_to(d), "{d} {f}");
+            }
+        }
+        assert!(!DType::C64.can_cast_to(DType::C128));
+        assert_eq!(
+            DType::cast_target("complex64"),
+            Err(
+                "cannot cast to C64: only floating dtypes (f16, bf16, f32, f64) can be targets"
+                    .to_string()
+            )
+        );
     }
 }

@@ -16,8 +16,8 @@ pub struct TorchDType {
     /// The reshard dtype, `None` for dtypes reshard does not read or write.
     pub dtype: Option<DType>,
     /// The legacy typed storage class (`FloatStorage`), if the dtype has one. Dtypes without
-    /// one (uint16/32/64, float8) are written with `_rebuild_tensor_v3`, which torch ≥ 2.3
-    /// reads.
+    /// one (uint16/32/64, float8, float4, complex32) are written with `_rebuild_tensor_v3`,
+    /// which torch ≥ 2.3 reads.
     pub storage: Option<&'static str>,
     /// Whether torch 2.1's weights-only unpickler accepts `torch.<name>` as a global.
     pub torch21: bool,
@@ -74,18 +74,18 @@ pub const TABLE: &[TorchDType] = &[
         Some("BFloat16Storage"),
         false,
     ),
-    t("complex32", &["chalf"], None, None, true),
+    t("complex32", &["chalf"], Some(DType::C32), None, true),
     t(
         "complex64",
         &["cfloat"],
-        None,
+        Some(DType::C64),
         Some("ComplexFloatStorage"),
         true,
     ),
     t(
         "complex128",
         &["cdouble"],
-        None,
+        Some(DType::C128),
         Some("ComplexDoubleStorage"),
         true,
     ),
@@ -122,11 +122,11 @@ pub const TABLE: &[TorchDType] = &[
     t("quint4x2", &[], None, Some("QUInt4x2Storage"), false),
     t("quint2x4", &[], None, Some("QUInt2x4Storage"), false),
     t("float8_e4m3fn", &[], Some(DType::F8E4M3), None, false),
-    other("float8_e4m3fnuz"),
+    t("float8_e4m3fnuz", &[], Some(DType::F8E4M3FNUZ), None, false),
     t("float8_e5m2", &[], Some(DType::F8E5M2), None, false),
-    other("float8_e5m2fnuz"),
-    other("float8_e8m0fnu"),
-    other("float4_e2m1fn_x2"),
+    t("float8_e5m2fnuz", &[], Some(DType::F8E5M2FNUZ), None, false),
+    t("float8_e8m0fnu", &[], Some(DType::F8E8M0), None, false),
+    t("float4_e2m1fn_x2", &[], Some(DType::F4E2M1X2), None, false),
     other("bits1x8"),
     other("bits2x4"),
     other("bits4x2"),
@@ -162,7 +162,8 @@ pub fn torch_dtype_name(d: DType) -> &'static str {
 }
 
 /// The legacy typed storage class `torch.<X>Storage` of a dtype, if it has one. Dtypes without
-/// one (uint16/32/64, float8) are written with `_rebuild_tensor_v3`, which torch ≥ 2.3 reads.
+/// one (uint16/32/64, float8, float4, complex32) are written with `_rebuild_tensor_v3`, which
+/// torch ≥ 2.3 reads.
 pub fn legacy_storage(d: DType) -> Option<&'static str> {
     of(d).storage
 }
@@ -223,6 +224,15 @@ mod tests {
         }
         assert_eq!(global_names().count(), 55);
         assert_eq!(storage_classes().count(), 17);
-        assert_eq!(by_storage("ComplexFloatStorage").unwrap().dtype, None);
+        assert_eq!(
+            by_storage("ComplexFloatStorage").unwrap().dtype,
+            Some(DType::C64)
+        );
+        assert_eq!(
+            by_storage("ComplexDoubleStorage").unwrap().dtype,
+            Some(DType::C128)
+        );
+        assert_eq!(by_storage("QInt8Storage").unwrap().dtype, None);
+        assert_eq!(by_name("bits8").unwrap().dtype, None);
     }
 }
