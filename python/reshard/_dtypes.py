@@ -19,6 +19,7 @@ _TORCH = {
     "I64": "int64",
     "U64": "uint64",
     "C32": "complex32",
+    "BC32": "bcomplex32",
     "C64": "complex64",
     "C128": "complex128",
     "F8_E4M3FNUZ": "float8_e4m3fnuz",
@@ -27,8 +28,8 @@ _TORCH = {
     "F4_E2M1FN_X2": "float4_e2m1fn_x2",
 }
 
-# numpy names the same types as torch; it has no bfloat16, complex32, float8 or float4.
-_NO_NUMPY = ("BF16", "C32", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0", "F4_E2M1FN_X2")
+# numpy names the same types as torch; it has no bfloat16, complex32, bcomplex32, float8 or float4.
+_NO_NUMPY = ("BF16", "C32", "BC32", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0", "F4_E2M1FN_X2")
 _NUMPY = {k: v for k, v in _TORCH.items() if k not in _NO_NUMPY}
 
 _ALIASES = {
@@ -41,6 +42,7 @@ _ALIASES = {
     "complex64": "C64", "cfloat": "C64", "c128": "C128", "complex128": "C128",
     "cdouble": "C128", "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
     "float8_e8m0fnu": "F8_E8M0", "f8_e8m0": "F8_E8M0", "float4_e2m1fn_x2": "F4_E2M1FN_X2",
+    "bcomplex32": "BC32",
 }
 
 

@@ -34,6 +34,7 @@ DTYPES = {
     "float8_e5m2fnuz": "F8_E5M2FNUZ",
     "float8_e8m0fnu": "F8_E8M0",
     "float4_e2m1fn_x2": "F4_E2M1FN_X2",
+    "bcomplex32": "BC32",
 }
 COMPLEX_PART = {"complex32": torch.float16, "complex64": torch.float32, "complex128": torch.float64}
 # the dtype safetensors' own loader gives back, and whether the tensor comes back as real pairs
@@ -44,6 +45,7 @@ ST_DTYPE = {
     "float8_e4m3fnuz": (torch.float8_e4m3fnuz, False),
     "float8_e5m2fnuz": (torch.float8_e5m2fnuz, False),
     "float8_e8m0fnu": (torch.float8_e8m0fnu, False),
+    "bcomplex32": (torch.bfloat16, True),
 }
 SHAPE = (4, 6)
 

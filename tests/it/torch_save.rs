@@ -1067,7 +1067,7 @@ fn cases() -> Vec<Case> {
     ]);
 
     let modern_dtypes = [
-        U16, U32, U64, F8E4M3, F8E5M2, C32, C64, C128, F8E4M3FNUZ, F8E5M2FNUZ, F8E8M0, F4E2M1X2,
+        U16, U32, U64, F8E4M3, F8E5M2, C32, C64, C128, F8E4M3FNUZ, F8E5M2FNUZ, F8E8M0, F4E2M1X2, BC32,
     ];
     let (tensors, mstorages) = tensor_case(&modern_dtypes, 0);
     let modern = PyValue::OrderedDict(vec![

@@ -234,12 +234,13 @@ impl Entry {
     }
 
     /// The dtype name and shape the header records for this entry. Safetensors has no
-    /// complex32 or complex128: those are stored as their real pairs (f16 / f64, one more
+    /// complex32, bcomplex32 or complex128: those are stored as their real pairs (f16 / bf16 /
+    /// f64, one more
     /// dimension of 2, as `torch.view_as_real` gives them; the bytes are the same). A dtype
     /// safetensors cannot hold at all (float4_e2m1fn_x2) is refused, naming the tensor.
     fn stored(&self) -> Result<(&'static str, Vec<u64>)> {
         match self.dtype {
-            DType::C32 | DType::C128 => {
+            DType::C32 | DType::BC32 | DType::C128 => {
                 let part = self.dtype.complex_part().unwrap_or(DType::F64);
                 let mut shape = self.shape.clone();
                 shape.push(2);

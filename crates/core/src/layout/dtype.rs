@@ -46,6 +46,8 @@ pub enum DType {
     U64,
     /// `complex32` (`chalf`): pairs of f16, real part first.
     C32,
+    /// `bcomplex32`: pairs of bf16, real part first.
+    BC32,
     /// `complex64` (`cfloat`): pairs of f32, real part first.
     C64,
     /// `complex128` (`cdouble`): pairs of f64, real part first.
@@ -66,7 +68,7 @@ pub enum DType {
 
 impl DType {
     /// All dtypes: safetensors' classic ones in its order, then the ones added since.
-    pub const ALL: [DType; 22] = [
+    pub const ALL: [DType; 23] = [
         DType::Bool,
         DType::U8,
         DType::I8,
@@ -89,6 +91,7 @@ impl DType {
         DType::F8E5M2FNUZ,
         DType::F8E8M0,
         DType::F4E2M1X2,
+        DType::BC32,
     ];
 
     /// Bytes per element.
@@ -104,7 +107,7 @@ impl DType {
             | DType::F8E8M0
             | DType::F4E2M1X2 => 1,
             DType::I16 | DType::U16 | DType::F16 | DType::BF16 => 2,
-            DType::I32 | DType::U32 | DType::F32 | DType::C32 => 4,
+            DType::I32 | DType::U32 | DType::F32 | DType::C32 | DType::BC32 => 4,
             DType::F64 | DType::I64 | DType::U64 | DType::C64 => 8,
             DType::C128 => 16,
         }
@@ -129,6 +132,7 @@ impl DType {
             DType::I64 => "I64",
             DType::U64 => "U64",
             DType::C32 => "C32",
+            DType::BC32 => "BC32",
             DType::C64 => "C64",
             DType::C128 => "C128",
             DType::F8E4M3FNUZ => "F8_E4M3FNUZ",
@@ -143,6 +147,7 @@ impl DType {
     pub fn complex_part(self) -> Option<DType> {
         match self {
             DType::C32 => Some(DType::F16),
+            DType::BC32 => Some(DType::BF16),
             DType::C64 => Some(DType::F32),
             DType::C128 => Some(DType::F64),
             _ => None,
@@ -229,11 +234,12 @@ impl FromStr for DType {
             "f8_e5m2fnuz" | "float8_e5m2fnuz" => DType::F8E5M2FNUZ,
             "f8_e8m0" | "float8_e8m0fnu" => DType::F8E8M0,
             "f4_e2m1fn_x2" | "float4_e2m1fn_x2" => DType::F4E2M1X2,
+            "bc32" | "bcomplex32" => DType::BC32,
             _ => {
                 return Err(format!(
                     "unknown dtype `{s}` (expected bool, u8, i8, f8_e4m3, f8_e5m2, i16, u16, \
                      f16, bf16, i32, u32, f32, f64, i64, u64, c32, c64, c128, f8_e4m3fnuz, \
-                     f8_e5m2fnuz, f8_e8m0 or f4_e2m1fn_x2, in either case; torch's names such \
+                     f8_e5m2fnuz, f8_e8m0, f4_e2m1fn_x2 or bc32, in either case; torch's names such \
                      as float32, bfloat16 and complex64 too)"
                 ))
             }
@@ -271,6 +277,7 @@ mod tests {
             (DType::F8E5M2FNUZ, "F8_E5M2FNUZ", "float8_e5m2fnuz", 1),
             (DType::F8E8M0, "F8_E8M0", "float8_e8m0fnu", 1),
             (DType::F4E2M1X2, "F4_E2M1FN_X2", "float4_e2m1fn_x2", 1),
+            (DType::BC32, "BC32", "bcomplex32", 4),
         ];
         for (d, name, torch, size) in table {
             assert_eq!(d.name(), name);
@@ -336,6 +343,7 @@ mod tests {
         // complex, fp8 and fp4 move as bytes: copies only, no cast either way
         for d in [
             DType::C32,
+            DType::BC32,
             DType::C64,
             DType::C128,
             DType::F8E4M3FNUZ,

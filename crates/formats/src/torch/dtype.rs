@@ -75,6 +75,7 @@ pub const TABLE: &[TorchDType] = &[
         false,
     ),
     t("complex32", &["chalf"], Some(DType::C32), None, true),
+    t("bcomplex32", &[], Some(DType::BC32), None, false),
     t(
         "complex64",
         &["cfloat"],
@@ -222,7 +223,7 @@ mod tests {
                 "{n}"
             );
         }
-        assert_eq!(global_names().count(), 55);
+        assert_eq!(global_names().count(), 56);
         assert_eq!(storage_classes().count(), 17);
         assert_eq!(
             by_storage("ComplexFloatStorage").unwrap().dtype,
