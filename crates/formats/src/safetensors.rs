@@ -490,6 +490,7 @@ pub fn extras_from_metadata(
                 pickle,
                 raw: None,
                 origin: "reshard.extras",
+                opaque: None,
             })
         })
         .collect()
@@ -613,6 +614,7 @@ static CAPS: Capabilities = Capabilities {
     max_world: Some(1),
     family: Family::Safetensors,
     extras_kept: "as JSON in the safetensors __metadata__ key `reshard.extras`",
+    keeps_opaque: false,
     aliasing: Aliasing::Forbidden,
 };
 

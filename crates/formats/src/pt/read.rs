@@ -335,6 +335,7 @@ impl<'a> Walker<'a> {
             pickle: Some(v.clone()),
             raw: None,
             origin: "pt",
+            opaque: None,
         });
         Ok(())
     }
