@@ -753,8 +753,9 @@ pub fn write(
         {
             return Err(Error::usage(format!(
                 "{reason}; {} needs it as a value (a DCP output keeps its stored bytes): \
-                 leave it out with --exclude '{}'",
+                 leave it out with --exclude '{}' (exclude=[{:?}] in Python)",
                 format.capabilities().noun,
+                e.name,
                 e.name
             )));
         }
