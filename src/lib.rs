@@ -57,9 +57,9 @@ pub use reshard_core::{layout, parts, per_rank, plan, target};
 pub mod formats {
     pub use reshard_formats::{
         checkpoints_in, choose, detect, latest_step, output_format, step_of, write, Aliasing,
-        Capabilities, Checkpoint, Choice, Codec, Container, Extra, Family, Format, KeyPart, Output,
-        Probe, Recognition, RecordCrc, WriteOptions, EXTRAS_KEY, EXTRAS_PICKLE_KEY, PATHS_KEY,
-        REGISTRY,
+        Capabilities, Checkpoint, Choice, Codec, Container, Extra, Family, Format, KeyPart, Opaque,
+        Output, Probe, Recognition, RecordCrc, WriteOptions, EXTRAS_KEY, EXTRAS_PICKLE_KEY,
+        PATHS_KEY, REGISTRY,
     };
 }
 /// The formats crate whole, at its old path, for the project's tests, benches and fuzz
@@ -93,7 +93,7 @@ pub use convert::{ConvertOptions, Job};
 pub use error::{Error, Hint, Result};
 pub use exec::{ExecOptions, ExecStats, Progress};
 pub use formats::Format;
-pub use reshard_core::model::{Extra, KeyPart, RecordCrc, Weights};
+pub use reshard_core::model::{Extra, KeyPart, Opaque, RecordCrc, Weights};
 pub use reshard_formats::array::Element;
 pub use reshard_formats::torch::pickle::extra_pickle;
 pub use select::Selection;

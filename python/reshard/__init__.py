@@ -172,7 +172,22 @@ class Checkpoint:
     def values(self) -> Dict[str, Any]:
         """The non-tensor entries (step counters, ``param_groups`` leaves, scheduler state,
         Lightning's ``meta.pt`` keys) as Python objects, by flat name."""
-        return {name: _values.decode(raw, pickled) for (name, raw, pickled) in self._extras()}
+        return {name: _values.decode(self.path, name, *stored) for (name, *stored) in self._extras()}
+
+    def value_bytes(self, name: str) -> bytes:
+        """The non-tensor entry ``name`` as stored: a DCP item's ``torch.save`` stream. For a
+        value reshard keeps opaque (its pickle names a class reshard does not import), this is
+        what there is; ``torch.load(io.BytesIO(b), weights_only=False)`` makes the object,
+        running whatever its pickle names: only for a checkpoint you trust."""
+        items = self._ck.extras([name])
+        if not items:
+            raise RequestError(f"{self.path}: no non-tensor value `{name}`")
+        raw = items[0][2]
+        if raw is None:
+            raise RequestError(
+                f"{self.path}: non-tensor value `{name}` is not stored as bytes of its own; values() gives it"
+            )
+        return bytes(raw)
 
     def paths(self) -> Dict[str, List[Union[str, int]]]:
         """The nested path of each flat name that has one (``["optimizer", "state", 0]``)."""
@@ -209,12 +224,14 @@ class Checkpoint:
         ``modules``), or None; nothing is read."""
         return self._ck.storage_meta
 
-    def _extras(self, names: Optional[Sequence[str]] = None) -> List[Tuple[str, Optional[bytes], bytes]]:
+    def _extras(
+        self, names: Optional[Sequence[str]] = None
+    ) -> List[Tuple[str, Optional[bytes], Optional[bytes], Optional[str]]]:
         """The non-tensor entries (those in ``names`` when given), in the checkpoint's order, as
-        ``(name, raw, pickled)`` for :func:`reshard._values.decode`: each stored item is read
-        (fetched, from object storage) now."""
+        ``(name, raw, pickled, opaque)`` for :func:`reshard._values.decode` (after its ``where``):
+        each stored item is read (fetched, from object storage) now."""
         items = self._ck.extras(None if names is None else list(names))
-        return [(name, raw, pickled) for (name, _origin, raw, pickled) in items]
+        return [(name, raw, pickled, opaque) for (name, _origin, raw, pickled, opaque) in items]
 
     def _keeps(
         self, names: Sequence[str], include: Optional[Sequence[str]], exclude: Optional[Sequence[str]]

@@ -192,7 +192,7 @@ class StorageReader(_TorchStorageReader):
     def _clear(self) -> None:
         """Forget what the last load read."""
         # the non-tensor values by name once the metadata is read: (raw, pickled) once read
-        self._extras: Optional[Dict[str, Optional[Tuple[Optional[bytes], bytes]]]] = None
+        self._extras: Optional[Dict[str, Optional[Tuple[Optional[bytes], Optional[bytes]]]]] = None
         self._dtypes: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
         # torch's reader, for a DCP folder with stream transforms reshard does not decode
         self._torch_reader: Optional[_TorchFileSystemReader] = None
@@ -250,7 +250,7 @@ class StorageReader(_TorchStorageReader):
                 chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)],
             )
             self._dtypes[name] = (dt, tuple(shape))
-        extras: Dict[str, Optional[Tuple[Optional[bytes], bytes]]] = {}
+        extras: Dict[str, Optional[Tuple[Optional[bytes], Optional[bytes]]]] = {}
         for name in ck._extra_names():  # the values are read when a plan asks for them
             sdm[name] = BytesStorageMetadata()
             extras[name] = None
@@ -328,7 +328,7 @@ class StorageReader(_TorchStorageReader):
         # The values the plan asks for, read before any target is written.
         unread = {n for n in (i.storage_index.fqn for i in byte_items) if n in extras and extras[n] is None}
         if unread:
-            for name, raw, pickled in ck._extras(sorted(unread)):
+            for name, raw, pickled, _opaque in ck._extras(sorted(unread)):
                 extras[name] = (raw, pickled)
 
         # Resolve every target first, then read all regions in one native call: straight into
@@ -367,15 +367,15 @@ class StorageReader(_TorchStorageReader):
         fut.set_result(None)
         return fut
 
-    @staticmethod
-    def _value_bytes(name: str, raw: Optional[bytes], pickled: bytes) -> io.BytesIO:
+    def _value_bytes(self, name: str, raw: Optional[bytes], pickled: Optional[bytes]) -> io.BytesIO:
         """A non-tensor value as the ``torch.save`` stream ``planner.load_bytes`` expects: the
-        stored one for DCP items, else the decoded value saved again."""
+        stored one for DCP items (opaque ones too: torch unpickles them, as its own reader
+        would), else the decoded value saved again."""
         if raw is not None:
             return io.BytesIO(raw)
         buf = io.BytesIO()
         try:
-            torch.save(_values.decode(None, pickled), buf)
+            torch.save(_values.decode(self.path, name, None, pickled, None), buf)
         except Exception as e:
             raise CheckpointError(f"non-tensor value `{name}` cannot be decoded: {e}") from None
         buf.seek(0)

@@ -58,8 +58,10 @@ class NativeCheckpoint:
         """Every tensor as ``(name, dtype, shape, layout summary)``."""
     def extra_names(self) -> List[str]:
         """The names of the non-tensor entries; nothing is read."""
-    def extras(self, names: Optional[List[str]] = None) -> List[Tuple[str, str, Optional[bytes], bytes]]:
-        """Every non-tensor entry (or those in ``names``) as ``(name, origin, raw, pickled)``."""
+    def extras(
+        self, names: Optional[List[str]] = None
+    ) -> List[Tuple[str, str, Optional[bytes], Optional[bytes], Optional[str]]]:
+        """Every non-tensor entry (or those in ``names``) as ``(name, origin, raw, pickled, opaque)``."""
     def paths(self) -> Dict[str, List[Union[str, int]]]:
         """The nested path of each flat key that has one."""
     def tied_names(self) -> List[List[str]]:

@@ -255,7 +255,7 @@ def load(
     # The non-tensor values that replace the state dict's: only these are read (fetched from
     # object storage), and before any tensor is written.
     wanted = [name for _c, _k, (kind, name) in replace if kind == "value"]
-    values_raw = {name: (raw, pickled) for (name, raw, pickled) in ck._extras(wanted)} if wanted else {}
+    values_raw = {name: stored for (name, *stored) in ck._extras(wanted)} if wanted else {}
     fill.run()
     from . import _values
 
@@ -263,7 +263,7 @@ def load(
         if kind == "tensor":
             value = ck._with_framework("pt").get_tensor(name)
         else:
-            value = _values.decode(*values_raw[name])
+            value = _values.decode(ck.path, name, *values_raw[name])
         if container is None or container is view:
             # a top-level entry: ``view`` is a copy of the caller's dict
             state_dict[key] = value

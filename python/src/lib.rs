@@ -144,12 +144,13 @@ struct PyCheckpoint {
 
 /// A part of a destination: `(offsets, sizes, at)`.
 type Part = (Vec<u64>, Vec<u64>, Vec<u64>);
-/// One extra: `(name, origin, raw, pickled)`.
+/// One extra: `(name, origin, raw, pickled, opaque)`.
 type ExtraItem<'py> = (
     String,
     &'static str,
     Option<Bound<'py, PyBytes>>,
-    Bound<'py, PyBytes>,
+    Option<Bound<'py, PyBytes>>,
+    Option<String>,
 );
 /// One local region: `(name, dtype, global shape, offsets, sizes)`.
 type RegionItem = (String, &'static str, Vec<u64>, Vec<u64>, Vec<u64>);
@@ -255,9 +256,10 @@ impl PyCheckpoint {
     }
 
     /// Every non-tensor entry (or those named in `names`, in the checkpoint's order) as
-    /// `(name, origin, raw, pickled)`: `raw` the serialized item as stored (a DCP `BYTE_IO`
-    /// item is a `torch.save` stream, read now), `pickled` the value as a plain protocol-2
-    /// pickle.
+    /// `(name, origin, raw, pickled, opaque)`: `raw` the serialized item as stored (a DCP
+    /// `BYTE_IO` item is a `torch.save` stream, read now), `pickled` the value as a plain
+    /// protocol-2 pickle, except for an opaque value (one whose pickle names a global outside
+    /// the allow-list: `pickled` is `None`, `opaque` that global's dotted name).
     #[pyo3(signature = (names=None))]
     fn extras<'py>(
         &self,
@@ -277,12 +279,12 @@ impl PyCheckpoint {
                 }
                 None => None,
             };
-            out.push((
-                e.name.clone(),
-                e.origin,
-                raw,
-                PyBytes::new(py, &reshard::extra_pickle(e)),
-            ));
+            let pickled = match e.opaque {
+                Some(_) => None,
+                None => Some(PyBytes::new(py, &reshard::extra_pickle(e))),
+            };
+            let opaque = e.opaque.as_ref().map(|o| o.global.clone());
+            out.push((e.name.clone(), e.origin, raw, pickled, opaque));
         }
         Ok(out)
     }

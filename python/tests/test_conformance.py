@@ -17,8 +17,7 @@ Patterns: nested model/optimizer/scheduler state dicts, train-state values (plai
 threads, ``single_file_per_rank=False``, 2 ranks), empty shards and zero-size tensors, 2-D
 meshes (loaded at 1 rank into plain tensors, at 4 and at 2 ranks into other placements), every
 dtype torch saves, the saved ``storage_meta``, a caller's stream transform through
-``_extension_registry``, and HF storage folders whose shard numbers have gaps. A case reshard
-does not handle yet is marked ``xfail(strict=True)`` with the error it gives.
+``_extension_registry``, and HF storage folders whose shard numbers have gaps.
 """
 
 import importlib
@@ -196,12 +195,6 @@ def test_train_state_values(tmp_path):
     conform(tmp_path / "ck", sd)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=CheckpointException,
-    reason="main: read_metadata raises CheckpointError '<ck>/__0_0.distcp: item `state.buf` at offset 0: "
-    "`archive/data.pkl`: unknown global `_io.BytesIO` at byte 2' (fix/opaque-values)",
-)
 def test_bytesio_value(tmp_path):
     """An io.BytesIO value (torch saves it as a BYTE_IO item, torch.save of the object)."""
     sd = {"state": {"buf": io.BytesIO(b"rng state \x00\x01\x02"), "n": 3}, "w": torch.ones(2, 3)}
@@ -221,12 +214,6 @@ USER_MODULE = textwrap.dedent(
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=CheckpointException,
-    reason="main: read_metadata raises CheckpointError '<ck>/__0_0.distcp: item `train_state` at offset 0: "
-    "`archive/data.pkl`: unknown global `conformance_user_state.TrainState` at byte 2' (fix/opaque-values)",
-)
 def test_user_class_value(tmp_path, monkeypatch):
     """An instance of a user-defined picklable class (from a module on sys.path) as a value."""
     (tmp_path / "conformance_user_state.py").write_text(USER_MODULE)

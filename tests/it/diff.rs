@@ -123,6 +123,7 @@ fn extra(name: &str, v: Value) -> Extra {
         pickle: Some(v),
         raw: None,
         origin: "test",
+        opaque: None,
     }
 }
 
@@ -133,6 +134,7 @@ fn json_extra(name: &str, v: serde_json::Value) -> Extra {
         pickle: None,
         raw: None,
         origin: "test",
+        opaque: None,
     }
 }
 

@@ -51,6 +51,36 @@ pub struct Extra {
     pub raw: Option<(u32, u64, u64)>,
     /// Where it came from (`dcp`, `meta.pt`).
     pub origin: &'static str,
+    /// Set when the value is kept only as its stored bytes ([`Opaque`]); `pickle` is then
+    /// `None` and `value` a placeholder naming the global.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub opaque: Option<Opaque>,
+}
+
+/// A non-tensor value whose pickle names a global outside the reader's allow-list (a class
+/// of the training script, or anything hostile): nothing of it is imported or called, it is
+/// kept as the stored `torch.save` stream, which DCP outputs copy unchanged and which torch
+/// itself unpickles when a caller asks it to.
+#[derive(Clone, Debug, Serialize)]
+pub struct Opaque {
+    /// The first global outside the allow-list, dotted (`mymod.TrainState`).
+    pub global: String,
+    /// The stored bytes (a DCP `BYTE_IO` item: a whole `torch.save` stream).
+    #[serde(skip)]
+    pub bytes: std::sync::Arc<[u8]>,
+}
+
+impl Extra {
+    /// The one-line reason its value cannot be given as a Python value, when it is opaque:
+    /// `` `obj` is a pickle of `mymod.TrainState`, which reshard does not import``.
+    pub fn opaque_reason(&self) -> Option<String> {
+        self.opaque.as_ref().map(|o| {
+            format!(
+                "non-tensor value `{}` is a pickle naming `{}`, which reshard does not import or call",
+                self.name, o.global
+            )
+        })
+    }
 }
 
 /// Where parameter values come from, for formats that keep more than one copy of them.

@@ -58,6 +58,7 @@ static CAPS: Capabilities = Capabilities {
     max_world: Some(1),
     family: Family::Safetensors,
     extras_kept: "as JSON under `reshard.extras` in the index's metadata",
+    keeps_opaque: false,
     aliasing: Aliasing::Forbidden,
 };
 

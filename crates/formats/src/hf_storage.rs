@@ -50,6 +50,7 @@ static CAPS: Capabilities = Capabilities {
     max_world: None,
     family: Family::Safetensors,
     extras_kept: "as JSON in the safetensors __metadata__ key `reshard.extras`",
+    keeps_opaque: false,
     aliasing: Aliasing::Forbidden,
 };
 

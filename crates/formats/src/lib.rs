@@ -51,7 +51,7 @@ pub(crate) use reshard_storage::{read, sys};
 
 pub use self::safetensors::{EXTRAS_KEY, EXTRAS_PICKLE_KEY, PATHS_KEY};
 pub use crate::checkpoint::{Checkpoint, Locate, OpenOptions, PathFlavor, SavedId, SavedMeta};
-pub use reshard_core::model::{Extra, KeyPart, RecordCrc, Weights};
+pub use reshard_core::model::{Extra, KeyPart, Opaque, RecordCrc, Weights};
 pub use reshard_core::output::OutputFile;
 pub use reshard_core::target::TargetTensor;
 
@@ -221,6 +221,10 @@ pub struct Capabilities {
     pub family: Family,
     /// How it keeps non-tensor entries, in words (`as Python values`).
     pub extras_kept: &'static str,
+    /// Whether it keeps an opaque non-tensor value ([`Opaque`]: known only as its stored
+    /// `torch.save` stream) by copying those bytes, as the DCP writers do; other formats
+    /// need the value itself and refuse one.
+    pub keeps_opaque: bool,
     /// How it stores tied tensors.
     pub aliasing: Aliasing,
 }
@@ -740,6 +744,21 @@ pub fn write(
             max: format.capabilities().max_world.unwrap_or(u32::MAX),
             world: world as u64,
         });
+    }
+    if !format.capabilities().keeps_opaque {
+        if let Some((e, reason)) = opts
+            .extras
+            .iter()
+            .find_map(|e| Some((e, e.opaque_reason()?)))
+        {
+            return Err(Error::usage(format!(
+                "{reason}; {} needs it as a value (a DCP output keeps its stored bytes): \
+                 leave it out with --exclude '{}' (exclude=[{:?}] in Python)",
+                format.capabilities().noun,
+                e.name,
+                e.name
+            )));
+        }
     }
     format.codec().write(target, world, opts)
 }

@@ -49,6 +49,7 @@ static MEGATRON_CAPS: Capabilities = Capabilities {
     max_world: None,
     family: Family::Torch,
     extras_kept: "common.pt keys in common.pt, ShardedObjects and the rest as BYTE_IO items",
+    keeps_opaque: true,
     aliasing: Aliasing::CopyPerName,
 };
 

@@ -525,6 +525,7 @@ pub fn extras_from_metadata(
                 pickle,
                 raw: None,
                 origin: "reshard.extras",
+                opaque: None,
             })
         })
         .collect()
@@ -648,6 +649,7 @@ static CAPS: Capabilities = Capabilities {
     max_world: Some(1),
     family: Family::Safetensors,
     extras_kept: "as JSON in the safetensors __metadata__ key `reshard.extras`",
+    keeps_opaque: false,
     aliasing: Aliasing::Forbidden,
 };
 

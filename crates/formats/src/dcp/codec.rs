@@ -21,6 +21,7 @@ static DCP_CAPS: Capabilities = Capabilities {
     max_world: None,
     family: Family::Torch,
     extras_kept: "as BYTE_IO items (Lightning's meta.pt keys in meta.pt)",
+    keeps_opaque: true,
     aliasing: Aliasing::CopyPerName,
 };
 

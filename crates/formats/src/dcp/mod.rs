@@ -29,9 +29,10 @@ mod codec;
 mod metadata;
 pub mod write;
 
-use super::torch::pickle::Value;
+use super::torch::pickle::{PickleError, Value};
+use super::torch::zip::TorchZipError;
 use super::torch::{save, short};
-use super::{Checkpoint, Extra, Format, RecordCrc};
+use super::{Checkpoint, Extra, Format, Opaque, RecordCrc};
 use crate::checkpoint::Locate;
 use crate::error::{Error, IoContext, Result};
 use crate::layout::{BlockFlat, DType, Loc, Piece, TensorLayout};
@@ -1127,17 +1128,32 @@ fn read_item(
             (*dtype, (chunks.offsets(ci), chunks.sizes(ci)))
         }
         _ => {
-            // A BYTE_IO item: decode the value.
+            // A BYTE_IO item: decode the value; one whose pickle names a global outside
+            // the allow-list is kept as its stored bytes, nothing of it run.
             let (si, off, len) = w.at;
-            let item = save::parse(sources[si].slice(off, len)).map_err(|e| err(e.to_string()))?;
+            let bytes = sources[si].slice(off, len);
+            let (value, pickle, opaque) = match save::parse(bytes) {
+                Ok(item) => (to_json(&item.value), Some(item.value), None),
+                Err(TorchZipError::Pickle {
+                    source: PickleError::UnknownGlobal { module, name, .. },
+                    ..
+                }) => {
+                    let global = format!("{}.{}", short(&module), short(&name));
+                    let shown = format!("<opaque {global}>").into();
+                    let bytes = bytes.into();
+                    (shown, None, Some(Opaque { global, bytes }))
+                }
+                Err(e) => return Err(err(e.to_string())),
+            };
             return Ok(Got::Extra {
                 entry,
                 extra: Box::new(Extra {
                     name: e.name.clone(),
-                    value: to_json(&item.value),
-                    pickle: Some(item.value),
+                    value,
+                    pickle,
                     raw: Some((si as u32, off, len)),
                     origin: "dcp",
+                    opaque,
                 }),
             });
         }
@@ -1320,6 +1336,7 @@ pub fn read_pickled_dict(path: &Path, origin: &'static str) -> Result<Vec<Extra>
                 pickle: Some(v.clone()),
                 raw: None,
                 origin,
+                opaque: None,
             })
         })
         .collect()

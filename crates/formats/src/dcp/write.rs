@@ -194,9 +194,13 @@ impl Writer {
         }
     }
 
-    /// A non-tensor value as a `BYTE_IO` item appended to rank 0's file.
+    /// A non-tensor value as a `BYTE_IO` item appended to rank 0's file: an opaque value's
+    /// stored `torch.save` stream as it is, any other value saved again.
     fn byte_io(&mut self, e: &Extra) -> ItemSpan {
-        let item = save_to_vec("archive", &extra_value(e), &[]);
+        let item: Literal = match &e.opaque {
+            Some(o) => o.bytes.clone(),
+            None => save_to_vec("archive", &extra_value(e), &[]).into(),
+        };
         let f = &mut self.files[0];
         let span = ItemSpan {
             rank: 0,
@@ -204,7 +208,7 @@ impl Writer {
             length: item.len() as u64,
         };
         f.size += span.length;
-        f.literals.push((span.offset, item.into()));
+        f.literals.push((span.offset, item));
         span
     }
 

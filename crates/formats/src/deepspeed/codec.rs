@@ -24,6 +24,7 @@ static DEEPSPEED_CAPS: Capabilities = Capabilities {
     max_world: None,
     family: Family::Torch,
     extras_kept: "as the model states' entries (engine counters, ds_config, client state)",
+    keeps_opaque: false,
     aliasing: Aliasing::CopyPerName,
 };
 

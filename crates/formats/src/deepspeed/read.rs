@@ -1089,5 +1089,6 @@ fn extra(name: String, v: crate::torch::pickle::Value) -> Extra {
         pickle: Some(v),
         raw: None,
         origin: "deepspeed",
+        opaque: None,
     }
 }

@@ -22,6 +22,7 @@ static PT_CAPS: Capabilities = Capabilities {
     max_world: Some(1),
     family: Family::Torch,
     extras_kept: "as Python values",
+    keeps_opaque: false,
     aliasing: Aliasing::StoresOnce,
 };
 

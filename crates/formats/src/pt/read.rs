@@ -336,6 +336,7 @@ impl<'a> Walker<'a> {
             pickle: Some(v.clone()),
             raw: None,
             origin: "pt",
+            opaque: None,
         });
         Ok(())
     }

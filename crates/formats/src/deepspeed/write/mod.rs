@@ -233,6 +233,7 @@ mod tests {
             pickle: None,
             raw: None,
             origin: "deepspeed",
+            opaque: None,
         }
     }
 

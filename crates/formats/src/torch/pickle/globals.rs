@@ -110,7 +110,9 @@ pub fn pickled_dict_globals() -> Globals {
 }
 
 /// Allow-list for `data.pkl` of `torch.save` archives: what `torch.load(weights_only=True)`
-/// accepts (`docs/pytorch-formats.md` §8.1) plus torch dtypes and `_rebuild_parameter`.
+/// accepts (`docs/pytorch-formats.md` §8.1) plus torch dtypes, `_rebuild_parameter`, and
+/// `_io.BytesIO`, the buffer trainers keep state in (read as an object whose state is its
+/// bytes, position and `__dict__`; nothing is called).
 pub fn torch_save_globals() -> Globals {
     let mut g = Globals::from_pairs(&[
         ("collections", "OrderedDict"),
@@ -134,6 +136,7 @@ pub fn torch_save_globals() -> Globals {
         // `b''` in protocol < 3 is `__builtin__.bytes()`.
         ("builtins", "bytes"),
         ("_codecs", "encode"),
+        ("_io", "BytesIO"),
     ]);
     for s in dtype::storage_classes() {
         g.allow("torch", s);

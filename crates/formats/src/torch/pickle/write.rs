@@ -807,8 +807,8 @@ pub fn extra_pickle(e: &Extra) -> Vec<u8> {
 /// [`crate::torch::pickle::torch_save_globals`]) into a [`PyValue`] that re-emits it:
 /// None, bools, ints, floats, str, bytes, lists, tuples, dicts (an `OrderedDict` decodes to a
 /// dict and comes back as a plain [`PyValue::Dict`]), sets, `complex`, `torch.device`,
-/// `torch.Size` (as a tuple), canonical torch dtype globals, `argparse.Namespace` objects and
-/// megatron-core's enums (Megatron-LM's arguments in `common.pt`). `None` for anything else
+/// `torch.Size` (as a tuple), canonical torch dtype globals, `io.BytesIO` buffers,
+/// `argparse.Namespace` objects and megatron-core's enums (Megatron-LM's arguments in `common.pt`). `None` for anything else
 /// (tensors, whose storages live in another archive; arbitrary objects; over-long ints).
 pub fn from_pickle(v: &Value) -> Option<PyValue> {
     let all = |items: &[Value]| items.iter().map(from_pickle).collect::<Option<Vec<_>>>();
@@ -856,6 +856,25 @@ pub fn from_pickle(v: &Value) -> Option<PyValue> {
                 Some(s) => Some(Box::new(from_pickle(s)?)),
                 None => None,
             },
+        },
+        // `io.BytesIO` (torch's own pattern for train state kept beside tensors): made
+        // again as pickled, `_io.BytesIO.__new__()` and `(bytes, position, __dict__)` set by
+        // BUILD
+        Value::Object {
+            module,
+            name,
+            args,
+            state: Some(state),
+        } if module == "_io" && name == "BytesIO" && args.is_empty() => match state.as_ref() {
+            Value::Tuple(parts)
+                if matches!(
+                    parts.as_slice(),
+                    [Value::Bytes(_), Value::Int(_), Value::None | Value::Dict(_)]
+                ) =>
+            {
+                PyValue::object(module, name, Some(from_pickle(state)?))
+            }
+            _ => return None,
         },
         // megatron-core's enums in those arguments: `AttnBackend(5)`, called again by the
         // unpickler that reads the file (megatron-core's own, not torch's weights-only one)

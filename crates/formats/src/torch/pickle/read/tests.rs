@@ -964,3 +964,40 @@ fn real_metadata_prefixes_never_panic() {
         assert!(parse(&bytes[..n], &g).is_err(), "prefix {n}");
     }
 }
+
+// --- non-tensor values torch saves beside tensors ------------------------------------
+
+/// `pickle.dumps(io.BytesIO(b"abc"), protocol=2)` after `seek(1)`, as `torch.save` writes it.
+const BYTES_IO: &[u8] = b"\x80\x02c_io\nBytesIO\nq\x00)\x81q\x01c_codecs\nencode\nq\x02X\x03\x00\x00\x00abcq\x03X\x06\x00\x00\x00latin1q\x04\x86q\x05Rq\x06K\x01N\x87q\x07b.";
+
+#[test]
+fn a_bytes_io_is_a_value_and_a_user_class_stays_unknown() {
+    let v = parse(BYTES_IO, &torch_save_globals()).unwrap();
+    let state = Value::Tuple(vec![Value::Bytes(b"abc".to_vec()), Value::Int(1), Value::None]);
+    assert_eq!(
+        v,
+        Value::Object {
+            module: "_io".into(),
+            name: "BytesIO".into(),
+            args: vec![],
+            state: Some(Box::new(state)),
+        }
+    );
+    // re-emitted as the same object: the pickle the writers make of it reads back equal
+    let again = crate::torch::pickle::pickle(&crate::torch::pickle::from_pickle(&v).unwrap());
+    assert_eq!(parse(&again, &torch_save_globals()).unwrap(), v);
+    // a class of the training script is still refused, by name (DCP keeps such an item
+    // opaque), and so is anything hostile
+    let user = b"\x80\x02cmymod\nTrainState\nq\x00)\x81q\x01.";
+    match parse(user, &torch_save_globals()) {
+        Err(PickleError::UnknownGlobal { module, name, .. }) => {
+            assert_eq!((module.as_str(), name.as_str()), ("mymod", "TrainState"))
+        }
+        other => panic!("expected an unknown global, got {other:?}"),
+    }
+    let hostile = b"\x80\x02cposix\nsystem\nX\x04\x00\x00\x00true\x85R.";
+    assert!(matches!(
+        parse(hostile, &torch_save_globals()),
+        Err(PickleError::UnknownGlobal { .. })
+    ));
+}
