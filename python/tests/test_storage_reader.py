@@ -285,17 +285,6 @@ def _placeholder_template(obj):
     return "PLACEHOLDER"
 
 
-def _sizes_as_tuples(obj):
-    """``obj`` with torch.Size values as tuples (see test_torch_size_value)."""
-    if isinstance(obj, torch.Size):
-        return tuple(obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _sizes_as_tuples(v)) for k, v in obj.items())
-    if isinstance(obj, list):
-        return [_sizes_as_tuples(v) for v in obj]
-    return obj
-
-
 @pytest.mark.parametrize("case", PT_CASES)
 def test_torch_save_file(case):
     """A torch.save file loads into the structure torch.load gives, byte for byte; the flat
@@ -304,10 +293,9 @@ def test_torch_save_file(case):
     ref = torch.load(path, weights_only=False, map_location="cpu")
     sd = _placeholder_template(ref)
     dcp.load(sd, storage_reader=rt.StorageReader(path), no_dist=True)
-    assert_same(sd, _sizes_as_tuples(ref), case)
+    assert_same(sd, ref, case)
 
 
-@pytest.mark.xfail(strict=True, reason="the native module pickles a torch.Size value as a plain tuple")
 def test_torch_size_value():
     path = FIX / "pt" / "ordered" / "model.pt"
     sd = {"shape": "PLACEHOLDER"}

@@ -255,7 +255,10 @@ fn gaps_in_torchs_shard_numbering_are_ranks_that_stored_nothing() {
     )
     .unwrap();
     let insp = ok(&["inspect", s(&ck)]);
-    assert!(insp.contains("hf-storage checkpoint, 3 rank(s), 2 file(s)"), "{insp}");
+    assert!(
+        insp.contains("hf-storage checkpoint, 3 rank(s), 2 file(s)"),
+        "{insp}"
+    );
     let out = d.path().join("one.safetensors");
     convert(&ck, &out, &["--to", "1", "-q"]);
     assert_eq!(read_safetensors(&out), model());

@@ -276,12 +276,11 @@ fn tensors_read_back_through_the_project_reader() {
 #[test]
 fn from_pickle_maps_torch_objects() {
     let g = torch_save_globals();
-    // torch.Size((3, 12)) → tuple
+    // torch.Size((3, 12)) → torch.Size((3, 12)); negative dims are no size
     let v = pickle::parse(b"\x80\x02ctorch\nSize\nK\x03K\x0c\x86\x85R.", &g).unwrap();
-    assert_eq!(
-        from_pickle(&v),
-        Some(PyValue::Tuple(vec![PyValue::Int(3), PyValue::Int(12)]))
-    );
+    assert_eq!(from_pickle(&v), Some(PyValue::torch_size(&[3, 12])));
+    let v = pickle::parse(b"\x80\x02ctorch\nSize\nJ\xff\xff\xff\xff\x85\x85R.", &g).unwrap();
+    assert_eq!(from_pickle(&v), None);
     // an alias global is not re-emitted (torch only accepts canonical names)
     let v = pickle::parse(b"\x80\x02ctorch\nfloat\n.", &g).unwrap();
     assert_eq!(from_pickle(&v), None);
@@ -1067,7 +1066,8 @@ fn cases() -> Vec<Case> {
     ]);
 
     let modern_dtypes = [
-        U16, U32, U64, F8E4M3, F8E5M2, C32, C64, C128, F8E4M3FNUZ, F8E5M2FNUZ, F8E8M0, F4E2M1X2, BC32,
+        U16, U32, U64, F8E4M3, F8E5M2, C32, C64, C128, F8E4M3FNUZ, F8E5M2FNUZ, F8E8M0, F4E2M1X2,
+        BC32,
     ];
     let (tensors, mstorages) = tensor_case(&modern_dtypes, 0);
     let modern = PyValue::OrderedDict(vec![

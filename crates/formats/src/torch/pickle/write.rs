@@ -898,12 +898,16 @@ pub fn from_pickle(v: &Value) -> Option<PyValue> {
             args,
             state: None,
         } => match (module.as_str(), name.as_str(), args.as_slice()) {
-            ("torch", "Size", _) => PyValue::Tuple(
-                v.as_int_tuple()?
-                    .into_iter()
-                    .map(PyValue::Int)
-                    .collect::<Vec<_>>(),
-            ),
+            // a torch.Size again (torch's weights-only unpickler allows it), as torch.load
+            // gives it back
+            ("torch", "Size", _) => {
+                let dims = v.as_int_tuple()?;
+                let dims: Vec<u64> = dims
+                    .iter()
+                    .map(|&d| u64::try_from(d).ok())
+                    .collect::<Option<_>>()?;
+                PyValue::torch_size(&dims)
+            }
             ("builtins", "complex", []) => PyValue::Complex(0.0, 0.0),
             ("builtins", "complex", [re]) => PyValue::Complex(re.as_f64()?, 0.0),
             ("builtins", "complex", [re, im]) => PyValue::Complex(re.as_f64()?, im.as_f64()?),

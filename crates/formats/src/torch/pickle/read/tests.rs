@@ -973,7 +973,11 @@ const BYTES_IO: &[u8] = b"\x80\x02c_io\nBytesIO\nq\x00)\x81q\x01c_codecs\nencode
 #[test]
 fn a_bytes_io_is_a_value_and_a_user_class_stays_unknown() {
     let v = parse(BYTES_IO, &torch_save_globals()).unwrap();
-    let state = Value::Tuple(vec![Value::Bytes(b"abc".to_vec()), Value::Int(1), Value::None]);
+    let state = Value::Tuple(vec![
+        Value::Bytes(b"abc".to_vec()),
+        Value::Int(1),
+        Value::None,
+    ]);
     assert_eq!(
         v,
         Value::Object {
