@@ -1,0 +1,444 @@
+//! Views (target tensors defined through transforms of source tensors) planned against
+//! random source and target placements, executed by a reference executor on bytes in memory,
+//! and judged bit for bit against the same view computed by ndarray on the full tensors;
+//! and the conversions between Megatron and Hugging Face that views exist for.
+
+use crate::layout_props::{dtype, full_tensor, layout, layout_stored, run, scheme, Scheme};
+use ndarray::{ArrayD, Axis, IxDyn, Slice};
+use proptest::prelude::*;
+use reshard::layout::{Mesh, Placement, Sharding, TensorLayout, View};
+use reshard::plan::{plan, plan_views, Plan};
+use std::collections::HashMap;
+
+/// `view` computed by ndarray on the full source tensors (bytes, with a trailing dimension
+/// of the element's bytes); `fill` gives a fill value's element bytes.
+fn reference(
+    view: &View,
+    src: &HashMap<String, ArrayD<u8>>,
+    fill: &dyn Fn(f64) -> Vec<u8>,
+) -> ArrayD<u8> {
+    let reshape = |a: ArrayD<u8>, dims: Vec<usize>| -> ArrayD<u8> {
+        a.to_shape(IxDyn(&dims)).unwrap().to_owned()
+    };
+    match view {
+        View::Source { name } => src[name].clone(),
+        View::Slice {
+            of,
+            dim,
+            start,
+            len,
+        } => {
+            let a = reference(of, src, fill);
+            let (s, e) = (*start as isize, (*start + *len) as isize);
+            a.slice_axis(Axis(*dim), Slice::from(s..e)).to_owned()
+        }
+        View::Split { of, dim, sizes } => {
+            let a = reference(of, src, fill);
+            let mut dims = a.shape().to_vec();
+            dims.splice(*dim..=*dim, sizes.iter().map(|&s| s as usize));
+            reshape(a, dims)
+        }
+        View::Merge { of, dim, count } => {
+            let a = reference(of, src, fill);
+            let mut dims = a.shape().to_vec();
+            let n: usize = dims[*dim..*dim + *count].iter().product();
+            dims.splice(*dim..*dim + *count, [n]);
+            reshape(a, dims)
+        }
+        View::Permute { of, order } => {
+            let a = reference(of, src, fill);
+            let axes: Vec<usize> = order.iter().copied().chain([order.len()]).collect();
+            a.permuted_axes(axes)
+        }
+        View::Concat { dim, parts } => {
+            let arrays: Vec<ArrayD<u8>> = parts.iter().map(|p| reference(p, src, fill)).collect();
+            let views: Vec<_> = arrays.iter().map(|a| a.view()).collect();
+            ndarray::concatenate(Axis(*dim), &views).unwrap()
+        }
+        View::Pad {
+            of,
+            dim,
+            before,
+            after,
+            fill: value,
+        } => {
+            let a = reference(of, src, fill);
+            let mut dims = a.shape().to_vec();
+            let n = dims[*dim];
+            dims[*dim] += (*before + *after) as usize;
+            let bytes = fill(value.0);
+            let mut out = ArrayD::from_shape_fn(IxDyn(&dims), |i| bytes[i[dims.len() - 1]]);
+            let (s, e) = (*before as isize, (*before as usize + n) as isize);
+            out.slice_axis_mut(Axis(*dim), Slice::from(s..e)).assign(&a);
+            out
+        }
+    }
+}
+
+/// Run the plan's copies and fills on in-memory files; returns the destination files and how
+/// often each byte was written.
+fn run_in_memory(
+    plan: &Plan,
+    srcs: &[Vec<u8>],
+    dst_sizes: &[usize],
+) -> (Vec<Vec<u8>>, Vec<Vec<u32>>) {
+    let mut out: Vec<Vec<u8>> = dst_sizes.iter().map(|&n| vec![0xEE; n]).collect();
+    let mut count: Vec<Vec<u32>> = dst_sizes.iter().map(|&n| vec![0; n]).collect();
+    for o in &plan.ops {
+        for r in 0..o.count {
+            let s = (o.src_offset + r * o.src_stride) as usize;
+            let d = (o.dst_offset + r * o.dst_stride) as usize;
+            let (src, dst) = (
+                &srcs[o.src as usize][s..s + o.len as usize],
+                &mut out[o.dst as usize][d..d + o.dst_len() as usize],
+            );
+            match o.cast {
+                Some(c) => reshard::layout::cast::convert(c.from, c.to, src, dst),
+                None => dst.copy_from_slice(src),
+            }
+            count[o.dst as usize][d..d + o.dst_len() as usize]
+                .iter_mut()
+                .for_each(|c| *c += 1);
+        }
+    }
+    for f in &plan.fills {
+        for r in 0..f.count {
+            let d = (f.dst_offset + r * f.dst_stride) as usize;
+            let row = &mut out[f.dst as usize][d..d + f.len as usize];
+            for (i, b) in row.iter_mut().enumerate() {
+                *b = f.value[i % f.value.len()];
+            }
+            count[f.dst as usize][d..d + f.len as usize]
+                .iter_mut()
+                .for_each(|c| *c += 1);
+        }
+    }
+    (out, count)
+}
+
+/// Choices drawn from a stream of numbers (so that one stream builds a view and, replayed,
+/// a sibling of the same shape over other sources).
+struct Gen<'a> {
+    stream: &'a [u32],
+    at: usize,
+    /// Source names and shapes; sources 2k and 2k+1 share a shape.
+    sources: &'a [(String, Vec<u64>)],
+}
+
+impl Gen<'_> {
+    fn pick(&mut self, n: u64) -> u64 {
+        let v = self.stream.get(self.at).copied().unwrap_or(0);
+        self.at += 1;
+        v as u64 % n.max(1)
+    }
+
+    /// A random valid view and its shape; `swap` reads each leaf's partner of the same shape.
+    fn view(&mut self, depth: u32, swap: bool) -> (View, Vec<u64>) {
+        let op = if depth == 0 { 0 } else { self.pick(9) };
+        let leaf = |g: &mut Self| {
+            let k = g.pick(g.sources.len() as u64) as usize ^ usize::from(swap);
+            let (name, shape) = &g.sources[k];
+            (View::source(name.clone()), shape.clone())
+        };
+        if op == 0 {
+            return leaf(self);
+        }
+        let start_at = self.at;
+        let (v, shape) = self.view(depth - 1, swap);
+        let n = shape.len() as u64;
+        match op {
+            1 | 2 if n > 0 => {
+                let d = self.pick(n) as usize;
+                // mostly long slices, off any factor's boundary
+                let (start, len) = self.range(shape[d]);
+                let mut s = shape.clone();
+                s[d] = len;
+                (v.slice(d, start, len), s)
+            }
+            3 | 4 if n > 0 && n < 5 => {
+                // mostly the largest dimension
+                let d = match self.pick(3) {
+                    0 => self.pick(n) as usize,
+                    _ => (0..n as usize).max_by_key(|&d| shape[d]).unwrap(),
+                };
+                let sizes = self.factors(shape[d]);
+                let mut s = shape.clone();
+                s.splice(d..=d, sizes.iter().copied());
+                (v.split(d, &sizes), s)
+            }
+            5 => {
+                let d = self.pick(n + 1) as usize;
+                let count = self.pick(n - d as u64 + 1) as usize;
+                let mut s = shape.clone();
+                let m = s[d..d + count].iter().product();
+                s.splice(d..d + count, [m]);
+                (v.merge(d, count), s)
+            }
+            6 if n > 1 => {
+                let mut order: Vec<usize> = (0..n as usize).collect();
+                for i in (1..order.len()).rev() {
+                    let j = self.pick(i as u64 + 1) as usize;
+                    order.swap(i, j);
+                }
+                let s = order.iter().map(|&o| shape[o]).collect();
+                (v.permute(&order), s)
+            }
+            7 if n > 0 => {
+                // the operand again, or its sibling over the partner sources (the same
+                // choices replayed), each sliced
+                let d = self.pick(n) as usize;
+                let parts = 1 + self.pick(3);
+                let mut views = vec![];
+                let mut s = shape.clone();
+                s[d] = 0;
+                for _ in 0..parts {
+                    let p = if self.pick(2) == 0 {
+                        v.clone()
+                    } else {
+                        let here = self.at;
+                        self.at = start_at;
+                        let (p, ps) = self.view(depth - 1, !swap);
+                        assert_eq!(ps, shape, "a sibling has the operand's shape");
+                        self.at = here;
+                        p
+                    };
+                    let (start, len) = self.range(shape[d]);
+                    s[d] += len;
+                    views.push(p.slice(d, start, len));
+                }
+                (View::concat(d, views), s)
+            }
+            8 if n > 0 => {
+                let d = self.pick(n) as usize;
+                let (before, after) = (self.pick(3), self.pick(3));
+                let fill = [0.0, 1.0, 2.0, 0.5][self.pick(4) as usize];
+                let mut s = shape.clone();
+                s[d] += before + after;
+                (v.pad(d, before, after, fill), s)
+            }
+            _ => (v, shape),
+        }
+    }
+
+    /// A range `(start, len)` of `0..n`: mostly long (but for up to two indices at its
+    /// end), off any factor's boundary; now and then any, empty included.
+    fn range(&mut self, n: u64) -> (u64, u64) {
+        let start = self.pick(n / 2 + 1);
+        let room = n - start;
+        let len = match self.pick(8) {
+            0 => self.pick(room + 1),
+            _ if room > 2 => room - self.pick(3),
+            _ => room,
+        };
+        (start, len)
+    }
+
+    /// `n` as a product of up to three factors (a size of 1 may also vanish into none).
+    fn factors(&mut self, n: u64) -> Vec<u64> {
+        if n == 1 && self.pick(3) == 0 {
+            return vec![];
+        }
+        if n == 0 {
+            return vec![0, 1 + self.pick(3)];
+        }
+        let mut out = vec![];
+        let mut rest = n;
+        for _ in 0..self.pick(3) {
+            let divs: Vec<u64> = (1..=rest).filter(|f| rest % f == 0).collect();
+            let f = divs[self.pick(divs.len() as u64) as usize];
+            out.push(f);
+            rest /= f;
+        }
+        out.push(rest);
+        out
+    }
+}
+
+fn sizes_of(files: &[Vec<u8>]) -> Vec<usize> {
+    files.iter().map(Vec::len).collect()
+}
+
+/// Plan `view` of the sources into target `dst`, run it in memory, and check the target's
+/// files against `expected`: every byte written once, copies reading what they write.
+fn check_plan(
+    srcs: &[(TensorLayout, Vec<Vec<u8>>)],
+    dst: &TensorLayout,
+    view: &View,
+    expected: &[Vec<u8>],
+) -> Result<Plan, TestCaseError> {
+    // the sources' files, numbered one after another
+    let mut files = vec![];
+    let mut layouts = vec![];
+    for (l, f) in srcs {
+        let mut l = l.clone();
+        for p in &mut l.pieces {
+            p.loc.file += files.len() as u32;
+        }
+        files.extend(f.iter().cloned());
+        layouts.push(l);
+    }
+    let p = plan_views(
+        layouts.iter().map(|l| (l.name.as_str(), l)),
+        &[(dst.clone(), view.clone())],
+    )
+    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let (out, count) = run_in_memory(&p, &files, &sizes_of(expected));
+    prop_assert_eq!(p.bytes_read(), p.bytes_written());
+    prop_assert!(
+        count.iter().flatten().all(|&c| c == 1),
+        "a destination byte written {} times",
+        count.iter().flatten().find(|&&c| c != 1).unwrap()
+    );
+    prop_assert_eq!(
+        &out,
+        expected,
+        "view {}",
+        serde_json::to_string(view).unwrap()
+    );
+    Ok(p)
+}
+
+/// Sources a, b of one shape and c, d of another, each over its own placement, some stored
+/// column-major.
+type SourceSpec = (Vec<u64>, Scheme, bool);
+
+fn composite_shape() -> impl Strategy<Value = Vec<u64>> {
+    prop::collection::vec(
+        prop_oneof![
+            1 => Just(0u64),
+            6 => Just(1),
+            24 => prop::sample::select(vec![2u64, 3, 4, 6, 8, 12, 16, 24, 36]),
+            6 => 1u64..10,
+        ],
+        0..=3,
+    )
+}
+
+fn sources() -> impl Strategy<Value = Vec<SourceSpec>> {
+    (composite_shape(), composite_shape()).prop_flat_map(|(s, t)| {
+        let one = |s: Vec<u64>| {
+            let n = s.len();
+            (Just(s), scheme(n), any::<bool>())
+        };
+        (one(s.clone()), one(s), one(t.clone()), one(t)).prop_map(|(a, b, c, d)| vec![a, b, c, d])
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 1000,
+        failure_persistence: crate::common::regressions("views"),
+        ..ProptestConfig::default()
+    })]
+
+    /// A random view of random sources, over random source and target placements, planned
+    /// and executed equals ndarray's view of the full tensors, bit for bit; every target
+    /// byte is written once (copied or filled) and copies read the bytes they write. Views
+    /// without padding also run through the real executor.
+    #[test]
+    fn views_plan_as_ndarray_computes_them(
+        specs in sources(),
+        stream in prop::collection::vec(any::<u32>(), 128),
+        depth in 1u32..=5,
+        dt in dtype(),
+        seed in any::<u64>(),
+        target_pick in any::<u64>(),
+    ) {
+        let names = ["a", "b", "c", "d"];
+        let named: Vec<(String, Vec<u64>)> =
+            names.iter().zip(&specs).map(|(n, s)| (n.to_string(), s.0.clone())).collect();
+        let mut g = Gen { stream: &stream, at: 0, sources: &named };
+        let (view, shape) = g.view(depth, false);
+        if shape.iter().product::<u64>() > 50_000 || shape.len() > 6 {
+            return Ok(());
+        }
+        let mut fulls = HashMap::new();
+        let mut srcs = vec![];
+        for (i, (n, (s, sch, rev))) in names.iter().zip(&specs).enumerate() {
+            let full = full_tensor(s, dt, seed.wrapping_add(i as u64));
+            srcs.push(layout_stored(n, dt, s, sch, Some(&full), *rev));
+            fulls.insert(n.to_string(), full);
+        }
+        // a fill value the dtype cannot hold is refused when planned (checked below)
+        let fill = |v: f64| reshard::layout::Fill(v).bytes(dt).unwrap_or_else(|_| vec![0; dt.size()]);
+        let want = reference(&view, &fulls, &fill);
+        prop_assert_eq!(want.shape()[..shape.len()].to_vec(), shape.iter().map(|&s| s as usize).collect::<Vec<_>>());
+        let ts = target(&shape, target_pick);
+        let (dst, expected) = layout("t", dt, &shape, &ts, Some(&want));
+        let has_unholdable_fill = has_fill(&view, &|v| reshard::layout::Fill(v).bytes(dt).is_err());
+        let p = match check_plan(&srcs, &dst, &view, &expected) {
+            Err(e) if has_unholdable_fill => {
+                prop_assert!(e.to_string().contains("fill value"), "{}", e);
+                return Ok(());
+            }
+            r => r?,
+        };
+        if p.fills.is_empty() {
+            let mut files = vec![];
+            for (_, f) in &srcs {
+                files.extend(f.iter().cloned());
+            }
+            // the planner numbered the files of a, b, c, d one after another
+            let out = run(&p, &files, &sizes_of(&expected));
+            prop_assert_eq!(&out, &expected);
+        }
+    }
+
+    /// The identity view plans exactly the copies `plan` does.
+    #[test]
+    fn identity_views_plan_as_plan(
+        (shape, a, b) in crate::layout_props::shape_strategy().prop_flat_map(|s| { let n = s.len(); (Just(s), scheme(n), scheme(n)) }),
+        dt in dtype(),
+    ) {
+        let (src, _) = layout("t", dt, &shape, &a, None);
+        let (dst, _) = layout("t", dt, &shape, &b, None);
+        let want = plan(std::slice::from_ref(&src), std::slice::from_ref(&dst)).unwrap();
+        let got = plan_views([("t", &src)], &[(dst, View::source("t"))]).unwrap();
+        prop_assert_eq!(&got.ops, &want.ops);
+        prop_assert!(got.fills.is_empty());
+        prop_assert_eq!(&got.tensors, &want.tensors);
+    }
+}
+
+/// A target placement for a tensor of `shape`, drawn from `k`: flat ranges, or one or two
+/// placements over a 1-d or 2-d mesh.
+fn target(shape: &[u64], k: u64) -> Scheme {
+    let n = shape.len();
+    let world = 1 + k % 7;
+    let place = |j: u64| -> Placement {
+        if n == 0 {
+            return Placement::Replicate;
+        }
+        let d = (j / 5) as usize % n;
+        match j % 5 {
+            0 => Placement::Replicate,
+            1 | 2 => Placement::Shard(d),
+            3 => Placement::EvenShard(d),
+            _ => Placement::StridedShard(d, 1 + (j / 7) % 3),
+        }
+    };
+    match (k / 7) % 4 {
+        0 => Scheme::Flat(world),
+        1 => Scheme::Mesh(Sharding {
+            mesh: Mesh(vec![1 + k % 3, 1 + (k / 3) % 3]),
+            placements: vec![place(k / 28), place(k / 300)],
+        }),
+        _ => Scheme::Mesh(Sharding {
+            mesh: Mesh(vec![world]),
+            placements: vec![place(k / 28)],
+        }),
+    }
+}
+
+/// True when `view` pads with a value `bad` says of.
+fn has_fill(view: &View, bad: &dyn Fn(f64) -> bool) -> bool {
+    match view {
+        View::Source { .. } => false,
+        View::Pad { of, fill, .. } => bad(fill.0) || has_fill(of, bad),
+        View::Slice { of, .. }
+        | View::Split { of, .. }
+        | View::Merge { of, .. }
+        | View::Permute { of, .. } => has_fill(of, bad),
+        View::Concat { parts, .. } => parts.iter().any(|p| has_fill(p, bad)),
+    }
+}
