@@ -442,3 +442,277 @@ fn has_fill(view: &View, bad: &dyn Fn(f64) -> bool) -> bool {
         View::Concat { parts, .. } => parts.iter().any(|p| has_fill(p, bad)),
     }
 }
+
+/// A 2-d i16 tensor of `rows` × `cols` whose element (r, c) is `value(r, c)`, as bytes.
+fn table(rows: u64, cols: u64, value: impl Fn(u64, u64) -> u16) -> ArrayD<u8> {
+    let dims = [rows as usize, cols as usize, 2];
+    ArrayD::from_shape_fn(IxDyn(&dims), |i| {
+        value(i[0] as u64, i[1] as u64).to_le_bytes()[i[2]]
+    })
+}
+
+/// `name` of `full` (2-d i16) held over `scheme`, with its files.
+fn held(name: &str, full: &ArrayD<u8>, scheme: Scheme) -> (TensorLayout, Vec<Vec<u8>>) {
+    let shape: Vec<u64> = full.shape()[..2].iter().map(|&s| s as u64).collect();
+    layout(
+        name,
+        reshard::layout::DType::I16,
+        &shape,
+        &scheme,
+        Some(full),
+    )
+}
+
+fn tp(n: u64) -> Scheme {
+    Scheme::Mesh(Sharding::fsdp(n))
+}
+
+/// Megatron's fused QKV rows, `(ng·(hpg+2)·hd, H)` with the query groups outermost and held
+/// `Shard(0)` over tensor-parallel ranks, to Hugging Face's q, k and v and back.
+#[test]
+fn fused_qkv_to_q_k_v_and_back() {
+    let (ng, hpg, hd, h) = (4u64, 3u64, 2u64, 5u64);
+    let rows = ng * (hpg + 2) * hd;
+    let fused = table(rows, h, |r, c| (r * h + c) as u16);
+    let src = held("qkv", &fused, tp(2));
+    let split = || View::source("qkv").split(0, &[ng, hpg + 2, hd]);
+    // the rows of q, k and v, by the index arithmetic of Megatron's layout
+    let q_row = |r: u64| (r / (hpg * hd)) * (hpg + 2) * hd + r % (hpg * hd);
+    let k_row = |r: u64| (r / hd) * (hpg + 2) * hd + hpg * hd + r % hd;
+    let v_row = |r: u64| k_row(r) + hd;
+    let cases: [(&str, View, u64, &dyn Fn(u64) -> u64); 3] = [
+        (
+            "q",
+            split().slice(1, 0, hpg).merge(0, 3),
+            ng * hpg * hd,
+            &q_row,
+        ),
+        ("k", split().slice(1, hpg, 1).merge(0, 3), ng * hd, &k_row),
+        (
+            "v",
+            split().slice(1, hpg + 1, 1).merge(0, 3),
+            ng * hd,
+            &v_row,
+        ),
+    ];
+    let mut hf = vec![];
+    for (name, view, n, row) in cases {
+        let want = table(n, h, |r, c| (row(r) * h + c) as u16);
+        for ranks in [1, 3] {
+            let (dst, expected) = held(name, &want, tp(ranks));
+            check_plan(std::slice::from_ref(&src), &dst, &view, &expected).unwrap();
+        }
+        // q's rows are whole groups of heads: one strided copy per source rank
+        if name == "q" {
+            let (dst, _) = held(name, &want, tp(1));
+            let p = plan_views([("qkv", &src.0)], &[(dst, view.clone())]).unwrap();
+            assert_eq!(p.ops.len(), 2, "{:?}", p.ops);
+            assert!(p
+                .ops
+                .iter()
+                .all(|o| o.count == ng / 2 && o.len == hpg * hd * h * 2));
+        }
+        hf.push(held(name, &want, tp(3)));
+    }
+    // and back: the fused tensor from q, k and v, over two ranks
+    let back = View::concat(
+        1,
+        vec![
+            View::source("q").split(0, &[ng, hpg, hd]),
+            View::source("k").split(0, &[ng, 1, hd]),
+            View::source("v").split(0, &[ng, 1, hd]),
+        ],
+    )
+    .merge(0, 3);
+    let (dst, expected) = held("qkv", &fused, tp(2));
+    assert_eq!(expected, src.1);
+    check_plan(&hf, &dst, &back, &expected).unwrap();
+}
+
+/// Hugging Face's gate and up projections concatenated into Megatron's fc1, and gate read back
+/// from a tensor-parallel fc1 whose ranks each hold their own [gate; up] rows.
+#[test]
+fn gate_and_up_concatenate_and_split_back_from_tensor_parallel_rows() {
+    let (f, h, tp_ranks) = (6u64, 4u64, 2u64);
+    let gate = table(f, h, |r, c| (r * h + c) as u16);
+    let up = table(f, h, |r, c| (1000 + r * h + c) as u16);
+    let srcs = [held("gate", &gate, tp(2)), held("up", &up, tp(3))];
+    let fc1 = table(2 * f, h, |r, c| {
+        if r < f {
+            (r * h + c) as u16
+        } else {
+            (1000 + (r - f) * h + c) as u16
+        }
+    });
+    let view = View::concat(0, vec![View::source("gate"), View::source("up")]);
+    let (dst, expected) = held("fc1", &fc1, tp(4));
+    check_plan(&srcs, &dst, &view, &expected).unwrap();
+
+    // Megatron's global fc1 under TP: rank t holds gate rows t·f/tp.. then up's
+    let per = f / tp_ranks;
+    let megatron = table(2 * f, h, |r, c| {
+        let (t, i) = (r / (2 * per), r % (2 * per));
+        if i < per {
+            ((t * per + i) * h + c) as u16
+        } else {
+            (1000 + (t * per + i - per) * h + c) as u16
+        }
+    });
+    let src = held("fc1", &megatron, tp(tp_ranks));
+    let gate_view = View::source("fc1")
+        .split(0, &[tp_ranks, 2, per])
+        .slice(1, 0, 1)
+        .merge(0, 3);
+    let (dst, expected) = held("gate", &gate, tp(1));
+    check_plan(std::slice::from_ref(&src), &dst, &gate_view, &expected).unwrap();
+}
+
+/// A vocabulary padded for tensor parallelism trimmed to its real rows, and padded back with
+/// a stated value: the padding is written by fills, never left as it was.
+#[test]
+fn vocabulary_trim_and_pad() {
+    let (vocab, padded, h) = (7u64, 10u64, 3u64);
+    let embed = table(padded, h, |r, c| {
+        if r < vocab {
+            (r * h + c) as u16
+        } else {
+            0xdead
+        }
+    });
+    let src = held("embed", &embed, tp(2));
+    let real = table(vocab, h, |r, c| (r * h + c) as u16);
+    let trim = View::source("embed").slice(0, 0, vocab);
+    let (dst, expected) = held("embed", &real, tp(3));
+    let p = check_plan(std::slice::from_ref(&src), &dst, &trim, &expected).unwrap();
+    assert!(p.fills.is_empty());
+    assert_eq!(p.bytes_read(), vocab * h * 2);
+
+    let hf = held("embed", &real, tp(3));
+    for (value, bytes) in [(0.0, 0u16), (7.0, 7)] {
+        let pad = View::source("embed").pad(0, 0, padded - vocab, value);
+        let want = table(padded, h, |r, c| {
+            if r < vocab {
+                (r * h + c) as u16
+            } else {
+                bytes
+            }
+        });
+        let (dst, expected) = held("embed", &want, tp(2));
+        let p = check_plan(std::slice::from_ref(&hf), &dst, &pad, &expected).unwrap();
+        assert_eq!(p.bytes_filled(), (padded - vocab) * h * 2);
+        assert!(p.fills.iter().all(|f| f.value == bytes.to_le_bytes()));
+    }
+}
+
+/// Views are data: they round-trip through JSON, and a plan names the view of each tensor
+/// that is not simply its source of the same name. A plan without views serialises as before.
+#[test]
+fn views_serialise_and_show_in_the_plan() {
+    let q = View::source("qkv")
+        .split(0, &[2, 5, 4])
+        .slice(1, 0, 3)
+        .merge(0, 3);
+    let json = serde_json::to_string(&q).unwrap();
+    assert_eq!(
+        json,
+        r#"{"op":"merge","of":{"op":"slice","of":{"op":"split","of":{"op":"source","name":"qkv"},"dim":0,"sizes":[2,5,4]},"dim":1,"start":0,"len":3},"dim":0,"count":3}"#
+    );
+    assert_eq!(serde_json::from_str::<View>(&json).unwrap(), q);
+    let pad = View::source("e").pad(0, 1, 2, -0.5);
+    let back: View = serde_json::from_str(&serde_json::to_string(&pad).unwrap()).unwrap();
+    assert_eq!(back, pad);
+
+    let fused = table(40, 2, |r, c| (r * 2 + c) as u16);
+    let src = held("qkv", &fused, tp(1));
+    let (dst, _) = held("q", &table(24, 2, |_, _| 0), tp(1));
+    let p = plan_views([("qkv", &src.0)], &[(dst, q.clone())]).unwrap();
+    assert_eq!(p.tensors[0].view.as_ref(), Some(&q));
+    let v = serde_json::to_value(&p).unwrap();
+    assert_eq!(v["tensors"][0]["view"], serde_json::to_value(&q).unwrap());
+    assert!(v.get("fills").is_none());
+
+    let (same, _) = held("qkv", &fused, tp(2));
+    let p = plan_views([("qkv", &src.0)], &[(same.clone(), View::source("qkv"))]).unwrap();
+    let old = plan(std::slice::from_ref(&src.0), &[same]).unwrap();
+    assert_eq!(
+        serde_json::to_string(&p).unwrap(),
+        serde_json::to_string(&old).unwrap()
+    );
+    assert!(!serde_json::to_string(&p).unwrap().contains("view"));
+}
+
+/// Inconsistent views, missing sources and values a dtype cannot hold are one-line errors
+/// naming the target tensor.
+#[test]
+fn bad_views_are_one_line_errors_naming_the_target() {
+    let w = held("w", &table(12, 4, |_, _| 0), tp(2));
+    let f32 = {
+        let (mut l, f) = held("x", &table(12, 4, |_, _| 0), tp(1));
+        l.dtype = reshard::layout::DType::F32;
+        (l, f)
+    };
+    let err = |view: View, shape: &[u64]| -> String {
+        let (dst, _) = layout("t", reshard::layout::DType::I16, shape, &tp(1), None);
+        plan_views([("w", &w.0), ("x", &f32.0)], &[(dst, view)])
+            .unwrap_err()
+            .to_string()
+    };
+    let cases = [
+        (View::source("nope"), vec![12, 4], "tensor `t`: is a view of `nope`, which the source does not hold"),
+        (View::source("w").split(0, &[4, 2]), vec![4, 2, 4], "tensor `t`: splits dimension 0 of 12 into 4×2 (product 8)"),
+        (View::source("w").slice(1, 2, 3), vec![12, 3], "tensor `t`: slice 2..5 of dimension 1 reaches past its 4 indices"),
+        (View::source("w").slice(2, 0, 1), vec![12, 4], "tensor `t`: a slice of dimension 2, but its operand has shape [12, 4]"),
+        (View::source("w").permute(&[0, 0]), vec![12, 4], "tensor `t`: permutes by [0, 0], not a permutation of the 2 dimensions of shape [12, 4]"),
+        (View::source("w").merge(1, 2), vec![48], "tensor `t`: merges dimensions 1..3 of an operand of shape [12, 4]"),
+        (View::concat(0, vec![View::source("w"), View::source("w").slice(1, 0, 2)]), vec![24, 4], "tensor `t`: concatenates along dimension 0 an operand of shape [12, 2] after operands of shape [12, 4]"),
+        (View::concat(0, vec![]), vec![], "tensor `t`: concatenates no operands along dimension 0"),
+        (View::source("w"), vec![4, 12], "tensor `t`: its view has shape [12, 4], the target [4, 12]"),
+        (View::source("w").pad(0, 0, 1, 0.5), vec![13, 4], "tensor `t`: fill value 0.5 is not a value of I16"),
+        (View::concat(0, vec![View::source("w"), View::source("x")]), vec![24, 4], "tensor `t`: is a view of `w` (I16) and `x` (F32): its sources must share one dtype"),
+    ];
+    for (view, shape, want) in cases {
+        assert_eq!(err(view, &shape), want);
+    }
+}
+
+/// The executor refuses a plan with fills rather than leave the padding unwritten.
+#[test]
+fn the_executor_refuses_fills_it_does_not_run() {
+    let real = table(3, 2, |r, c| (r * 2 + c) as u16);
+    let src = held("e", &real, tp(1));
+    let (dst, zeros) = held("e", &table(4, 2, |_, _| 0), tp(1));
+    let p = plan_views(
+        [("e", &src.0)],
+        &[(dst, View::source("e").pad(0, 0, 1, 0.0))],
+    )
+    .unwrap();
+    assert_eq!(p.fills.len(), 1);
+    let dir = tempfile::tempdir().unwrap();
+    let s = dir.path().join("s");
+    std::fs::write(&s, &src.1[0]).unwrap();
+    let out = reshard::exec::OutputFile {
+        path: "d".into(),
+        size: zeros[0].len() as u64,
+        literals: vec![],
+        checksums: vec![],
+    };
+    let opts = reshard::exec::ExecOptions {
+        threads: Some(1),
+        window: 64,
+        progress: None,
+        sync: false,
+    };
+    let e = reshard::exec::execute(
+        &p,
+        reshard::exec::Sources::local(&[s]),
+        &[out],
+        &[dir.path().join("d")],
+        &opts,
+    )
+    .unwrap_err()
+    .to_string();
+    assert_eq!(
+        e,
+        "the plan pads tensors (fill ops), which this executor does not run"
+    );
+}
