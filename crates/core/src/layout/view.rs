@@ -1062,3 +1062,191 @@ fn ranges_from(
         partial(x, prefix, out);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every index of a box of nested axes, by brute force.
+    fn brute(base: u64, axes: &[(u64, u64)], lo: u64, hi: u64) -> Vec<Vec<u64>> {
+        let mut out = vec![];
+        let mut x = vec![0u64; axes.len()];
+        if axes.iter().any(|a| a.0 == 0) {
+            return out;
+        }
+        loop {
+            let t = base + axes.iter().zip(&x).map(|(a, i)| a.1 * i).sum::<u64>();
+            if lo <= t && t < hi {
+                out.push(x.clone());
+            }
+            let mut k = axes.len();
+            loop {
+                if k == 0 {
+                    return out;
+                }
+                k -= 1;
+                x[k] += 1;
+                if x[k] < axes[k].0 {
+                    break;
+                }
+                x[k] = 0;
+            }
+        }
+    }
+
+    #[test]
+    fn ranges_are_exactly_the_preimage() {
+        // nested axes with gaps (a sliced middle factor) and without
+        let systems: [&[(u64, u64)]; 5] = [
+            &[(4, 12), (3, 3), (3, 1)],
+            &[(3, 20), (2, 4), (3, 1)],
+            &[(5, 1)],
+            &[(2, 7), (1, 5), (2, 2)],
+            &[],
+        ];
+        for axes in systems {
+            for base in [0, 3] {
+                for lo in 0..40 {
+                    for hi in lo..45 {
+                        let boxes = ranges(base, axes, lo, hi);
+                        let mut got: Vec<Vec<u64>> = vec![];
+                        for b in &boxes {
+                            let sub: Vec<(u64, u64)> = b.iter().map(|r| (r.1, 0)).collect();
+                            for x in brute(0, &sub, 0, 1) {
+                                got.push(x.iter().zip(b).map(|(i, r)| i + r.0).collect());
+                            }
+                        }
+                        assert_eq!(got, brute(base, axes, lo, hi), "{axes:?} {base} {lo}..{hi}");
+                        // a few boxes, never one per index
+                        assert!(boxes.len() <= 2 * axes.len() + 1, "{boxes:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    fn shapes(n: &str) -> Option<Vec<u64>> {
+        match n {
+            "qkv" => Some(vec![40, 6]),
+            "x" => Some(vec![196_608]),
+            "e" => Some(vec![10, 3]),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn fused_qkv_rows_compile_to_one_strided_part() {
+        let q = View::source("qkv")
+            .split(0, &[2, 5, 4])
+            .slice(1, 0, 3)
+            .merge(0, 3);
+        let m = q.compile("q", &shapes).unwrap();
+        assert_eq!(m.shape, vec![24, 6]);
+        let ax = |size, dim, stride, src_dim, src_stride| Axis {
+            size,
+            dim,
+            stride,
+            src_dim,
+            src_stride,
+        };
+        assert_eq!(
+            m.parts,
+            vec![ViewPart {
+                origin: vec![0, 0],
+                axes: vec![
+                    ax(2, 0, 12, 0, 20),
+                    ax(3, 0, 4, 0, 4),
+                    ax(4, 0, 1, 0, 1),
+                    ax(6, 1, 1, 1, 1)
+                ],
+                from: PartFrom::Source {
+                    name: "qkv".into(),
+                    origin: vec![0, 0]
+                },
+            }]
+        );
+        // v: the last head of each group, from row 16 of the group's 20
+        let v = View::source("qkv")
+            .split(0, &[2, 5, 4])
+            .slice(1, 4, 1)
+            .merge(0, 3);
+        let m = v.compile("v", &shapes).unwrap();
+        assert_eq!(m.parts.len(), 1);
+        assert_eq!(
+            m.parts[0].from,
+            PartFrom::Source {
+                name: "qkv".into(),
+                origin: vec![16, 0]
+            }
+        );
+    }
+
+    #[test]
+    fn a_split_off_the_boundaries_is_cut_and_past_the_budget_refused() {
+        // rows 2..10 of 10 split as 2 × 4: the slice's offset carries into the outer factor
+        let m = View::source("e")
+            .slice(0, 2, 8)
+            .split(0, &[2, 4])
+            .compile("t", &shapes)
+            .unwrap();
+        assert_eq!(m.shape, vec![2, 4, 3]);
+        assert_eq!(m.parts.len(), 1);
+        assert_eq!(m.parts[0].axes[0].src_stride, 4);
+        // padding: fill parts, and the split still one part per side
+        let m = View::source("e")
+            .pad(0, 1, 1, 0.0)
+            .split(0, &[3, 4])
+            .compile("t", &shapes)
+            .unwrap();
+        assert_eq!(m.shape, vec![3, 4, 3]);
+        let vol: u64 = m.parts.iter().map(ViewPart::volume).sum();
+        assert_eq!(vol, 36);
+        // interleaved pairs split by 3: every pair straddles, cut into single rows
+        let e = View::source("x")
+            .split(0, &[2, 98_304])
+            .permute(&[1, 0])
+            .merge(0, 2)
+            .split(0, &[65_536, 3])
+            .compile("t", &shapes)
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "tensor `t`: split of dimension 0 into 65536×3 is not a strided view of its source: \
+                 it cuts it into more than {MAX_PARTS} parts"
+            )
+        );
+    }
+
+    #[test]
+    fn fill_values_in_each_dtype() {
+        assert_eq!(Fill(1.0).bytes(DType::BF16).unwrap(), [0x80, 0x3f]);
+        assert_eq!(Fill(1.0).bytes(DType::F16).unwrap(), [0x00, 0x3c]);
+        assert_eq!(
+            Fill(-2.0).bytes(DType::F32).unwrap(),
+            (-2.0f32).to_le_bytes()
+        );
+        assert_eq!(
+            Fill(-0.0).bytes(DType::F64).unwrap(),
+            (-0.0f64).to_le_bytes()
+        );
+        assert_eq!(Fill(-3.0).bytes(DType::I8).unwrap(), [0xfd]);
+        assert_eq!(Fill(1.0).bytes(DType::Bool).unwrap(), [1]);
+        assert_eq!(Fill(0.0).bytes(DType::F8E4M3).unwrap(), [0]);
+        assert_eq!(Fill(65535.0).bytes(DType::U16).unwrap(), [0xff, 0xff]);
+        for (v, d) in [
+            (2.0, DType::Bool),
+            (256.0, DType::U8),
+            (-1.0, DType::U32),
+            (0.5, DType::I64),
+            (1.0, DType::F8E5M2),
+            (f64::NAN, DType::I32),
+        ] {
+            assert!(Fill(v).bytes(d).is_err(), "{v} {d}");
+        }
+        assert_eq!(
+            Fill(0.5).bytes(DType::I16).unwrap_err(),
+            "fill value 0.5 is not a value of I16"
+        );
+    }
+}
