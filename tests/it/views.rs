@@ -480,7 +480,8 @@ fn fused_qkv_to_q_k_v_and_back() {
     let q_row = |r: u64| (r / (hpg * hd)) * (hpg + 2) * hd + r % (hpg * hd);
     let k_row = |r: u64| (r / hd) * (hpg + 2) * hd + hpg * hd + r % hd;
     let v_row = |r: u64| k_row(r) + hd;
-    let cases: [(&str, View, u64, &dyn Fn(u64) -> u64); 3] = [
+    type Rows<'a> = &'a dyn Fn(u64) -> u64;
+    let cases: [(&str, View, u64, Rows); 3] = [
         (
             "q",
             split().slice(1, 0, hpg).merge(0, 3),

@@ -220,6 +220,9 @@ pub fn plan_views<'a>(
     })
 }
 
+/// One tensor's copies, fills and summary.
+type Planned = (Vec<CopyOp>, Vec<FillOp>, TensorPlan);
+
 /// Run `one` over the targets of `dst`, in parallel, a group at a time so that only one
 /// group's ops are held twice; the first error in target order is reported. `one` appends
 /// a tensor's copies and fills and returns its summary (its byte counts are filled in here).
@@ -231,7 +234,7 @@ fn plan_each<T: Sync>(
     const GROUP: usize = 64;
     let mut out = Plan::default();
     for group in dst.chunks(GROUP) {
-        let planned: Vec<Result<(Vec<CopyOp>, Vec<FillOp>, TensorPlan)>> = group
+        let planned: Vec<Result<Planned>> = group
             .par_iter()
             .map(|d| {
                 let (mut ops, mut fills) = (vec![], vec![]);

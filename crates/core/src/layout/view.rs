@@ -949,13 +949,14 @@ impl ViewPart {
 /// The boxes of an axis space of `(dimension, size, stride)` axes whose images
 /// `origin[d] + Σ stride·x` (over the axes on each dimension `d`) fall in `region`.
 fn preimage(origin: &[u64], axes: &[(usize, u64, u64)], region: &Region) -> Vec<Region> {
-    let mut per_dim: Vec<(Vec<usize>, Vec<Vec<(u64, u64)>>)> = vec![];
-    for d in 0..origin.len() {
+    // per dimension: its axes, and the boxes `(start, len)` of them
+    let mut per_dim: Vec<(Vec<usize>, AxisBoxes)> = vec![];
+    for (d, &base) in origin.iter().enumerate() {
         let (lo, hi) = (region.offsets[d], region.end(d));
         let mut on: Vec<usize> = (0..axes.len()).filter(|&i| axes[i].0 == d).collect();
         on.sort_by_key(|&i| std::cmp::Reverse(axes[i].2));
         let sizes: Vec<(u64, u64)> = on.iter().map(|&i| (axes[i].1, axes[i].2)).collect();
-        let boxes = ranges(origin[d], &sizes, lo, hi);
+        let boxes = ranges(base, &sizes, lo, hi);
         if boxes.is_empty() {
             return vec![];
         }
@@ -980,9 +981,12 @@ fn preimage(origin: &[u64], axes: &[(usize, u64, u64)], region: &Region) -> Vec<
     out
 }
 
+/// Boxes of some axes: each a `(start, len)` per axis.
+type AxisBoxes = Vec<Vec<(u64, u64)>>;
+
 /// The boxes `(start, len)` per axis of the indices `x` of nested axes `(size, stride)`
 /// (outermost first) with `base + Σ stride·x` in `lo .. hi`, in increasing order.
-fn ranges(base: u64, axes: &[(u64, u64)], lo: u64, hi: u64) -> Vec<Vec<(u64, u64)>> {
+fn ranges(base: u64, axes: &[(u64, u64)], lo: u64, hi: u64) -> AxisBoxes {
     // spans[k]: the span of the axes inside axis k
     let mut spans = vec![0u128; axes.len() + 1];
     for k in (0..axes.len()).rev() {
@@ -1010,7 +1014,7 @@ fn ranges_from(
     spans: &[u128],
     (lo, hi): (u128, u128),
     prefix: &mut Vec<(u64, u64)>,
-    out: &mut Vec<Vec<(u64, u64)>>,
+    out: &mut AxisBoxes,
 ) {
     let k = prefix.len();
     if base + spans[k] < lo || base >= hi {
@@ -1040,7 +1044,7 @@ fn ranges_from(
         0
     }
     .min(end);
-    let partial = |x: u128, prefix: &mut Vec<(u64, u64)>, out: &mut Vec<Vec<(u64, u64)>>| {
+    let partial = |x: u128, prefix: &mut Vec<(u64, u64)>, out: &mut AxisBoxes| {
         prefix.push((x as u64, 1));
         ranges_from(base + s * x, axes, spans, (lo, hi), prefix, out);
         prefix.pop();
