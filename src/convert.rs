@@ -1012,6 +1012,7 @@ fn run_part_local(job: &Job, dst: &Path, opts: &ConvertOptions, part: Part) -> R
     let plan = Plan {
         ops: exec::restrict(&job.plan.ops, &spans),
         tensors: vec![],
+        fills: vec![],
     };
     let paths = area.paths();
     let check_threads = rayon::current_num_threads().saturating_sub(1).max(1);

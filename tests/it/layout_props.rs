@@ -12,13 +12,13 @@ use std::path::PathBuf;
 
 /// How a layout is generated: a sharding over a mesh, or flat ranges over `world` ranks.
 #[derive(Clone, Debug)]
-enum Scheme {
+pub(crate) enum Scheme {
     Mesh(Sharding),
     Flat(u64),
 }
 
 impl Scheme {
-    fn world(&self) -> u64 {
+    pub(crate) fn world(&self) -> u64 {
         match self {
             Scheme::Mesh(s) => s.mesh.world(),
             Scheme::Flat(w) => *w,
@@ -69,7 +69,7 @@ fn placement(ndim: usize) -> BoxedStrategy<Placement> {
     .boxed()
 }
 
-fn scheme(ndim: usize) -> BoxedStrategy<Scheme> {
+pub(crate) fn scheme(ndim: usize) -> BoxedStrategy<Scheme> {
     let mesh1 = (1u64..=16).prop_flat_map(move |w| {
         placement(ndim).prop_map(move |p| {
             Scheme::Mesh(Sharding {
@@ -89,12 +89,12 @@ fn scheme(ndim: usize) -> BoxedStrategy<Scheme> {
     prop_oneof![3 => mesh1, 2 => mesh2, 1 => (1u64..=16).prop_map(Scheme::Flat)].boxed()
 }
 
-fn dtype() -> impl Strategy<Value = DType> {
+pub(crate) fn dtype() -> impl Strategy<Value = DType> {
     prop::sample::select(DType::ALL.to_vec())
 }
 
 /// The full tensor as an ndarray of bytes with a trailing dimension of the element size.
-fn full_tensor(shape: &[u64], dtype: DType, seed: u64) -> ArrayD<u8> {
+pub(crate) fn full_tensor(shape: &[u64], dtype: DType, seed: u64) -> ArrayD<u8> {
     let mut dims: Vec<usize> = shape.iter().map(|&s| s as usize).collect();
     dims.push(dtype.size());
     let mut x = seed | 1;
@@ -106,24 +106,43 @@ fn full_tensor(shape: &[u64], dtype: DType, seed: u64) -> ArrayD<u8> {
     })
 }
 
-/// Bytes of `region` of `full`, row-major, cut out with ndarray slicing.
-fn region_bytes(full: &ArrayD<u8>, region: &Region) -> Vec<u8> {
+/// Bytes of `region` of `full`, row-major (or column-major: `reversed`), cut out with ndarray
+/// slicing.
+fn region_bytes(full: &ArrayD<u8>, region: &Region, reversed: bool) -> Vec<u8> {
     let mut v = full.view();
     for d in 0..region.ndim() {
         let (a, b) = (region.offsets[d] as isize, region.end(d) as isize);
         v.slice_axis_inplace(ndarray::Axis(d), Slice::from(a..b));
+    }
+    if reversed {
+        // the dimensions in reverse order, the element's bytes kept last
+        let n = region.ndim();
+        let order: Vec<usize> = (0..n).rev().chain([n]).collect();
+        v = v.permuted_axes(order);
     }
     v.iter().copied().collect()
 }
 
 /// A layout with rank r's regions stored back to back in file r; returns the layout and each
 /// file's bytes (taken from `full` when given, zeros otherwise).
-fn layout(
+pub(crate) fn layout(
     name: &str,
     dtype: DType,
     shape: &[u64],
     s: &Scheme,
     full: Option<&ArrayD<u8>>,
+) -> (TensorLayout, Vec<Vec<u8>>) {
+    layout_stored(name, dtype, shape, s, full, false)
+}
+
+/// [`layout`], each piece stored column-major (strides given) when `reversed`.
+pub(crate) fn layout_stored(
+    name: &str,
+    dtype: DType,
+    shape: &[u64],
+    s: &Scheme,
+    full: Option<&ArrayD<u8>>,
+    reversed: bool,
 ) -> (TensorLayout, Vec<Vec<u8>>) {
     let mut pieces = vec![];
     let mut files = vec![];
@@ -132,16 +151,23 @@ fn layout(
         for region in s.rank_regions(shape, r) {
             let offset = bytes.len() as u64;
             match full {
-                Some(f) => bytes.extend(region_bytes(f, &region)),
+                Some(f) => bytes.extend(region_bytes(f, &region, reversed)),
                 None => bytes.resize(bytes.len() + (region.volume() as usize) * dtype.size(), 0),
             }
+            let strides = reversed.then(|| {
+                let mut st = vec![1u64; region.ndim()];
+                for d in 1..region.ndim() {
+                    st[d] = st[d - 1] * region.sizes[d - 1];
+                }
+                st
+            });
             pieces.push(Piece {
                 rank: r as u32,
                 region,
                 loc: Loc {
                     file: r as u32,
                     offset,
-                    strides: None,
+                    strides,
                     pending: None,
                 },
             });
@@ -160,7 +186,7 @@ fn layout(
 }
 
 /// Execute `plan` for real: sources and destinations are files in a temporary directory.
-fn run(plan: &Plan, srcs: &[Vec<u8>], dst_sizes: &[usize]) -> Vec<Vec<u8>> {
+pub(crate) fn run(plan: &Plan, srcs: &[Vec<u8>], dst_sizes: &[usize]) -> Vec<Vec<u8>> {
     let dir = tempfile::tempdir().unwrap();
     let src_paths: Vec<PathBuf> = srcs
         .iter()

@@ -35,6 +35,7 @@ mod torchtitan;
 mod format_chains;
 mod layout_props;
 mod pickle_fuzz;
+mod views;
 
 // damaged, hostile and interrupted runs
 mod corruption;

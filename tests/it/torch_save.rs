@@ -661,6 +661,7 @@ fn write_with_executor(
     let plan = Plan {
         ops,
         tensors: vec![],
+        fills: vec![],
     };
     File::create(dest).unwrap();
     let opts = ExecOptions {

@@ -5,9 +5,17 @@
 //! padding is never copied, runs are merged into maximal contiguous or strided copies, and
 //! adjacent copies are coalesced across tensors. Overlaps are found with the sweep of
 //! [`crate::layout::join`], not by comparing all pairs.
+//!
+//! [`plan_views`] plans target tensors defined as [`View`]s of source tensors (renamed,
+//! sliced, split, merged, permuted, concatenated, padded): each target piece and each source
+//! piece is mapped into the axis space of the view's strided parts, intersected there, and
+//! copied as strided runs; padding becomes [`FillOp`]s.
 
 use crate::error::{Error, Result};
-use crate::layout::{distinct_regions, for_each_run, join, DType, Region, Strided, TensorLayout};
+use crate::layout::{
+    distinct_regions, for_each_run, join, DType, Loc, PartFrom, Piece, Region, Strided,
+    TensorLayout, View, ViewPart,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
@@ -78,6 +86,38 @@ impl CopyOp {
     }
 }
 
+/// One fill: `count` rows of `len` bytes, row `i` at `dst_offset + i·dst_stride` of
+/// destination file `dst`, every element set to `value` (one element's bytes in the
+/// destination dtype; `len` is a multiple of its length).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FillOp {
+    /// Destination file index.
+    pub dst: u32,
+    /// First destination byte.
+    pub dst_offset: u64,
+    /// Bytes per row.
+    pub len: u64,
+    /// Number of rows.
+    pub count: u64,
+    /// Destination bytes between rows.
+    pub dst_stride: u64,
+    /// One element of the fill value, little-endian.
+    pub value: Vec<u8>,
+}
+
+impl FillOp {
+    /// Destination bytes written by the whole op.
+    pub fn bytes_written(&self) -> u64 {
+        self.len * self.count
+    }
+
+    /// First and past-the-last destination byte touched.
+    pub fn dst_span(&self) -> (u64, u64) {
+        let end = self.dst_offset + (self.count - 1) * self.dst_stride + self.len;
+        (self.dst_offset, end)
+    }
+}
+
 /// What the plan does for one tensor.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorPlan {
@@ -91,8 +131,11 @@ pub struct TensorPlan {
     pub pieces: (usize, usize),
     /// Ops produced for this tensor before cross-tensor coalescing.
     pub ops: usize,
-    /// Bytes read and written.
+    /// Bytes read and written by its copies.
     pub bytes: (u64, u64),
+    /// The view the tensor is defined by, when it is not the source tensor of its name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub view: Option<View>,
 }
 
 /// A copy plan: ops sorted by destination, and a summary per tensor.
@@ -102,6 +145,9 @@ pub struct Plan {
     pub ops: Vec<CopyOp>,
     /// One entry per planned tensor, in destination order.
     pub tensors: Vec<TensorPlan>,
+    /// The fills (padding of views), sorted by (destination file, destination offset).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fills: Vec<FillOp>,
 }
 
 impl Plan {
@@ -113,6 +159,11 @@ impl Plan {
     /// Total tensor bytes written to destinations.
     pub fn bytes_written(&self) -> u64 {
         self.ops.iter().map(CopyOp::bytes_written).sum()
+    }
+
+    /// Total bytes set by fills.
+    pub fn bytes_filled(&self) -> u64 {
+        self.fills.iter().map(FillOp::bytes_written).sum()
     }
 
     /// Source file indices read, sorted.
@@ -136,43 +187,267 @@ pub fn plan_named<'a>(
     src: impl IntoIterator<Item = (&'a str, &'a TensorLayout)>,
     dst: &[TensorLayout],
 ) -> Result<Plan> {
-    use rayon::prelude::*;
     let by_name: HashMap<&str, &TensorLayout> = src.into_iter().collect();
-    // Tensors are planned in parallel, a group at a time so that only one group's ops are
-    // held twice; the first error in target order is reported.
+    plan_each(dst, |d, ops, _| {
+        let s = by_name
+            .get(d.name.as_str())
+            .ok_or_else(|| Error::layout(&d.name, "is in the target but not in the source"))?;
+        plan_tensor(s, d, ops)?;
+        Ok(TensorPlan {
+            name: d.name.clone(),
+            dtype: (s.dtype, d.dtype),
+            shape: d.shape.clone(),
+            pieces: (s.pieces.len(), d.pieces.len()),
+            ops: ops.len(),
+            bytes: (0, 0),
+            view: None,
+        })
+    })
+}
+
+/// Plan every target tensor of `dst`, each defined by its [`View`] of the source tensors
+/// `src` (by name): the copies that fill every target piece from the source pieces the view
+/// maps it to, and fills for its padding. Every source named is validated, and so is every
+/// target (exact cover); the view's shape must be the target's. Every source a view reads
+/// must have one dtype, which the target's may differ from as a cast allows.
+pub fn plan_views<'a>(
+    src: impl IntoIterator<Item = (&'a str, &'a TensorLayout)>,
+    dst: &[(TensorLayout, View)],
+) -> Result<Plan> {
+    let by_name: HashMap<&str, &TensorLayout> = src.into_iter().collect();
+    plan_each(dst, |(d, view), ops, fills| {
+        plan_view(&by_name, d, view, ops, fills)
+    })
+}
+
+/// One tensor's copies, fills and summary.
+type Planned = (Vec<CopyOp>, Vec<FillOp>, TensorPlan);
+
+/// Run `one` over the targets of `dst`, in parallel, a group at a time so that only one
+/// group's ops are held twice; the first error in target order is reported. `one` appends
+/// a tensor's copies and fills and returns its summary (its byte counts are filled in here).
+fn plan_each<T: Sync>(
+    dst: &[T],
+    one: impl Fn(&T, &mut Vec<CopyOp>, &mut Vec<FillOp>) -> Result<TensorPlan> + Sync,
+) -> Result<Plan> {
+    use rayon::prelude::*;
     const GROUP: usize = 64;
     let mut out = Plan::default();
     for group in dst.chunks(GROUP) {
-        let planned: Vec<Result<(Vec<CopyOp>, TensorPlan)>> = group
+        let planned: Vec<Result<Planned>> = group
             .par_iter()
             .map(|d| {
-                let s = by_name.get(d.name.as_str()).ok_or_else(|| {
-                    Error::layout(&d.name, "is in the target but not in the source")
-                })?;
-                let mut ops = vec![];
-                plan_tensor(s, d, &mut ops)?;
-                let t = TensorPlan {
-                    name: d.name.clone(),
-                    dtype: (s.dtype, d.dtype),
-                    shape: d.shape.clone(),
-                    pieces: (s.pieces.len(), d.pieces.len()),
-                    ops: ops.len(),
-                    bytes: (
-                        ops.iter().map(CopyOp::bytes_read).sum(),
-                        ops.iter().map(CopyOp::bytes_written).sum(),
-                    ),
-                };
-                Ok((ops, t))
+                let (mut ops, mut fills) = (vec![], vec![]);
+                let mut t = one(d, &mut ops, &mut fills)?;
+                t.ops = ops.len();
+                t.bytes = (
+                    ops.iter().map(CopyOp::bytes_read).sum(),
+                    ops.iter().map(CopyOp::bytes_written).sum(),
+                );
+                Ok((ops, fills, t))
             })
             .collect();
         for p in planned {
-            let (ops, t) = p?;
+            let (ops, fills, t) = p?;
             out.ops.extend(ops);
+            out.fills.extend(fills);
             out.tensors.push(t);
         }
     }
     out.ops = coalesce(std::mem::take(&mut out.ops));
+    out.fills = coalesce_fills(std::mem::take(&mut out.fills));
     Ok(out)
+}
+
+/// Check a source may be planned from into a target of `dtype` named `target`: located, and
+/// castable.
+fn check_source(src: &TensorLayout, target: &str, dtype: DType) -> Result<()> {
+    if !src.dtype.can_cast_to(dtype) {
+        return Err(Error::layout(
+            target,
+            format!(
+                "cannot convert {} to {} (only between f16, bf16, f32, f64)",
+                src.dtype, dtype
+            ),
+        ));
+    }
+    if src.pieces.iter().any(|p| p.loc.pending.is_some()) {
+        return Err(Error::layout(
+            &src.name,
+            "has pieces not yet located (a lazily opened checkpoint): open it with Checkpoint::open to plan a conversion",
+        ));
+    }
+    Ok(())
+}
+
+/// Plan one target tensor `dst` defined by `view` of the tensors of `by_name`.
+fn plan_view(
+    by_name: &HashMap<&str, &TensorLayout>,
+    dst: &TensorLayout,
+    view: &View,
+    ops: &mut Vec<CopyOp>,
+    fills: &mut Vec<FillOp>,
+) -> Result<TensorPlan> {
+    let mut srcs: Vec<(&str, &TensorLayout)> = vec![];
+    for name in view.sources() {
+        let s = by_name.get(name).ok_or_else(|| {
+            Error::layout(
+                &dst.name,
+                format!("is a view of `{name}`, which the source does not hold"),
+            )
+        })?;
+        if let Some((first, f)) = srcs.first() {
+            if f.dtype != s.dtype {
+                return Err(Error::layout(
+                    &dst.name,
+                    format!(
+                        "is a view of `{first}` ({}) and `{name}` ({}): its sources must share one dtype",
+                        f.dtype, s.dtype
+                    ),
+                ));
+            }
+        }
+        check_source(s, &dst.name, dst.dtype)?;
+        s.validate()?;
+        srcs.push((name, s));
+    }
+    let shape_of = |n: &str| by_name.get(n).map(|t| t.shape.clone());
+    let map = view.compile(&dst.name, &shape_of)?;
+    if map.shape != dst.shape {
+        return Err(Error::layout(
+            &dst.name,
+            format!(
+                "its view has shape {:?}, the target {:?}",
+                map.shape, dst.shape
+            ),
+        ));
+    }
+    dst.validate()?;
+    for part in &map.parts {
+        match &part.from {
+            PartFrom::Source { name, .. } => {
+                let src = by_name[name.as_str()];
+                fill_part(src, dst, part, ops);
+            }
+            PartFrom::Fill { value } => {
+                let value = value
+                    .bytes(dst.dtype)
+                    .map_err(|e| Error::layout(&dst.name, e))?;
+                pad_part(dst, part, &value, fills);
+            }
+        }
+    }
+    Ok(TensorPlan {
+        name: dst.name.clone(),
+        dtype: (srcs.first().map_or(dst.dtype, |s| s.1.dtype), dst.dtype),
+        shape: dst.shape.clone(),
+        pieces: (
+            srcs.iter().map(|s| s.1.pieces.len()).sum(),
+            dst.pieces.len(),
+        ),
+        ops: 0,
+        bytes: (0, 0),
+        view: (!matches!(view, View::Source { name } if *name == dst.name)).then(|| view.clone()),
+    })
+}
+
+/// `pieces` (of a tensor of `dtype`) as pieces of `part`'s axis space: each piece's boxes
+/// there, where its bytes are, with the strides of the axes. Indices are kept where the part
+/// has axes (so that an identity view spreads reads over replicas as [`plan()`] does): a
+/// piece with no element in the part is one empty box. `source` picks the side: the part's source, or
+/// the target.
+fn part_pieces(part: &ViewPart, pieces: &[Piece], dtype: DType, source: bool) -> Vec<Piece> {
+    let elem = dtype.size() as u64;
+    let mut out = Vec::with_capacity(pieces.len());
+    for p in pieces {
+        let boxes = match (p.region.is_empty(), source) {
+            (true, _) => vec![],
+            (false, true) => part.source_preimage(&p.region),
+            (false, false) => part.target_preimage(&p.region),
+        };
+        let n = part.axes.len();
+        if boxes.is_empty() && n > 0 {
+            out.push(Piece {
+                rank: p.rank,
+                region: Region::new(vec![0; n], vec![0; n]),
+                loc: p.loc.clone(),
+            });
+            continue;
+        }
+        let strides = p.strides();
+        let x_strides: Vec<u64> = part
+            .axes
+            .iter()
+            .map(|a| match source {
+                true => a.src_stride * strides[a.src_dim],
+                false => a.stride * strides[a.dim],
+            })
+            .collect();
+        for b in boxes {
+            let first = match source {
+                true => part.source_index(&b),
+                false => part.target_index(&b),
+            };
+            let elems: u64 = first
+                .iter()
+                .zip(&p.region.offsets)
+                .zip(&strides)
+                .map(|((i, o), s)| (i - o) * s)
+                .sum();
+            out.push(Piece {
+                rank: p.rank,
+                region: b,
+                loc: Loc {
+                    file: p.loc.file,
+                    offset: p.loc.offset + elems * elem,
+                    strides: Some(x_strides.clone()),
+                    pending: None,
+                },
+            });
+        }
+    }
+    out
+}
+
+/// Append to `ops` the copies of `part` of `dst`'s view from `src`: both sides' pieces
+/// mapped into the part's axis space and copied by [`fill`] there.
+fn fill_part(src: &TensorLayout, dst: &TensorLayout, part: &ViewPart, ops: &mut Vec<CopyOp>) {
+    let shape: Vec<u64> = part.axes.iter().map(|a| a.size).collect();
+    let x_src = TensorLayout {
+        name: src.name.clone(),
+        dtype: src.dtype,
+        pieces: part_pieces(part, &src.pieces, src.dtype, true),
+        shape,
+    };
+    let x_dst = part_pieces(part, &dst.pieces, dst.dtype, false);
+    fill(&x_src, &x_dst, dst.dtype, ops);
+}
+
+/// Append to `fills` the fills of `part` (a fill part of `dst`'s view) in `dst`'s pieces.
+fn pad_part(dst: &TensorLayout, part: &ViewPart, value: &[u8], fills: &mut Vec<FillOp>) {
+    let elem = dst.dtype.size() as u64;
+    for p in part_pieces(part, &dst.pieces, dst.dtype, false) {
+        if p.region.is_empty() {
+            continue;
+        }
+        let strides = p.strides();
+        let d = Strided {
+            region: &p.region,
+            base: p.loc.offset,
+            strides: &strides,
+            elem,
+        };
+        for_each_run(&p.region, &d, &d, |r| {
+            fills.push(FillOp {
+                dst: p.loc.file,
+                dst_offset: r.dst,
+                len: r.elems * elem,
+                count: r.count,
+                dst_stride: r.dst_stride,
+                value: value.to_vec(),
+            })
+        });
+    }
 }
 
 /// Append to `ops` the copies that fill every piece of `dst` from `src`.
@@ -186,21 +461,7 @@ pub fn plan_tensor(src: &TensorLayout, dst: &TensorLayout, ops: &mut Vec<CopyOp>
             ),
         ));
     }
-    if !src.dtype.can_cast_to(dst.dtype) {
-        return Err(Error::layout(
-            &dst.name,
-            format!(
-                "cannot convert {} to {} (only between f16, bf16, f32, f64)",
-                src.dtype, dst.dtype
-            ),
-        ));
-    }
-    if src.pieces.iter().any(|p| p.loc.pending.is_some()) {
-        return Err(Error::layout(
-            &src.name,
-            "has pieces not yet located (a lazily opened checkpoint): open it with Checkpoint::open to plan a conversion",
-        ));
-    }
+    check_source(src, &dst.name, dst.dtype)?;
     src.validate()?;
     dst.validate()?;
     fill(src, &dst.pieces, dst.dtype, ops);
@@ -210,12 +471,7 @@ pub fn plan_tensor(src: &TensorLayout, dst: &TensorLayout, ops: &mut Vec<CopyOp>
 /// Append to `ops` the copies that fill `pieces` (regions of `src`'s tensor, stored as
 /// `dtype`) from `src`, which must be valid. Each piece is filled wholly, even when several
 /// pieces hold the same region; the pieces need not cover the tensor.
-pub fn fill(
-    src: &TensorLayout,
-    pieces: &[crate::layout::Piece],
-    dtype: DType,
-    ops: &mut Vec<CopyOp>,
-) {
+pub fn fill(src: &TensorLayout, pieces: &[Piece], dtype: DType, ops: &mut Vec<CopyOp>) {
     let cast = (src.dtype != dtype).then_some(Cast {
         from: src.dtype,
         to: dtype,
@@ -294,10 +550,10 @@ pub fn fill(
 /// file 0), cast from `t.dtype` where it differs. The buffer holds
 /// `region.volume() * dtype.size()` bytes.
 pub fn region_ops(t: &TensorLayout, region: &Region, dtype: DType) -> Vec<CopyOp> {
-    let piece = crate::layout::Piece {
+    let piece = Piece {
         rank: 0,
         region: region.clone(),
-        loc: crate::layout::Loc {
+        loc: Loc {
             file: 0,
             offset: 0,
             strides: None,
@@ -329,10 +585,27 @@ pub fn coalesce(mut ops: Vec<CopyOp>) -> Vec<CopyOp> {
     ops
 }
 
+/// Sort fills by destination and merge neighbours of one value that continue each other.
+pub fn coalesce_fills(mut fills: Vec<FillOp>) -> Vec<FillOp> {
+    fills.sort_unstable_by_key(|o| (o.dst, o.dst_offset));
+    fills.dedup_by(|o, last| {
+        let continues = last.count == 1
+            && o.count == 1
+            && last.dst == o.dst
+            && last.value == o.value
+            && last.dst_offset + last.len == o.dst_offset;
+        if continues {
+            last.len += o.len;
+        }
+        continues
+    });
+    fills
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::{Loc, Piece, Sharding};
+    use crate::layout::Sharding;
 
     /// A layout where rank r's pieces are stored row-major, back to back, in file r.
     fn sharded(name: &str, dtype: DType, shape: &[u64], s: &Sharding) -> TensorLayout {

@@ -320,6 +320,7 @@ mod tests {
         let plan = Plan {
             ops: vec![op],
             tensors: vec![],
+            fills: vec![],
         };
         let opts = ExecOptions {
             window: 4096,
@@ -356,6 +357,7 @@ mod tests {
                 op(28_000, 40_000, 5_000, 1, 0),
             ],
             tensors: vec![],
+            fills: vec![],
         };
         for window in [8, 64, 4096, 10_000, 1 << 20] {
             let dst = d.path().join(format!("dst{window}"));
@@ -399,6 +401,7 @@ mod tests {
                 op(25_000, 40_000, 5_000, 1, 0),
             ],
             tensors: vec![],
+            fills: vec![],
         };
         let known = |a: u64, b: u64, crc: u32| KnownCrc {
             src: 0,

@@ -628,8 +628,14 @@ fn check_sources(plan: &Plan, sources: &[PathBuf], maps: &[Mmap]) -> Result<()> 
     Ok(())
 }
 
-/// Check every op is well formed and stays within its destination.
+/// Check every op is well formed and stays within its destination. Fills (a view's
+/// padding) are refused: this executor runs copies only, and would leave them unwritten.
 fn check_ops(plan: &Plan, outputs: &[OutputFile]) -> Result<()> {
+    if !plan.fills.is_empty() {
+        return Err(Error::usage(
+            "the plan pads tensors (fill ops), which this executor does not run",
+        ));
+    }
     for o in &plan.ops {
         let d = outputs
             .get(o.dst as usize)

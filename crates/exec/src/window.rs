@@ -435,6 +435,7 @@ mod tests {
         let plan = Plan {
             ops,
             tensors: vec![],
+            fills: vec![],
         };
         (plan, out, known)
     }
@@ -490,6 +491,7 @@ mod tests {
                     let sub = Plan {
                         ops: super::super::restrict(&plan.ops, spans),
                         tensors: vec![],
+                        fills: vec![],
                     };
                     let w = super::super::execute_part(
                         &sub,

@@ -2,7 +2,9 @@
 //!
 //! Everything else in reshard speaks in these terms: readers describe what a checkpoint holds
 //! as [`TensorLayout`]s, a target is a [`Sharding`] (or flat ranges) compiled to regions per
-//! rank, and the planner intersects the two.
+//! rank, and the planner intersects the two. A [`View`] defines a target tensor through
+//! transforms of source tensors (slices, splits, merges, permutations, concatenation,
+//! padding), compiled to strided parts the planner maps pieces through.
 
 mod blocks;
 pub mod cast;
@@ -11,6 +13,7 @@ mod placement;
 mod region;
 mod summary;
 mod tensor;
+mod view;
 
 pub use blocks::BlockFlat;
 pub use dtype::DType;
@@ -20,3 +23,4 @@ pub use placement::{
 pub use region::{for_each_run, row_major_strides, Region, Run, Strided};
 pub use summary::summary;
 pub use tensor::{distinct_regions, join, Loc, Piece, TensorLayout, MAX_DIMS};
+pub use view::{Axis, Fill, PartFrom, View, ViewMap, ViewPart, MAX_PARTS};
