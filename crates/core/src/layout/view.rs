@@ -99,6 +99,28 @@ impl Fill {
                 }
                 vec![if v.is_sign_negative() { 0x80 } else { 0 }]
             }
+            // the fnuz fp8s have no negative zero (0x80 is their NaN), e8m0 and the packed fp4
+            // no zero of one bit pattern worth stating: positive zero only, where it exists
+            DType::F8E4M3FNUZ | DType::F8E5M2FNUZ | DType::F4E2M1X2 => {
+                if v != 0.0 || v.is_sign_negative() {
+                    return Err(format!(
+                        "fill value {v} in {dtype}: only 0 can be stated for fp8 and fp4"
+                    ));
+                }
+                vec![0]
+            }
+            DType::F8E8M0 => {
+                return Err(format!(
+                    "fill value {v} in {dtype}: no fill is stated for e8m0 scales"
+                ))
+            }
+            // a complex fill is the value with a zero imaginary part
+            DType::C32 | DType::BC32 | DType::C64 | DType::C128 => {
+                let part = dtype.complex_part().expect("a complex dtype");
+                let mut b = Fill(v).bytes(part)?;
+                b.extend(Fill(0.0).bytes(part)?);
+                b
+            }
             DType::Bool => vec![int(0.0, 1.0)? as u8],
             DType::U8 => vec![int(0.0, u8::MAX as f64)? as u8],
             DType::I8 => (int(i8::MIN as f64, i8::MAX as f64)? as i8)
@@ -1238,6 +1260,13 @@ mod tests {
         assert_eq!(Fill(1.0).bytes(DType::Bool).unwrap(), [1]);
         assert_eq!(Fill(0.0).bytes(DType::F8E4M3).unwrap(), [0]);
         assert_eq!(Fill(65535.0).bytes(DType::U16).unwrap(), [0xff, 0xff]);
+        assert_eq!(Fill(0.0).bytes(DType::F8E4M3FNUZ).unwrap(), [0]);
+        assert_eq!(Fill(0.0).bytes(DType::F4E2M1X2).unwrap(), [0]);
+        // complex: the value, then a zero imaginary part
+        assert_eq!(Fill(1.0).bytes(DType::BC32).unwrap(), [0x80, 0x3f, 0, 0]);
+        let mut c64 = 1.5f32.to_le_bytes().to_vec();
+        c64.extend(0f32.to_le_bytes());
+        assert_eq!(Fill(1.5).bytes(DType::C64).unwrap(), c64);
         for (v, d) in [
             (2.0, DType::Bool),
             (256.0, DType::U8),
@@ -1245,6 +1274,10 @@ mod tests {
             (0.5, DType::I64),
             (1.0, DType::F8E5M2),
             (f64::NAN, DType::I32),
+            (1.0, DType::F8E4M3FNUZ),
+            (-0.0, DType::F8E5M2FNUZ),
+            (0.0, DType::F8E8M0),
+            (0.5, DType::F4E2M1X2),
         ] {
             assert!(Fill(v).bytes(d).is_err(), "{v} {d}");
         }
