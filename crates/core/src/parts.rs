@@ -407,11 +407,16 @@ mod tests {
             next[s.file as usize] = s.end;
         }
         assert_eq!(next, sizes.to_vec());
-        let strided = plan.ops.iter().filter(|o| o.count > 1).map(|o| (o.dst, o.dst_span()));
+        let strided = plan
+            .ops
+            .iter()
+            .filter(|o| o.count > 1)
+            .map(|o| (o.dst, o.dst_span()));
         let strided_fills = plan.fills.iter().filter(|o| o.count > 1);
         for (f, (a, b)) in strided.chain(strided_fills.map(|o| (o.dst, o.dst_span()))) {
             assert!(
-                all.iter().any(|s| s.file == f && s.start <= a && b <= s.end),
+                all.iter()
+                    .any(|s| s.file == f && s.start <= a && b <= s.end),
                 "{a}..{b} of file {f} crosses a span of {all:?}"
             );
         }
@@ -464,7 +469,10 @@ mod tests {
             assert!(cuts.iter().all(|&c| c <= 8 << 20), "{n}: {cuts:?}");
         }
         assert_eq!(split(&sizes, &plan_of(&ops, &[]), 1).unwrap()[0].len(), 2);
-        assert_eq!(check(&[], &plan_of(&[], &[]), 3), vec![vec![], vec![], vec![]]);
+        assert_eq!(
+            check(&[], &plan_of(&[], &[]), 3),
+            vec![vec![], vec![], vec![]]
+        );
     }
 
     #[test]

@@ -210,7 +210,10 @@ fn fill_part(op: &FillOp, d: u64, (a, b): (u64, u64), out: &mut Vec<FillOp>) {
         }
     };
     let k = ((a - d) % elem) as usize;
-    let (ea, eb) = (d + (a - d).next_multiple_of(elem), d + (b - d) / elem * elem);
+    let (ea, eb) = (
+        d + (a - d).next_multiple_of(elem),
+        d + (b - d) / elem * elem,
+    );
     if ea > eb {
         // within one element
         return push(a, b, &op.value[k..k + (b - a) as usize]);
@@ -357,18 +360,28 @@ fn writes_once(w: &Window) -> bool {
 /// conversion ([`crate::parts`]). Its tensor summaries are left out.
 pub fn restrict(plan: &Plan, spans: &[Span]) -> Plan {
     let mut ops = vec![];
-    each_reaching(&plan.ops, spans, |o| (o.dst, o.dst_offset), CopyOp::dst_span, |o, s| {
-        let mut frags = vec![];
-        clip(o, s.start, s.end, &mut frags);
-        ops.extend(frags.into_iter().filter_map(|f| match f {
-            Frag::Op(o) => Some(o),
-            _ => None,
-        }));
-    });
+    each_reaching(
+        &plan.ops,
+        spans,
+        |o| (o.dst, o.dst_offset),
+        CopyOp::dst_span,
+        |o, s| {
+            let mut frags = vec![];
+            clip(o, s.start, s.end, &mut frags);
+            ops.extend(frags.into_iter().filter_map(|f| match f {
+                Frag::Op(o) => Some(o),
+                _ => None,
+            }));
+        },
+    );
     let mut fills = vec![];
-    each_reaching(&plan.fills, spans, |o| (o.dst, o.dst_offset), FillOp::dst_span, |o, s| {
-        clip_fill(o, s.start, s.end, &mut fills)
-    });
+    each_reaching(
+        &plan.fills,
+        spans,
+        |o| (o.dst, o.dst_offset),
+        FillOp::dst_span,
+        |o, s| clip_fill(o, s.start, s.end, &mut fills),
+    );
     Plan {
         ops,
         tensors: vec![],
