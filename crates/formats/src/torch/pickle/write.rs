@@ -111,7 +111,6 @@ impl PyValue {
     }
 
     /// `torch.Size(dims)`.
-    #[cfg(any(test, feature = "internals"))]
     pub fn torch_size(dims: &[u64]) -> PyValue {
         PyValue::call(
             "torch",
