@@ -30,7 +30,7 @@ fn main() {
         }
     };
     let sizes: Vec<u64> = job.output_files().iter().map(|f| f.1).collect();
-    let parts = match reshard::parts::split(&sizes, &job.plan.ops, n) {
+    let parts = match reshard::parts::split(&sizes, &job.plan, n) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("parts_balance: {e}");

@@ -871,6 +871,13 @@ pub fn fingerprint(job: &Job, parts: u32) -> Result<String> {
             None => h.num(0),
         }
     }
+    for f in &job.plan.fills {
+        let n = f.value.len() as u64;
+        for v in [f.dst as u64, f.dst_offset, f.len, f.count, f.dst_stride, n] {
+            h.num(v);
+        }
+        h.bytes(&f.value);
+    }
     for f in &job.output.files {
         h.text(&f.path.to_string_lossy());
         h.num(f.size);
@@ -965,7 +972,7 @@ fn staged_destination(url: &Path, staging: Option<&Path>) -> Result<PathBuf> {
 fn run_part_local(job: &Job, dst: &Path, opts: &ConvertOptions, part: Part) -> Result<PartRun> {
     let is_dir = check_destination(job, dst)?;
     let sizes: Vec<u64> = job.output.files.iter().map(|f| f.size).collect();
-    let spans = split(&sizes, &job.plan.ops, part.count)?.swap_remove(part.index as usize);
+    let spans = split(&sizes, &job.plan, part.count)?.swap_remove(part.index as usize);
     let what = format!(
         "{} ({}) to {} at {} rank(s)",
         job.source.path.display(),
@@ -1009,11 +1016,7 @@ fn run_part_local(job: &Job, dst: &Path, opts: &ConvertOptions, part: Part) -> R
     let mut files: Vec<u32> = spans.iter().map(|s| s.file).collect();
     files.dedup();
     area.create(files)?;
-    let plan = Plan {
-        ops: exec::restrict(&job.plan.ops, &spans),
-        tensors: vec![],
-        fills: vec![],
-    };
+    let plan = exec::restrict(&job.plan, &spans);
     let paths = area.paths();
     let check_threads = rayon::current_num_threads().saturating_sub(1).max(1);
     let (checked, written) = std::thread::scope(|s| {

@@ -187,6 +187,17 @@ pub(crate) fn layout_stored(
 
 /// Execute `plan` for real: sources and destinations are files in a temporary directory.
 pub(crate) fn run(plan: &Plan, srcs: &[Vec<u8>], dst_sizes: &[usize]) -> Vec<Vec<u8>> {
+    run_in_parts(plan, srcs, dst_sizes, 1)
+}
+
+/// [`run`], the plan split into `parts` parts ([`reshard::parts::split`]) each run on its own
+/// (its plan restricted to its spans) into the same destination files, one after another.
+pub(crate) fn run_in_parts(
+    plan: &Plan,
+    srcs: &[Vec<u8>],
+    dst_sizes: &[usize],
+    parts: u32,
+) -> Vec<Vec<u8>> {
     let dir = tempfile::tempdir().unwrap();
     let src_paths: Vec<PathBuf> = srcs
         .iter()
@@ -222,14 +233,24 @@ pub(crate) fn run(plan: &Plan, srcs: &[Vec<u8>], dst_sizes: &[usize]) -> Vec<Vec
         progress: None,
         sync: false,
     };
-    execute(
-        plan,
-        Sources::local(&src_paths),
-        &outputs,
-        &dst_paths,
-        &opts,
-    )
-    .unwrap();
+    if parts <= 1 {
+        execute(
+            plan,
+            Sources::local(&src_paths),
+            &outputs,
+            &dst_paths,
+            &opts,
+        )
+        .unwrap();
+    } else {
+        let sizes: Vec<u64> = outputs.iter().map(|o| o.size).collect();
+        for spans in reshard::parts::split(&sizes, plan, parts).unwrap() {
+            let own = reshard::exec::restrict(plan, &spans);
+            let sources = Sources::local(&src_paths);
+            reshard::exec::execute_part(&own, sources, &outputs, &dst_paths, &opts, &spans)
+                .unwrap();
+        }
+    }
     dst_paths
         .iter()
         .map(|p| std::fs::read(p).unwrap())

@@ -3,7 +3,9 @@
 //! and judged bit for bit against the same view computed by ndarray on the full tensors;
 //! and the conversions between Megatron and Hugging Face that views exist for.
 
-use crate::layout_props::{dtype, full_tensor, layout, layout_stored, run, scheme, Scheme};
+use crate::layout_props::{
+    dtype, full_tensor, layout, layout_stored, run, run_in_parts, scheme, Scheme,
+};
 use ndarray::{ArrayD, Axis, IxDyn, Slice};
 use proptest::prelude::*;
 use reshard::layout::{Mesh, Placement, Sharding, TensorLayout, View};
@@ -333,8 +335,9 @@ proptest! {
 
     /// A random view of random sources, over random source and target placements, planned
     /// and executed equals ndarray's view of the full tensors, bit for bit; every target
-    /// byte is written once (copied or filled) and copies read the bytes they write. Views
-    /// without padding also run through the real executor.
+    /// byte is written once (copied or filled) and copies read the bytes they write. The plan
+    /// also runs through the real executor (in windows of 64 bytes), whole and split into
+    /// parts, padding included.
     #[test]
     fn views_plan_as_ndarray_computes_them(
         specs in sources(),
@@ -373,15 +376,16 @@ proptest! {
             }
             r => r?,
         };
-        if p.fills.is_empty() {
-            let mut files = vec![];
-            for (_, f) in &srcs {
-                files.extend(f.iter().cloned());
-            }
-            // the planner numbered the files of a, b, c, d one after another
-            let out = run(&p, &files, &sizes_of(&expected));
-            prop_assert_eq!(&out, &expected);
+        let mut files = vec![];
+        for (_, f) in &srcs {
+            files.extend(f.iter().cloned());
         }
+        // the planner numbered the files of a, b, c, d one after another
+        let out = run(&p, &files, &sizes_of(&expected));
+        prop_assert_eq!(&out, &expected);
+        let parts = 2 + (seed % 3) as u32;
+        let out = run_in_parts(&p, &files, &sizes_of(&expected), parts);
+        prop_assert_eq!(&out, &expected, "in {} parts", parts);
     }
 
     /// The identity view plans exactly the copies `plan` does.
@@ -676,24 +680,79 @@ fn bad_views_are_one_line_errors_naming_the_target() {
     }
 }
 
-/// The executor refuses a plan with fills rather than leave the padding unwritten.
+/// Padded views run in parts (the plan split, each part's copies and fills clipped to its
+/// spans and run on its own) write what one process writes, which is what ndarray computes:
+/// a vocabulary padded past a whole file (a fill that part edges cut) and columns padded
+/// (strided fills between strided copies), with values of one and of several bytes.
 #[test]
-fn the_executor_refuses_fills_it_does_not_run() {
+fn padded_views_in_parts_write_what_one_process_writes() {
+    let (vocab, padded, h, wide) = (1000u64, 2048u64, 64u64, 72u64);
+    let real = table(vocab, h, |r, c| (r * 7 + c * 3) as u16 ^ 0x5a5a);
+    let src = held("e", &real, tp(3));
+    let value = |r, c| {
+        if r < vocab && c < h {
+            (r * 7 + c * 3) as u16 ^ 0x5a5a
+        } else {
+            0xff9c // -100
+        }
+    };
+    let cases = [
+        (
+            View::source("e").pad(0, 0, padded - vocab, -100.0),
+            table(padded, h, value),
+            tp(2),
+        ),
+        (
+            View::source("e").pad(1, 0, wide - h, -100.0),
+            table(vocab, wide, value),
+            tp(4),
+        ),
+        (
+            View::source("e")
+                .pad(0, 0, padded - vocab, -100.0)
+                .pad(1, 0, wide - h, -100.0),
+            table(padded, wide, value),
+            tp(3),
+        ),
+    ];
+    for (view, want, scheme) in cases {
+        let (dst, expected) = held("e", &want, scheme);
+        let p = check_plan(std::slice::from_ref(&src), &dst, &view, &expected).unwrap();
+        assert!(p.bytes_filled() > 0);
+        let whole = run(&p, &src.1, &sizes_of(&expected));
+        assert!(whole == expected, "{view:?} in one process");
+        for n in [2, 3, 5, 8] {
+            let got = run_in_parts(&p, &src.1, &sizes_of(&expected), n);
+            assert!(got == whole, "{view:?} in {n} parts");
+        }
+    }
+}
+
+/// The executor runs a plan's fills, and refuses malformed ones with one line naming the
+/// output: rows that are not whole elements of the value, rows past the end of the file.
+#[test]
+fn the_executor_runs_fills_and_refuses_malformed_ones() {
     let real = table(3, 2, |r, c| (r * 2 + c) as u16);
     let src = held("e", &real, tp(1));
-    let (dst, zeros) = held("e", &table(4, 2, |_, _| 0), tp(1));
+    let (dst, expected) = held(
+        "e",
+        &table(4, 2, |r, c| if r < 3 { (r * 2 + c) as u16 } else { 9 }),
+        tp(1),
+    );
     let p = plan_views(
         [("e", &src.0)],
-        &[(dst, View::source("e").pad(0, 0, 1, 0.0))],
+        &[(dst, View::source("e").pad(0, 0, 1, 9.0))],
     )
     .unwrap();
     assert_eq!(p.fills.len(), 1);
+    assert_eq!(run(&p, &src.1, &sizes_of(&expected)), expected);
+
     let dir = tempfile::tempdir().unwrap();
     let s = dir.path().join("s");
     std::fs::write(&s, &src.1[0]).unwrap();
     let out = reshard::exec::OutputFile {
         path: "d".into(),
-        size: zeros[0].len() as u64,
+        size: expected[0].len() as u64,
         literals: vec![],
         checksums: vec![],
     };
@@ -703,17 +762,29 @@ fn the_executor_refuses_fills_it_does_not_run() {
         progress: None,
         sync: false,
     };
-    let e = reshard::exec::execute(
-        &p,
-        reshard::exec::Sources::local(&[s]),
-        &[out],
-        &[dir.path().join("d")],
-        &opts,
-    )
-    .unwrap_err()
-    .to_string();
+    let err = |p: &Plan| {
+        reshard::exec::execute(
+            p,
+            reshard::exec::Sources::local(std::slice::from_ref(&s)),
+            std::slice::from_ref(&out),
+            &[dir.path().join("d")],
+            &opts,
+        )
+        .unwrap_err()
+        .to_string()
+    };
+    std::fs::File::create(dir.path().join("d")).unwrap();
+    let mut odd = p.clone();
+    odd.fills[0].len += 1;
     assert_eq!(
-        e,
-        "the plan pads tensors (fill ops), which this executor does not run"
+        err(&odd),
+        "d: a fill's rows of 5 bytes are not whole elements of 2 bytes"
+    );
+    let mut long = p.clone();
+    long.fills[0].count = 2;
+    long.fills[0].dst_stride = 4;
+    assert_eq!(
+        err(&long),
+        "d: fill past the end of the output (2 rows of 4 bytes from 12, 4 apart; the output has 16)"
     );
 }

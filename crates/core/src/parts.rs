@@ -4,13 +4,13 @@
 //! the same parts without talking to the others.
 //!
 //! A part is a set of byte ranges of destination files. Where there are enough files, parts are
-//! whole files; a file larger than a part's fair share is cut into ranges at points no copy
-//! crosses. Ranges are then dealt to parts largest first, each to the part with the fewest
+//! whole files; a file larger than a part's fair share is cut into ranges at points no strided
+//! copy or fill crosses. Every byte counts, copied, filled (padding) or literal. Ranges are then dealt to parts largest first, each to the part with the fewest
 //! bytes so far (ties to the lower index), which keeps every part within one range of the
 //! mean.
 
 use crate::error::{Error, Result};
-use crate::plan::CopyOp;
+use crate::plan::Plan;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
@@ -179,28 +179,31 @@ impl Span {
     }
 }
 
-/// Split the destination files (their sizes, `sizes[f]` for file `f`) written by `ops` (sorted
-/// by destination file and offset, as [`crate::plan::Plan::ops`] are) into `count` parts of
+/// Split the destination files (their sizes, `sizes[f]` for file `f`) written by `plan` (its
+/// copies and fills sorted by destination file and offset, as planned) into `count` parts of
 /// about equal bytes: per part, its spans sorted by file and offset. Every byte of every file
-/// is in exactly one part; cuts inside a file fall on multiples of [`CUT_ALIGN`]; a strided copy (`count > 1`) never crosses a span's edge, a
-/// contiguous one may. Deterministic: the same inputs
-/// give the same parts on every worker. Parts may be empty when there are fewer spans than
-/// parts.
-pub fn split(sizes: &[u64], ops: &[CopyOp], count: u32) -> Result<Vec<Vec<Span>>> {
+/// is in exactly one part; cuts inside a file fall on multiples of [`CUT_ALIGN`]; a strided
+/// copy or fill (`count > 1`) never crosses a span's edge, a contiguous one may (the executor
+/// clips it). Deterministic: the same inputs give the same parts on every worker. Parts may be
+/// empty when there are fewer spans than parts.
+pub fn split(sizes: &[u64], plan: &Plan, count: u32) -> Result<Vec<Vec<Span>>> {
     if count == 0 {
         return Err(Error::usage("a conversion has at least one part"));
     }
     let total: u64 = sizes.iter().sum();
     let share = total.div_ceil(count as u64).max(1);
+    let (ops, fills) = (&plan.ops, &plan.fills);
     let mut spans = vec![];
-    let mut at = 0;
+    let (mut at, mut at_fill) = (0, 0);
     for (f, &size) in sizes.iter().enumerate() {
         let file = f as u32;
-        let first = at;
+        let (first, first_fill) = (at, at_fill);
         while at < ops.len() && ops[at].dst == file {
             at += 1;
         }
-        let file_ops = &ops[first..at];
+        while at_fill < fills.len() && fills[at_fill].dst == file {
+            at_fill += 1;
+        }
         if size <= share {
             spans.push(Span {
                 file,
@@ -211,7 +214,18 @@ pub fn split(sizes: &[u64], ops: &[CopyOp], count: u32) -> Result<Vec<Vec<Span>>
         }
         // cut at each multiple of the share, or just past the strided copy it falls in
         // (a contiguous copy can be cut at any page; a strided one's rows interleave with others)
-        let blocked = strided_spans(file_ops);
+        let blocked = strided_spans(
+            ops[first..at]
+                .iter()
+                .filter(|o| o.count > 1)
+                .map(|o| o.dst_span())
+                .chain(
+                    fills[first_fill..at_fill]
+                        .iter()
+                        .filter(|o| o.count > 1)
+                        .map(|o| o.dst_span()),
+                ),
+        );
         let mut start = 0;
         let mut bi = 0;
         loop {
@@ -240,9 +254,9 @@ pub fn split(sizes: &[u64], ops: &[CopyOp], count: u32) -> Result<Vec<Vec<Span>>
             end: size,
         });
     }
-    if at != ops.len() {
+    if at != ops.len() || at_fill != fills.len() {
         return Err(Error::usage(
-            "the plan writes a file the output does not have, or its copies are not sorted",
+            "the plan writes a file the output does not have, or its copies or fills are not sorted",
         ));
     }
     // largest first, each to the part with the fewest bytes (ties: the lower index)
@@ -267,12 +281,13 @@ pub fn split(sizes: &[u64], ops: &[CopyOp], count: u32) -> Result<Vec<Vec<Span>>
 /// (which file systems shared between machines handle poorly), and never inside an element.
 pub const CUT_ALIGN: u64 = 4096;
 
-/// The byte spans of a file's strided copies (`count > 1`; `ops` sorted by offset), merged
-/// where they overlap: a cut inside one would split rows that interleave with other copies.
-fn strided_spans(ops: &[CopyOp]) -> Vec<(u64, u64)> {
+/// The byte spans of a file's strided copies and fills (`count > 1`), sorted and merged where
+/// they overlap: a cut inside one would split rows that interleave with other copies or fills.
+fn strided_spans(spans: impl Iterator<Item = (u64, u64)>) -> Vec<(u64, u64)> {
+    let mut all: Vec<(u64, u64)> = spans.collect();
+    all.sort_unstable();
     let mut v: Vec<(u64, u64)> = vec![];
-    for op in ops.iter().filter(|o| o.count > 1) {
-        let (a, b) = op.dst_span();
+    for (a, b) in all {
         match v.last_mut() {
             Some(last) if a < last.1 => last.1 = last.1.max(b),
             _ => v.push((a, b)),
@@ -284,6 +299,7 @@ fn strided_spans(ops: &[CopyOp]) -> Vec<(u64, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::{CopyOp, FillOp};
 
     fn op(dst: u32, off: u64, len: u64, count: u64, stride: u64) -> CopyOp {
         CopyOp {
@@ -368,9 +384,19 @@ mod tests {
         assert!(got(&[("RANK", "-1"), ("WORLD_SIZE", "4")]).is_err());
     }
 
-    /// Every byte once, spans never cut a strided copy, every part within one span of the mean.
-    fn check(sizes: &[u64], ops: &[CopyOp], count: u32) -> Vec<Vec<Span>> {
-        let parts = split(sizes, ops, count).unwrap();
+    /// A plan of `ops` and `fills`.
+    fn plan_of(ops: &[CopyOp], fills: &[FillOp]) -> Plan {
+        Plan {
+            ops: ops.to_vec(),
+            fills: fills.to_vec(),
+            tensors: vec![],
+        }
+    }
+
+    /// Every byte once, spans never cut a strided copy or fill, every part within one span of
+    /// the mean.
+    fn check(sizes: &[u64], plan: &Plan, count: u32) -> Vec<Vec<Span>> {
+        let parts = split(sizes, plan, count).unwrap();
         assert_eq!(parts.len(), count as usize);
         let mut all: Vec<Span> = parts.iter().flatten().copied().collect();
         all.sort_by_key(|s| (s.file, s.start));
@@ -381,12 +407,17 @@ mod tests {
             next[s.file as usize] = s.end;
         }
         assert_eq!(next, sizes.to_vec());
-        for o in ops.iter().filter(|o| o.count > 1) {
-            let (a, b) = o.dst_span();
+        let strided = plan
+            .ops
+            .iter()
+            .filter(|o| o.count > 1)
+            .map(|o| (o.dst, o.dst_span()));
+        let strided_fills = plan.fills.iter().filter(|o| o.count > 1);
+        for (f, (a, b)) in strided.chain(strided_fills.map(|o| (o.dst, o.dst_span()))) {
             assert!(
                 all.iter()
-                    .any(|s| s.file == o.dst && s.start <= a && b <= s.end),
-                "{o:?} crosses a span of {all:?}"
+                    .any(|s| s.file == f && s.start <= a && b <= s.end),
+                "{a}..{b} of file {f} crosses a span of {all:?}"
             );
         }
         let loads: Vec<u64> = parts
@@ -399,7 +430,7 @@ mod tests {
             loads.iter().all(|&l| l <= mean + biggest),
             "{loads:?} mean {mean} biggest {biggest}"
         );
-        assert_eq!(split(sizes, ops, count).unwrap(), parts, "deterministic");
+        assert_eq!(split(sizes, plan, count).unwrap(), parts, "deterministic");
         parts
     }
 
@@ -407,7 +438,7 @@ mod tests {
     fn many_files_are_dealt_whole_and_balanced() {
         let sizes: Vec<u64> = (0..64).map(|i| 1000 + (i * 37 % 11) * 100).collect();
         let ops: Vec<CopyOp> = (0..64).map(|f| op(f, 10, 900, 1, 900)).collect();
-        let parts = check(&sizes, &ops, 8);
+        let parts = check(&sizes, &plan_of(&ops, &[]), 8);
         assert!(parts.iter().flatten().all(|s| s.start == 0));
         let loads: Vec<u64> = parts
             .iter()
@@ -428,7 +459,7 @@ mod tests {
         ops.push(op(0, (8 << 20) + 4, 4, 1 << 18, 8));
         let sizes = [10u64 << 20, 300];
         for n in [1, 2, 3, 4, 7, 16] {
-            let parts = check(&sizes, &ops, n);
+            let parts = check(&sizes, &plan_of(&ops, &[]), n);
             let cuts: Vec<u64> = parts
                 .iter()
                 .flatten()
@@ -437,7 +468,48 @@ mod tests {
                 .collect();
             assert!(cuts.iter().all(|&c| c <= 8 << 20), "{n}: {cuts:?}");
         }
-        assert_eq!(split(&sizes, &ops, 1).unwrap()[0].len(), 2);
-        assert_eq!(check(&[], &[], 3), vec![vec![], vec![], vec![]]);
+        assert_eq!(split(&sizes, &plan_of(&ops, &[]), 1).unwrap()[0].len(), 2);
+        assert_eq!(
+            check(&[], &plan_of(&[], &[]), 3),
+            vec![vec![], vec![], vec![]]
+        );
+    }
+
+    #[test]
+    fn large_files_are_cut_outside_strided_fills() {
+        // one 10 MB file: 6 MB copied, then 4 MB of padded rows (8 bytes filled every 16)
+        // whose first half interleaves with a strided copy: no cut may fall among the fill's
+        // rows either; a file the fills alone write is dealt too
+        let mut ops: Vec<CopyOp> = (0..6)
+            .map(|i| op(0, i << 20, 1 << 20, 1, 1 << 20))
+            .collect();
+        ops.push(op(0, 6 << 20, 8, 1 << 17, 16));
+        let fill = |dst, off, len, count, stride| FillOp {
+            dst,
+            dst_offset: off,
+            len,
+            count,
+            dst_stride: stride,
+            value: vec![0, 0x80],
+        };
+        let fills = [
+            fill(0, (6 << 20) + 8, 8, 1 << 18, 16),
+            fill(1, 0, 3 << 20, 1, 0),
+        ];
+        let sizes = [10u64 << 20, 3 << 20];
+        let plan = plan_of(&ops, &fills);
+        for n in [2, 3, 4, 7, 16] {
+            let parts = check(&sizes, &plan, n);
+            let cuts: Vec<u64> = parts
+                .iter()
+                .flatten()
+                .filter(|s| s.file == 0)
+                .map(|s| s.start)
+                .collect();
+            assert!(cuts.iter().all(|&c| c <= 6 << 20), "{n}: {cuts:?}");
+            assert!(parts.iter().flatten().any(|s| s.file == 1));
+        }
+        let unsorted = plan_of(&ops, &[fills[1].clone(), fills[0].clone()]);
+        assert!(split(&sizes, &unsorted, 2).is_err());
     }
 }

@@ -11,8 +11,11 @@
 //! (a few MiB) and windows run in parallel on a rayon pool. Within a window, long plain
 //! contiguous runs are copied by the kernel (`copy_file_range`, or written straight from
 //! the source mapping where the kernel cannot), and the bytes between them (headers, short
-//! or strided copies, casts) are assembled in a per-thread buffer and written once per
-//! stretch. Source pages a window read through the mapping are released (`MADV_DONTNEED`)
+//! or strided copies, casts, fills) are assembled in a per-thread buffer and written once per
+//! stretch. Fills (a view's padding, [`reshard_core::plan::FillOp`]) are scheduled, windowed,
+//! split into parts and checksummed like copies: each is clipped to the windows and spans its
+//! rows reach, and written with its value even where that is zero (a destination is not
+//! assumed to be fresh). Source pages a window read through the mapping are released (`MADV_DONTNEED`)
 //! as soon as it is written, so resident memory stays flat whatever the checkpoint size.
 //!
 //! This crate's root holds the settings, the statistics and the entry points ([`prepare`]
@@ -108,7 +111,7 @@ impl Default for ExecOptions {
 pub struct ExecStats {
     /// Tensor bytes read from sources.
     pub bytes_read: u64,
-    /// Bytes written to destinations (tensor data and literals).
+    /// Bytes written to destinations (tensor data copied or filled, and literals).
     pub bytes_written: u64,
     /// Work units executed.
     pub windows: usize,
@@ -225,6 +228,7 @@ pub fn execute_scheduled(
     Ok(ExecStats {
         bytes_read: plan.bytes_read(),
         bytes_written: plan.bytes_written()
+            + plan.bytes_filled()
             + outputs
                 .iter()
                 .flat_map(|o| &o.literals)
@@ -371,6 +375,7 @@ pub fn execute_part(
         stats: ExecStats {
             bytes_read: plan.bytes_read(),
             bytes_written: plan.bytes_written()
+                + plan.bytes_filled()
                 + outputs
                     .iter()
                     .enumerate()
@@ -568,7 +573,7 @@ fn run_windows(
             if io.remote() {
                 let ops = w.frags.iter().filter_map(|f| match f {
                     schedule::Frag::Op(o) => Some(o),
-                    schedule::Frag::Lit { .. } => None,
+                    schedule::Frag::Lit { .. } | schedule::Frag::Fill(_) => None,
                 });
                 io.sources.ensure_ops(ops)?;
             }
@@ -628,18 +633,15 @@ fn check_sources(plan: &Plan, sources: &[PathBuf], maps: &[Mmap]) -> Result<()> 
     Ok(())
 }
 
-/// Check every op is well formed and stays within its destination. Fills (a view's
-/// padding) are refused: this executor runs copies only, and would leave them unwritten.
+/// Check every copy and fill is well formed and stays within its destination.
 fn check_ops(plan: &Plan, outputs: &[OutputFile]) -> Result<()> {
-    if !plan.fills.is_empty() {
-        return Err(Error::usage(
-            "the plan pads tensors (fill ops), which this executor does not run",
-        ));
-    }
+    let output = |dst: u32| {
+        outputs
+            .get(dst as usize)
+            .ok_or_else(|| Error::usage(format!("plan names destination file #{dst}")))
+    };
     for o in &plan.ops {
-        let d = outputs
-            .get(o.dst as usize)
-            .ok_or_else(|| Error::usage(format!("plan names destination file #{}", o.dst)))?;
+        let d = output(o.dst)?;
         if o.dst_span().1 > d.size {
             return Err(Error::usage(format!(
                 "{}: copy past the end of the output ({} > {})",
@@ -652,6 +654,33 @@ fn check_ops(plan: &Plan, outputs: &[OutputFile]) -> Result<()> {
             || (o.cast.is_some() && o.len % o.cast.map_or(1, |c| c.from.size() as u64) != 0)
         {
             return Err(Error::usage("malformed copy op in plan"));
+        }
+    }
+    for f in &plan.fills {
+        let d = output(f.dst)?;
+        let bad = |what: String| Err(Error::usage(format!("{}: {what}", d.path.display())));
+        let elem = f.value.len() as u64;
+        if elem == 0 || f.len % elem != 0 {
+            return bad(format!(
+                "a fill's rows of {} bytes are not whole elements of {elem} bytes",
+                f.len
+            ));
+        }
+        if f.count == 0 || f.len == 0 || (f.count > 1 && f.dst_stride < f.len) {
+            return bad(format!(
+                "malformed fill in plan ({} rows of {} bytes, {} apart)",
+                f.count, f.len, f.dst_stride
+            ));
+        }
+        let end = (f.count - 1)
+            .checked_mul(f.dst_stride)
+            .and_then(|x| x.checked_add(f.dst_offset))
+            .and_then(|x| x.checked_add(f.len));
+        if end.is_none_or(|e| e > d.size) {
+            return bad(format!(
+                "fill past the end of the output ({} rows of {} bytes from {}, {} apart; the output has {})",
+                f.count, f.len, f.dst_offset, f.dst_stride, d.size
+            ));
         }
     }
     Ok(())

@@ -1,19 +1,21 @@
 //! Scheduling: how a plan is cut into windows (byte ranges of one destination file, with
-//! the literals and clipped copy ops that fill them), how many threads run them, and how
+//! the literals, clipped copy ops and clipped fills that write them), how many threads run them, and how
 //! their bytes would spread over a given number of threads.
 
 use super::crc::CkRange;
 use super::OutputFile;
 use crate::parts::Span;
-use crate::plan::{CopyOp, Plan};
+use crate::plan::{CopyOp, FillOp, Plan};
 
-/// A piece of one window: either literal bytes or (part of) a copy op.
+/// A piece of one window: literal bytes, (part of) a copy op or (part of) a fill.
 #[derive(Clone, Debug)]
 pub(super) enum Frag<'a> {
     /// Literal bytes written at destination offset `dst`.
     Lit { dst: u64, bytes: &'a [u8] },
     /// A copy op, clipped to the window.
     Op(CopyOp),
+    /// A fill, clipped to the window ([`clip_fill`]).
+    Fill(FillOp),
 }
 
 impl Frag<'_> {
@@ -29,6 +31,7 @@ impl Frag<'_> {
         match self {
             Frag::Lit { dst, bytes } => (*dst, dst + bytes.len() as u64),
             Frag::Op(o) => o.dst_span(),
+            Frag::Fill(o) => o.dst_span(),
         }
     }
 
@@ -37,6 +40,7 @@ impl Frag<'_> {
         match self {
             Frag::Lit { bytes, .. } => bytes.len() as u64,
             Frag::Op(o) => o.bytes_written(),
+            Frag::Fill(o) => o.bytes_written(),
         }
     }
 }
@@ -142,6 +146,83 @@ fn clip(op: &CopyOp, w0: u64, w1: u64, out: &mut Vec<Frag>) {
     flush(full_start, i_hi, out);
 }
 
+/// Clip fill `op` to destination bytes `w0..w1`, pushing the parts to `out`. Each part is a
+/// fill of whole elements of its own value: where a cut falls inside an element (a window or
+/// span edge need not fall on one), the element's bytes on either side of it become fills of
+/// those bytes alone.
+pub(super) fn clip_fill(op: &FillOp, w0: u64, w1: u64, out: &mut Vec<FillOp>) {
+    let (len, count) = (op.len, op.count);
+    if count == 0 || len == 0 || w1 <= w0 {
+        return;
+    }
+    let row = |i: u64| op.dst_offset + i * op.dst_stride;
+    // rows i with row(i) < w1 and row(i) + len > w0
+    let i_lo = if op.dst_offset + len > w0 || op.dst_stride == 0 {
+        0
+    } else {
+        (w0 - op.dst_offset - len) / op.dst_stride + 1
+    };
+    let i_hi = match (w1 <= op.dst_offset, op.dst_stride) {
+        (true, _) => 0,
+        (false, 0) => 1,
+        (false, ds) => (w1 - op.dst_offset).div_ceil(ds).min(count),
+    };
+    // the rows wholly inside, as one fill
+    let (mut full_lo, mut full_hi) = (i_hi, i_hi);
+    for i in i_lo..i_hi {
+        if row(i) >= w0 && row(i) + len <= w1 {
+            full_lo = full_lo.min(i);
+            full_hi = i + 1;
+        }
+    }
+    for i in i_lo..i_hi {
+        if (full_lo..full_hi).contains(&i) {
+            if i == full_lo {
+                out.push(FillOp {
+                    dst_offset: row(i),
+                    count: full_hi - full_lo,
+                    ..op.clone()
+                });
+            }
+            continue;
+        }
+        let (a, b) = (row(i).max(w0), (row(i) + len).min(w1));
+        if a < b {
+            fill_part(op, row(i), (a, b), out);
+        }
+    }
+}
+
+/// Push to `out` the fills of bytes `a..b` of the row of fill `op` at `d`, cut at element
+/// edges: the tail of an element, whole elements, the head of one.
+fn fill_part(op: &FillOp, d: u64, (a, b): (u64, u64), out: &mut Vec<FillOp>) {
+    let elem = op.value.len().max(1) as u64;
+    let mut push = |from: u64, to: u64, value: &[u8]| {
+        if from < to {
+            out.push(FillOp {
+                dst_offset: from,
+                len: to - from,
+                count: 1,
+                dst_stride: 0,
+                value: value.to_vec(),
+                ..*op
+            });
+        }
+    };
+    let k = ((a - d) % elem) as usize;
+    let (ea, eb) = (
+        d + (a - d).next_multiple_of(elem),
+        d + (b - d) / elem * elem,
+    );
+    if ea > eb {
+        // within one element
+        return push(a, b, &op.value[k..k + (b - a) as usize]);
+    }
+    push(a, ea, &op.value[k..]);
+    push(ea, eb, &op.value);
+    push(eb, b, &op.value[..(b - eb) as usize]);
+}
+
 /// Cut the plan into windows of `window` destination bytes, over every byte of every output.
 pub(super) fn windows<'a>(plan: &Plan, outputs: &'a [OutputFile], window: u64) -> Vec<Window<'a>> {
     let whole: Vec<Span> = outputs
@@ -159,7 +240,8 @@ pub(super) fn windows<'a>(plan: &Plan, outputs: &'a [OutputFile], window: u64) -
 /// Cut the plan into windows of `window` destination bytes over `spans` only (sorted by file
 /// and start, disjoint, within their files): each span is cut from its start, and the
 /// literals and copies are clipped to the windows, so bytes outside the spans are not
-/// touched. Windows with nothing to write are left out.
+/// touched. Windows with nothing to write are left out. Copies and fills never write one byte
+/// twice (the planner's promise; checked in debug builds).
 pub(super) fn windows_in<'a>(
     plan: &Plan,
     outputs: &'a [OutputFile],
@@ -232,33 +314,104 @@ pub(super) fn windows_in<'a>(
             clip(op, w.start, w.end, &mut w.frags);
         }
     }
+    let mut cut = vec![];
+    for op in &plan.fills {
+        if op.count == 0 || op.dst as usize >= outputs.len() {
+            continue;
+        }
+        let (a, b) = op.dst_span();
+        for k in overlapping(&wins, &first, op.dst, a, b) {
+            let w = &mut wins[k];
+            clip_fill(op, w.start, w.end, &mut cut);
+            w.frags.extend(cut.drain(..).map(Frag::Fill));
+        }
+    }
+    debug_assert!(
+        wins.iter().all(writes_once),
+        "a fill overlaps a copy, a literal or another fill"
+    );
     wins.into_iter().filter(|w| !w.frags.is_empty()).collect()
 }
 
-/// The parts of `ops` (sorted by destination file and offset) that write into `spans`
-/// (sorted by file and start, disjoint), clipped to them: the plan of one part of a
-/// conversion ([`crate::parts`]).
-pub fn restrict(ops: &[CopyOp], spans: &[Span]) -> Vec<CopyOp> {
-    let mut out = vec![];
-    for s in spans {
-        // copies do not overlap, so only the last one starting before the span can reach in
-        let mut i = ops.partition_point(|o| (o.dst, o.dst_offset) < (s.file, s.start));
-        if i > 0 && ops[i - 1].dst == s.file && ops[i - 1].dst_span().1 > s.start {
-            i -= 1;
-        }
-        for o in ops[i..]
-            .iter()
-            .take_while(|o| o.dst == s.file && o.dst_offset < s.end)
-        {
+/// True when no byte of window `w` is written by a fill and by another fragment too (checked
+/// only for windows with fills: copies alone are checked by the planner's tests).
+fn writes_once(w: &Window) -> bool {
+    if !w.frags.iter().any(|f| matches!(f, Frag::Fill(_))) {
+        return true;
+    }
+    let mut seen = vec![false; w.size() as usize];
+    let mut rows = |d: u64, len: u64, count: u64, stride: u64| -> bool {
+        (0..count).all(|r| {
+            let a = (d + r * stride - w.start) as usize;
+            seen[a..a + len as usize]
+                .iter_mut()
+                .all(|b| !std::mem::replace(b, true))
+        })
+    };
+    w.frags.iter().all(|f| match f {
+        Frag::Lit { dst, bytes } => rows(*dst, bytes.len() as u64, 1, 0),
+        Frag::Op(o) => rows(o.dst_offset, o.dst_len(), o.count, o.dst_stride),
+        Frag::Fill(o) => rows(o.dst_offset, o.len, o.count, o.dst_stride),
+    })
+}
+
+/// The copies and fills of `plan` that write into `spans` (sorted by file and start,
+/// disjoint, from [`crate::parts::split`]), clipped to them: the plan of one part of a
+/// conversion ([`crate::parts`]). Its tensor summaries are left out.
+pub fn restrict(plan: &Plan, spans: &[Span]) -> Plan {
+    let mut ops = vec![];
+    each_reaching(
+        &plan.ops,
+        spans,
+        |o| (o.dst, o.dst_offset),
+        CopyOp::dst_span,
+        |o, s| {
             let mut frags = vec![];
             clip(o, s.start, s.end, &mut frags);
-            out.extend(frags.into_iter().filter_map(|f| match f {
+            ops.extend(frags.into_iter().filter_map(|f| match f {
                 Frag::Op(o) => Some(o),
-                Frag::Lit { .. } => None,
+                _ => None,
             }));
+        },
+    );
+    let mut fills = vec![];
+    each_reaching(
+        &plan.fills,
+        spans,
+        |o| (o.dst, o.dst_offset),
+        FillOp::dst_span,
+        |o, s| clip_fill(o, s.start, s.end, &mut fills),
+    );
+    Plan {
+        ops,
+        tensors: vec![],
+        fills,
+    }
+}
+
+/// Call `f` with each of `items` (copies or fills, sorted by destination file and offset, at
+/// `key`) that reaches into each of `spans`, and the span. They do not overlap, and a strided
+/// one never crosses a span's edge ([`crate::parts::split`]), so only the last one starting
+/// before a span can reach into it.
+fn each_reaching<T>(
+    items: &[T],
+    spans: &[Span],
+    key: impl Fn(&T) -> (u32, u64),
+    span: impl Fn(&T) -> (u64, u64),
+    mut f: impl FnMut(&T, &Span),
+) {
+    for s in spans {
+        let mut i = items.partition_point(|o| key(o) < (s.file, s.start));
+        if i > 0 && key(&items[i - 1]).0 == s.file && span(&items[i - 1]).1 > s.start {
+            i -= 1;
+        }
+        for o in items[i..]
+            .iter()
+            .take_while(|o| key(o).0 == s.file && key(o).1 < s.end)
+        {
+            f(o, s);
         }
     }
-    out
 }
 
 /// Worker threads when none are asked for: one per core when at least a tenth of the bytes

@@ -1,6 +1,7 @@
 //! Running one window: long plain runs are copied by the kernel (`copy_file_range`, or
 //! `pwrite` straight from the source mapping where the kernel cannot), and the stretches
-//! between them are assembled in a per-thread buffer and written once each. Either way the
+//! between them (literals, short, strided or cast copies, fills) are assembled in a
+//! per-thread buffer and written once each. Either way the
 //! window hashes its share of the output's checksums, and releases the source pages it
 //! read through the mapping.
 
@@ -137,8 +138,8 @@ pub(super) fn run_window(
 }
 
 /// How one window is written, in destination order: long contiguous runs copied by the
-/// kernel, and the bytes between them (literals, short or strided copies, casts, and any
-/// checksummed bytes) assembled in the thread's buffer, one write per stretch. Stretches
+/// kernel, and the bytes between them (literals, short or strided copies, casts, fills, and
+/// any checksummed bytes) assembled in the thread's buffer, one write per stretch. Stretches
 /// with nothing to write are left alone: destinations are fresh files, so they read as
 /// zeros, as an assembled buffer's unwritten bytes would, and checksums count them so.
 enum Segment<'w, 'a> {
@@ -170,7 +171,7 @@ fn segments<'w, 'a>(w: &'w Window<'a>, hits: &[CkRange]) -> Vec<Segment<'w, 'a>>
         .filter(|f| f.in_kernel())
         .filter_map(|f| match f {
             Frag::Op(o) => Some(o),
-            Frag::Lit { .. } => None,
+            Frag::Lit { .. } | Frag::Fill(_) => None,
         })
         .collect();
     if runs.is_empty() {
@@ -281,7 +282,7 @@ fn copy_run(
 }
 
 /// Assemble destination bytes `lo..hi` in the thread's buffer from `frags` (literals,
-/// gathered rows, casts; bytes no fragment writes are zeros), hash their share of the
+/// gathered rows, casts, fills; bytes no fragment writes are zeros), hash their share of the
 /// checksums from there, and write them at once.
 fn assemble(lo: u64, hi: u64, frags: &[&Frag], io: &WindowIo, shares: &mut Shares) -> Result<()> {
     let covered: u64 = frags.iter().map(|f| f.bytes_written()).sum();
@@ -302,6 +303,7 @@ fn assemble(lo: u64, hi: u64, frags: &[&Frag], io: &WindowIo, shares: &mut Share
                         apply(o, io.srcs, &mut buf, lo);
                     }
                 }
+                Frag::Fill(o) => fill(o, &mut buf, lo),
             }
         }
         for (ck, x, y) in shares.to_hash(lo, hi) {
@@ -312,6 +314,22 @@ fn assemble(lo: u64, hi: u64, frags: &[&Frag], io: &WindowIo, shares: &mut Share
         }
         io.write(&buf, lo)
     })
+}
+
+/// Write fill `o` (its rows whole elements of its value, [`super::schedule::clip_fill`]) into
+/// `buf`, which holds destination bytes from `lo` on.
+fn fill(o: &crate::plan::FillOp, buf: &mut [u8], lo: u64) {
+    let v = &o.value;
+    for r in 0..o.count {
+        let a = (o.dst_offset + r * o.dst_stride - lo) as usize;
+        let row = &mut buf[a..a + o.len as usize];
+        if v.iter().all(|&b| b == v[0]) {
+            row.fill(v[0]);
+        } else {
+            row.chunks_exact_mut(v.len())
+                .for_each(|e| e.copy_from_slice(v));
+        }
+    }
 }
 
 /// The destination bytes `lo..hi` that window `w`'s fragments and checksummed bytes `hits`
@@ -337,7 +355,7 @@ fn buffer_span(w: &Window, hits: &[CkRange]) -> (u64, u64) {
 #[cfg(test)]
 mod tests {
     use super::super::{execute_with_known, Checksum, ExecOptions, KnownCrc, OutputFile, Plan};
-    use crate::plan::CopyOp;
+    use crate::plan::{CopyOp, FillOp};
 
     /// A small deterministic generator (xorshift), so every case is reproducible.
     struct Rng(u64);
@@ -354,15 +372,57 @@ mod tests {
     }
 
     /// Destination bytes laid out as a run of random pieces — literals, long runs for the
-    /// kernel, short runs, strided gathers, holes — and checksums over random spans of them,
-    /// written into the first bytes (a hole otherwise).
+    /// kernel, short runs, strided gathers, fills (contiguous, strided, or padding rows
+    /// between the rows of a strided copy; of zeros or of a value of 1 to 16 bytes), holes —
+    /// and checksums over random spans of them, written into the first bytes (a hole
+    /// otherwise).
     fn case(seed: u64, src: &[u8]) -> (Plan, OutputFile, Vec<KnownCrc>) {
         let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
         let (mut ops, mut literals, mut known) = (vec![], vec![], vec![]);
+        let mut fills = vec![];
         let mut at = 64u64;
         let n = src.len() as u64;
         for _ in 0..rng.within(4, 40) {
-            let (len, count, stride) = match rng.below(5) {
+            let (len, count, stride) = match rng.below(6) {
+                5 => {
+                    let elem = 1 << rng.below(5);
+                    let value: Vec<u8> = match rng.below(3) {
+                        0 => vec![0; elem as usize],
+                        _ => (0..elem).map(|_| rng.within(1, 255) as u8).collect(),
+                    };
+                    let pad = elem * rng.within(1, 4);
+                    let (len, count, stride) = match rng.below(3) {
+                        0 => (elem * rng.within(1, 3000), 1, 0),
+                        1 => (pad, rng.within(2, 50), pad + rng.within(0, 30)),
+                        _ => {
+                            // rows of a strided copy, each followed by its padding
+                            let (l, c) = (rng.within(1, 64), rng.within(2, 60));
+                            ops.push(CopyOp {
+                                src: 0,
+                                src_offset: rng.below(n - c * l),
+                                dst: 0,
+                                dst_offset: at,
+                                len: l,
+                                count: c,
+                                src_stride: l,
+                                dst_stride: l + pad,
+                                cast: None,
+                            });
+                            at += l;
+                            (pad, c, l + pad)
+                        }
+                    };
+                    fills.push(FillOp {
+                        dst: 0,
+                        dst_offset: at,
+                        len,
+                        count,
+                        dst_stride: stride,
+                        value,
+                    });
+                    at += (count - 1) * stride + len;
+                    continue;
+                }
                 0 => {
                     let len = rng.within(1, 100);
                     let bytes: Vec<u8> = (0..len).map(|i| (i as u8) ^ 0x5A).collect();
@@ -435,15 +495,27 @@ mod tests {
         let plan = Plan {
             ops,
             tensors: vec![],
-            fills: vec![],
+            fills,
         };
         (plan, out, known)
     }
 
-    /// What the destination must hold: every literal and op applied to zeros, then each
-    /// checksum of the finished bytes written in place.
+    /// What the destination must hold: every literal, op and fill applied to zeros, then
+    /// each checksum of the finished bytes written in place.
     fn expected(plan: &Plan, out: &OutputFile, src: &[u8]) -> Vec<u8> {
         let mut want = vec![0u8; out.size as usize];
+        apply_reference(plan, out, src, &mut want);
+        for c in &out.checksums {
+            let crc = crc32fast::hash(&want[c.range.0 as usize..c.range.1 as usize]);
+            for &a in &c.at {
+                want[a as usize..a as usize + 4].copy_from_slice(&crc.to_le_bytes());
+            }
+        }
+        want
+    }
+
+    /// Apply every literal, op and fill to `want`, byte by byte.
+    fn apply_reference(plan: &Plan, out: &OutputFile, src: &[u8], want: &mut [u8]) {
         for (at, bytes) in &out.literals {
             want[*at as usize..*at as usize + bytes.len()].copy_from_slice(bytes);
         }
@@ -454,13 +526,14 @@ mod tests {
                 want[d..d + o.len as usize].copy_from_slice(&src[s..s + o.len as usize]);
             }
         }
-        for c in &out.checksums {
-            let crc = crc32fast::hash(&want[c.range.0 as usize..c.range.1 as usize]);
-            for &a in &c.at {
-                want[a as usize..a as usize + 4].copy_from_slice(&crc.to_le_bytes());
+        for f in &plan.fills {
+            for r in 0..f.count {
+                let d = (f.dst_offset + r * f.dst_stride) as usize;
+                for i in 0..f.len as usize {
+                    want[d + i] = f.value[i % f.value.len()];
+                }
             }
         }
-        want
     }
 
     #[test]
@@ -477,7 +550,7 @@ mod tests {
             let (plan, out, _) = case(seed, &src);
             let want = expected(&plan, &out, &src);
             for n in 1..=5u32 {
-                let parts = crate::parts::split(&[out.size], &plan.ops, n).unwrap();
+                let parts = crate::parts::split(&[out.size], &plan, n).unwrap();
                 let dst = d.path().join(format!("dst-{seed}-{n}"));
                 std::fs::File::create(&dst).unwrap();
                 let opts = ExecOptions {
@@ -488,11 +561,7 @@ mod tests {
                 let mut shares = vec![];
                 let mut crcs = vec![];
                 for spans in &parts {
-                    let sub = Plan {
-                        ops: super::super::restrict(&plan.ops, spans),
-                        tensors: vec![],
-                        fills: vec![],
-                    };
+                    let sub = super::super::restrict(&plan, spans);
                     let w = super::super::execute_part(
                         &sub,
                         crate::Sources::local(std::slice::from_ref(&src_path)),
@@ -559,6 +628,76 @@ mod tests {
                 assert!(got == want, "seed {seed}, window {window}: output differs");
                 std::fs::remove_file(&dst).unwrap();
             }
+        }
+    }
+
+    #[test]
+    fn fills_overwrite_what_the_destination_held_zeros_included() {
+        // copies and fills (zero and non-zero) that write every byte of a destination which
+        // already holds other bytes, in windows of 8 to 4096 bytes that cut rows and elements
+        let d = tempfile::tempdir().unwrap();
+        let src_path = d.path().join("src");
+        let src: Vec<u8> = (0..4096u32).map(|i| (i % 200) as u8 + 1).collect();
+        std::fs::write(&src_path, &src).unwrap();
+        let fill = |dst_offset, len, count, dst_stride, value: &[u8]| FillOp {
+            dst: 0,
+            dst_offset,
+            len,
+            count,
+            dst_stride,
+            value: value.to_vec(),
+        };
+        let copy = |dst_offset, len, count, dst_stride| CopyOp {
+            src: 0,
+            src_offset: 7,
+            dst: 0,
+            dst_offset,
+            len,
+            count,
+            src_stride: len,
+            dst_stride,
+            cast: None,
+        };
+        // 0..100 zeros; 100..740 rows of 6 copied bytes padded by 10 bytes of a 2-byte
+        // value; 740..1000 a 4-byte value; 1000..1592 16-byte elements of zeros
+        let plan = Plan {
+            ops: vec![copy(100, 6, 40, 16)],
+            tensors: vec![],
+            fills: vec![
+                fill(0, 100, 1, 0, &[0]),
+                fill(106, 10, 40, 16, &[0x34, 0x12]),
+                fill(740, 260, 1, 0, &[1, 2, 3, 4]),
+                fill(1000, 592, 1, 0, &[0; 16]),
+            ],
+        };
+        let out = OutputFile {
+            path: "dst".into(),
+            size: 1592,
+            literals: vec![],
+            checksums: vec![],
+        };
+        let mut want = vec![0xEEu8; out.size as usize];
+        apply_reference(&plan, &out, &src, &mut want);
+        assert!(!want.contains(&0xEE));
+        for window in [8, 24, 64, 4096] {
+            let dst = d.path().join(format!("dst-{window}"));
+            std::fs::write(&dst, vec![0xEEu8; out.size as usize]).unwrap();
+            let opts = ExecOptions {
+                window,
+                sync: false,
+                ..Default::default()
+            };
+            let stats = execute_with_known(
+                &plan,
+                crate::Sources::local(std::slice::from_ref(&src_path)),
+                std::slice::from_ref(&out),
+                std::slice::from_ref(&dst),
+                &opts,
+                &[],
+            )
+            .unwrap();
+            assert!(std::fs::read(&dst).unwrap() == want, "window {window}");
+            assert_eq!(stats.bytes_written, out.size);
         }
     }
 }
