@@ -58,6 +58,10 @@ def value(name: str, seed: int = 0) -> torch.Tensor:
         return torch.polar(torch.ones(SHAPE), torch.rand(SHAPE, generator=g) * 6.28)
     if name in COMPLEX_PART:
         return torch.view_as_complex(torch.randn(SHAPE + (2,), generator=g).to(COMPLEX_PART[name]))
+    if name == "bcomplex32":
+        # torch has no view_as_complex for bf16: the pairs' bytes viewed as bcomplex32
+        pairs = torch.randn(SHAPE + (2,), generator=g).to(torch.bfloat16)
+        return pairs.view(torch.uint8).reshape(SHAPE[0], -1).view(torch.bcomplex32)
     return torch.randint(0, 256, SHAPE, dtype=torch.uint8, generator=g).view(getattr(torch, name))
 
 
