@@ -420,61 +420,6 @@ def test_storage_meta_save_id(tmp_path):
     assert sm.load_id == ours.load_id and want.load_id == theirs.load_id
 
 
-_ROT13 = bytes.maketrans(
-    b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz",
-    b"NOPQRSTUVWXYZABCDEFGHIJKLMnopqrstuvwxyzabcdefghijklm",
-)
-
-
-def rot13_stream(ext):
-    """A stream transform of the caller's (registered as torch's tests do): rot13 of the
-    bytes, a subclass of ``ext.StreamTransformExtension``."""
-
-    class Rot13Stream(ext.StreamTransformExtension):
-        @staticmethod
-        def registry_name() -> str:
-            return "conformance.rot13"
-
-        @staticmethod
-        def from_descriptor(version: str) -> "Rot13Stream":
-            if version != "1":
-                raise ValueError(f"rot13 version {version} is unknown")
-            return Rot13Stream()
-
-        def get_descriptor(self) -> str:
-            return f"{self.registry_name()}/1"
-
-        def transform_to(self, output):
-            class Out(io.RawIOBase):
-                def writable(self) -> bool:
-                    return True
-
-                def write(self, b) -> int:
-                    output.write(bytes(b).translate(_ROT13))
-                    return len(b)
-
-                def close(self) -> None:
-                    if not self.closed:
-                        output.close()
-                    super().close()
-
-            return Out()
-
-        def transform_from(self, input):
-            class In(io.RawIOBase):
-                def readable(self) -> bool:
-                    return True
-
-                def readinto(self, b) -> int:
-                    data = input.read(len(b))
-                    b[: len(data)] = data.translate(_ROT13)
-                    return len(data)
-
-            return In()
-
-    return Rot13Stream
-
-
 def test_rot13_extension_registry(tmp_path):
     """Items written through the caller's rot13 transform: both readers given a registry
     that knows it load the same nested state, values included; the items on disk are not
@@ -484,7 +429,7 @@ def test_rot13_extension_registry(tmp_path):
         "meta": {"step": 3, "name": "rot"},
     }
     ext = need("torch.distributed.checkpoint._extension")
-    Rot13Stream = rot13_stream(ext)
+    from test_reader_protocol import Rot13 as Rot13Stream  # the caller's transform, rot13 of every byte
     save(sd, tmp_path / "ck", _extensions=[Rot13Stream()])
     save(sd, tmp_path / "plain")
     assert (tmp_path / "ck" / "__0_0.distcp").read_bytes() != (tmp_path / "plain" / "__0_0.distcp").read_bytes()
