@@ -40,7 +40,8 @@ import _dist
 import reshard
 import reshard.torch as rt
 from _util import _quiet  # noqa: F401  (autouse)
-from test_storage_reader import _placeholder_template, assert_same, sentinel
+from test_reader_protocol import save  # dcp.save in this process through a FileSystemWriter
+from test_storage_reader import _placeholder_template, assert_same, scribble, sentinel
 
 
 def need(module: str):
@@ -50,16 +51,7 @@ def need(module: str):
     return pytest.importorskip(module)
 
 
-# --- the harness -------------------------------------------------------------------------------
-def save(sd: dict, path: Path, **writer_kw) -> FileSystemWriter:
-    """``dcp.save`` in this process (no process group) through a FileSystemWriter."""
-    writer = FileSystemWriter(str(path), **writer_kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(sd, storage_writer=writer, no_dist=True)
-    return writer
-
-
+# --- the harness (save: test_reader_protocol's; scribble: test_storage_reader's) ---------------
 def plain(obj):
     """``obj`` with each ``io.BytesIO`` as ``("io.BytesIO", its bytes)``, for comparison."""
     if isinstance(obj, io.BytesIO):
@@ -126,21 +118,6 @@ def trained(model: torch.nn.Module, steps: int = 1):
         sched.step()
         opt.zero_grad()
     return opt, sched
-
-
-def scribble(obj):
-    """Every tensor (a DTensor's local shard) of ``obj`` overwritten with the sentinel."""
-    if type(obj).__name__ == "DTensor":
-        scribble(obj._local_tensor)
-    elif isinstance(obj, torch.Tensor):
-        obj.detach().copy_(sentinel(obj.shape, obj.dtype))
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            scribble(v)
-    elif isinstance(obj, list):
-        for v in obj:
-            scribble(v)
-    return obj
 
 
 def full(name: str, shape, dtype=torch.float32) -> torch.Tensor:

@@ -99,6 +99,21 @@ def sentinel(shape, dtype) -> torch.Tensor:
     return t
 
 
+def scribble(obj):
+    """Every tensor (a DTensor's local shard) of ``obj`` overwritten with the sentinel."""
+    if type(obj).__name__ == "DTensor":
+        scribble(obj._local_tensor)
+    elif isinstance(obj, torch.Tensor):
+        obj.detach().copy_(sentinel(obj.shape, obj.dtype))
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            scribble(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            scribble(v)
+    return obj
+
+
 def set_path(root: dict, path, value) -> None:
     """torch's ``set_element``: ints make lists, strings dicts."""
     from torch.distributed.checkpoint._traverse import set_element
@@ -423,19 +438,6 @@ WORKER = textwrap.dedent(
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     ckpt = os.environ["CKPT"]
-
-    def scribble(obj):
-        if type(obj).__name__ == "DTensor":
-            loc = obj._local_tensor
-            loc.detach().copy_(sentinel(loc.shape, loc.dtype))
-        elif isinstance(obj, torch.Tensor):
-            obj.detach().copy_(sentinel(obj.shape, obj.dtype))
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                scribble(v)
-        elif isinstance(obj, list):
-            for v in obj:
-                scribble(v)
 
     def fresh():
         model = g.build_model(1, torch.float32)

@@ -660,8 +660,7 @@ fn write_with_executor(
     }
     let plan = Plan {
         ops,
-        tensors: vec![],
-        fills: vec![],
+        ..Plan::default()
     };
     File::create(dest).unwrap();
     let opts = ExecOptions {

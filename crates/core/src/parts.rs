@@ -448,24 +448,34 @@ mod tests {
         assert!(hi - lo <= 2000, "{loads:?}");
     }
 
+    /// `n` contiguous copies of 1 MB into file 0, one after the other.
+    fn megabytes(n: u64) -> Vec<CopyOp> {
+        (0..n)
+            .map(|i| op(0, i << 20, 1 << 20, 1, 1 << 20))
+            .collect()
+    }
+
+    /// Where the parts' spans of file 0 start.
+    fn starts_in_file_0(parts: &[Vec<Span>]) -> Vec<u64> {
+        parts
+            .iter()
+            .flatten()
+            .filter(|s| s.file == 0)
+            .map(|s| s.start)
+            .collect()
+    }
+
     #[test]
     fn large_files_are_cut_outside_strided_copies() {
         // one 10 MB file: contiguous copies of 1 MB, then two strided copies interleaved
         // over 2 MB (no cut may fall inside them)
-        let mut ops: Vec<CopyOp> = (0..8)
-            .map(|i| op(0, i << 20, 1 << 20, 1, 1 << 20))
-            .collect();
+        let mut ops = megabytes(8);
         ops.push(op(0, 8 << 20, 4, 1 << 18, 8));
         ops.push(op(0, (8 << 20) + 4, 4, 1 << 18, 8));
         let sizes = [10u64 << 20, 300];
         for n in [1, 2, 3, 4, 7, 16] {
             let parts = check(&sizes, &plan_of(&ops, &[]), n);
-            let cuts: Vec<u64> = parts
-                .iter()
-                .flatten()
-                .filter(|s| s.file == 0)
-                .map(|s| s.start)
-                .collect();
+            let cuts = starts_in_file_0(&parts);
             assert!(cuts.iter().all(|&c| c <= 8 << 20), "{n}: {cuts:?}");
         }
         assert_eq!(split(&sizes, &plan_of(&ops, &[]), 1).unwrap()[0].len(), 2);
@@ -480,9 +490,7 @@ mod tests {
         // one 10 MB file: 6 MB copied, then 4 MB of padded rows (8 bytes filled every 16)
         // whose first half interleaves with a strided copy: no cut may fall among the fill's
         // rows either; a file the fills alone write is dealt too
-        let mut ops: Vec<CopyOp> = (0..6)
-            .map(|i| op(0, i << 20, 1 << 20, 1, 1 << 20))
-            .collect();
+        let mut ops = megabytes(6);
         ops.push(op(0, 6 << 20, 8, 1 << 17, 16));
         let fill = |dst, off, len, count, stride| FillOp {
             dst,
@@ -500,12 +508,7 @@ mod tests {
         let plan = plan_of(&ops, &fills);
         for n in [2, 3, 4, 7, 16] {
             let parts = check(&sizes, &plan, n);
-            let cuts: Vec<u64> = parts
-                .iter()
-                .flatten()
-                .filter(|s| s.file == 0)
-                .map(|s| s.start)
-                .collect();
+            let cuts = starts_in_file_0(&parts);
             assert!(cuts.iter().all(|&c| c <= 6 << 20), "{n}: {cuts:?}");
             assert!(parts.iter().flatten().any(|s| s.file == 1));
         }

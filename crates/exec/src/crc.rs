@@ -319,8 +319,7 @@ mod tests {
         };
         let plan = Plan {
             ops: vec![op],
-            tensors: vec![],
-            fills: vec![],
+            ..Plan::default()
         };
         let opts = ExecOptions {
             window: 4096,
@@ -356,8 +355,7 @@ mod tests {
                 op(20_200, 20_000, 100, 50, 300),
                 op(28_000, 40_000, 5_000, 1, 0),
             ],
-            tensors: vec![],
-            fills: vec![],
+            ..Plan::default()
         };
         for window in [8, 64, 4096, 10_000, 1 << 20] {
             let dst = d.path().join(format!("dst{window}"));
@@ -400,8 +398,7 @@ mod tests {
                 op(20_000, 20_000, 100, 50, 300),
                 op(25_000, 40_000, 5_000, 1, 0),
             ],
-            tensors: vec![],
-            fills: vec![],
+            ..Plan::default()
         };
         let known = |a: u64, b: u64, crc: u32| KnownCrc {
             src: 0,

@@ -272,6 +272,25 @@ pub struct ViewMap {
 }
 
 /// What compiling needs: the target's name for errors, the sources' shapes, a part budget.
+/// One axis per dimension of `shape`, each stepping 1 along its own target dimension and
+/// `src(d)` = (source dimension, source stride) on the source side.
+fn unit_axes(shape: &[u64], src: impl Fn(usize) -> (usize, u64)) -> Vec<Axis> {
+    shape
+        .iter()
+        .enumerate()
+        .map(|(d, &size)| {
+            let (src_dim, src_stride) = src(d);
+            Axis {
+                size,
+                dim: d,
+                stride: 1,
+                src_dim,
+                src_stride,
+            }
+        })
+        .collect()
+}
+
 struct Ctx<'a> {
     target: &'a str,
     shape_of: &'a dyn Fn(&str) -> Option<Vec<u64>>,
@@ -281,6 +300,22 @@ struct Ctx<'a> {
 impl Ctx<'_> {
     fn err(&self, msg: impl Into<String>) -> Error {
         Error::layout(self.target, msg)
+    }
+
+    /// The error of `op` (a transform's name) on a dimension its operand lacks.
+    fn no_dim(&self, op: &str, dim: usize, shape: &[u64]) -> Error {
+        self.err(format!(
+            "{op} of dimension {dim}, but its operand has shape {shape:?}"
+        ))
+    }
+
+    /// The operand `of` evaluated, and the size of its dimension `dim` that `op` transforms.
+    fn operand(&mut self, of: &View, op: &str, dim: usize) -> Result<(ViewMap, u64)> {
+        let m = of.eval(self)?;
+        match m.shape.get(dim) {
+            Some(&size) => Ok((m, size)),
+            None => Err(self.no_dim(op, dim, &m.shape)),
+        }
     }
 
     /// Count `n` more parts made by cutting, refusing past the budget.
@@ -423,11 +458,6 @@ impl View {
     }
 
     fn eval(&self, ctx: &mut Ctx) -> Result<ViewMap> {
-        let dim_err = |ctx: &Ctx, op: &str, dim: usize, shape: &[u64]| {
-            ctx.err(format!(
-                "{op} of dimension {dim}, but its operand has shape {shape:?}"
-            ))
-        };
         let map = match self {
             View::Source { name } => {
                 let shape = (ctx.shape_of)(name).ok_or_else(|| {
@@ -437,17 +467,7 @@ impl View {
                 })?;
                 let part = ViewPart {
                     origin: vec![0; shape.len()],
-                    axes: shape
-                        .iter()
-                        .enumerate()
-                        .map(|(d, &size)| Axis {
-                            size,
-                            dim: d,
-                            stride: 1,
-                            src_dim: d,
-                            src_stride: 1,
-                        })
-                        .collect(),
+                    axes: unit_axes(&shape, |d| (d, 1)),
                     from: PartFrom::Source {
                         name: name.clone(),
                         origin: vec![0; shape.len()],
@@ -467,10 +487,7 @@ impl View {
                 len,
             } => {
                 let (dim, start, len) = (*dim, *start, *len);
-                let mut m = of.eval(ctx)?;
-                let Some(&size) = m.shape.get(dim) else {
-                    return Err(dim_err(ctx, "a slice", dim, &m.shape));
-                };
+                let (mut m, size) = ctx.operand(of, "a slice", dim)?;
                 if start.checked_add(len).is_none_or(|e| e > size) {
                     return Err(ctx.err(format!(
                         "slice {start}..{} of dimension {dim} reaches past its {size} indices",
@@ -505,10 +522,7 @@ impl View {
             }
             View::Split { of, dim, sizes } => {
                 let dim = *dim;
-                let m = of.eval(ctx)?;
-                let Some(&size) = m.shape.get(dim) else {
-                    return Err(dim_err(ctx, "a split", dim, &m.shape));
-                };
+                let (m, size) = ctx.operand(of, "a split", dim)?;
                 let product = sizes.iter().try_fold(1u64, |a, &s| a.checked_mul(s));
                 if product != Some(size) {
                     return Err(ctx.err(format!(
@@ -612,7 +626,7 @@ impl View {
                 for v in views {
                     let m = v.eval(ctx)?;
                     if dim >= m.shape.len() {
-                        return Err(dim_err(ctx, "a concatenation", dim, &m.shape));
+                        return Err(ctx.no_dim("a concatenation", dim, &m.shape));
                     }
                     let at = match &mut shape {
                         None => {
@@ -654,10 +668,7 @@ impl View {
                 fill,
             } => {
                 let (dim, before, after) = (*dim, *before, *after);
-                let mut m = of.eval(ctx)?;
-                let Some(&size) = m.shape.get(dim) else {
-                    return Err(dim_err(ctx, "padding", dim, &m.shape));
-                };
+                let (mut m, size) = ctx.operand(of, "padding", dim)?;
                 let padded = size
                     .checked_add(before)
                     .and_then(|s| s.checked_add(after))
@@ -677,17 +688,7 @@ impl View {
                     origin[dim] = at;
                     m.parts.push(ViewPart {
                         origin,
-                        axes: sizes
-                            .iter()
-                            .enumerate()
-                            .map(|(d, &size)| Axis {
-                                size,
-                                dim: d,
-                                stride: 1,
-                                src_dim: 0,
-                                src_stride: 0,
-                            })
-                            .collect(),
+                        axes: unit_axes(&sizes, |_| (0, 0)),
                         from: PartFrom::Fill { value: *fill },
                     });
                 }

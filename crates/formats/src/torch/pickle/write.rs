@@ -642,23 +642,19 @@ impl Pickler {
 
     /// Push a dict of `n` items, item `i` (its key, then its value) pushed by `each`, in
     /// `SETITEMS` batches as Python's pickler writes them.
-    pub fn dict_with(&mut self, n: usize, mut each: impl FnMut(&mut Pickler, usize)) {
-        self.w.push(op::EMPTY_DICT);
-        let mut i = 0;
-        while i < n {
-            self.w.push(op::MARK);
-            for j in i..(i + BATCH).min(n) {
-                each(self, j);
-                self.end_item();
-            }
-            self.w.push(op::SETITEMS);
-            i += BATCH;
-        }
+    pub fn dict_with(&mut self, n: usize, each: impl FnMut(&mut Pickler, usize)) {
+        self.batched(op::EMPTY_DICT, op::SETITEMS, n, each);
     }
 
     /// Push a list of `n` items, item `i` pushed by `each`, in `APPENDS` batches.
-    pub fn list_with(&mut self, n: usize, mut each: impl FnMut(&mut Pickler, usize)) {
-        self.w.push(op::EMPTY_LIST);
+    pub fn list_with(&mut self, n: usize, each: impl FnMut(&mut Pickler, usize)) {
+        self.batched(op::EMPTY_LIST, op::APPENDS, n, each);
+    }
+
+    /// Push the empty container `empty`, then its `n` items in batches of `BATCH`, each batch
+    /// a `MARK`, its items (pushed by `each`) and `add` (`SETITEMS`, `APPENDS`).
+    fn batched(&mut self, empty: u8, add: u8, n: usize, mut each: impl FnMut(&mut Pickler, usize)) {
+        self.w.push(empty);
         let mut i = 0;
         while i < n {
             self.w.push(op::MARK);
@@ -666,7 +662,7 @@ impl Pickler {
                 each(self, j);
                 self.end_item();
             }
-            self.w.push(op::APPENDS);
+            self.w.push(add);
             i += BATCH;
         }
     }
