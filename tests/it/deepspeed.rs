@@ -454,59 +454,38 @@ fn deepspeed_outputs_refuse_what_they_cannot_hold() {
     let src = fixture("deepspeed/zero2_dp2_f32_g1/checkpoint");
     let out = d.path().join("out");
     let dcp = fixture("fsdp2_w2_f32/checkpoint");
-    fails(
-        &[
-            "convert",
-            s(&dcp),
-            s(&out),
-            "--to",
-            "2",
-            "--format",
-            "deepspeed",
-        ],
-        "a deepspeed output needs a DeepSpeed source",
-    );
-    fails(
-        &[
-            "convert",
-            s(&src),
-            s(&out),
-            "--to",
-            "2",
-            "--format",
-            "deepspeed",
-            "--exclude",
-            "lin.weight",
-        ],
+    // `convert FROM out --to 2 --format deepspeed EXTRA…` fails saying `msg`
+    let refused = |from: &std::path::Path, extra: &[&str], msg: &str| {
+        let args = [
+            &[
+                "convert",
+                s(from),
+                s(&out),
+                "--to",
+                "2",
+                "--format",
+                "deepspeed",
+            ][..],
+            extra,
+        ]
+        .concat();
+        fails(&args, msg);
+    };
+    refused(&dcp, &[], "a deepspeed output needs a DeepSpeed source");
+    refused(
+        &src,
+        &["--exclude", "lin.weight"],
         "needs every parameter of the source; `lin.weight` is not selected",
     );
-    fails(
-        &[
-            "convert",
-            s(&src),
-            s(&out),
-            "--to",
-            "2",
-            "--format",
-            "deepspeed",
-            "--dtype",
-            "bf16",
-        ],
+    refused(
+        &src,
+        &["--dtype", "bf16"],
         "a deepspeed output holds fp32 master weights",
     );
     let bf16 = fixture("deepspeed/zero2_dp2_bf16_g2/checkpoint");
-    fails(
-        &[
-            "convert",
-            s(&bf16),
-            s(&out),
-            "--to",
-            "2",
-            "--format",
-            "deepspeed",
-            "--weights",
-            "model",
-        ],
+    refused(
+        &bf16,
+        &["--weights", "model"],
         "a deepspeed output holds fp32 master weights",
     );
     fails(

@@ -301,19 +301,7 @@ fn sharded_objects_are_per_rank_state_and_keys_select() {
         "is per-rank state saved by 4 rank(s), which cannot be resharded to 3",
     );
     let out = d.path().join("drop");
-    convert(
-        &ckpt,
-        &out,
-        &[
-            "--format",
-            "megatron",
-            "--to",
-            "3",
-            "--per-rank-state",
-            "drop",
-            "-q",
-        ],
-    );
+    megatron_at_3(&ckpt, &out, "drop");
     let ck = Checkpoint::open(&out).unwrap();
     assert!(
         ck.extras.iter().all(|e| e.origin == "common.pt"),
@@ -352,19 +340,7 @@ fn megatron_lm_arguments_in_common_pt_come_back_as_a_namespace() {
     assert_eq!(args.origin, "common.pt");
     assert!(args.pickle.is_some());
     let out = d.path().join("out");
-    convert(
-        &src,
-        &out,
-        &[
-            "--format",
-            "megatron",
-            "--to",
-            "3",
-            "--per-rank-state",
-            "keep",
-            "-q",
-        ],
-    );
+    megatron_at_3(&src, &out, "keep");
     let back = Checkpoint::open(&out).unwrap();
     for e in ck.extras.iter().filter(|e| e.origin == "common.pt") {
         let b = back.extras.iter().find(|x| x.name == e.name).unwrap();
@@ -398,5 +374,22 @@ fn hostile_flattened_tensors_are_refused_or_read_whole() {
         &h("zero"),
         &d.path().join("z.safetensors"),
         &["--to", "1", "-q"],
+    );
+}
+
+/// `convert SRC OUT --format megatron --to 3 --per-rank-state POLICY -q`.
+fn megatron_at_3(src: &std::path::Path, out: &std::path::Path, policy: &str) {
+    convert(
+        src,
+        out,
+        &[
+            "--format",
+            "megatron",
+            "--to",
+            "3",
+            "--per-rank-state",
+            policy,
+            "-q",
+        ],
     );
 }
