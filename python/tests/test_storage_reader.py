@@ -431,7 +431,7 @@ WORKER = textwrap.dedent(
     import gen_fixtures as g
     import reshard, reshard.torch as rt
     sys.path.insert(0, os.environ["TESTS"])
-    from test_storage_reader import assert_same, sentinel
+    from test_storage_reader import assert_same, scribble, sentinel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
