@@ -207,14 +207,23 @@ pub fn plan_named<'a>(
 
 /// Plan every target tensor of `dst`, each defined by its [`View`] of the source tensors
 /// `src` (by name): the copies that fill every target piece from the source pieces the view
-/// maps it to, and fills for its padding. Every source named is validated, and so is every
-/// target (exact cover); the view's shape must be the target's. Every source a view reads
+/// maps it to, and fills for its padding. Every source named is validated (once), and so is
+/// every target (exact cover); the view's shape must be the target's. Every source a view reads
 /// must have one dtype, which the target's may differ from as a cast allows.
 pub fn plan_views<'a>(
     src: impl IntoIterator<Item = (&'a str, &'a TensorLayout)>,
     dst: &[(TensorLayout, View)],
 ) -> Result<Plan> {
     let by_name: HashMap<&str, &TensorLayout> = src.into_iter().collect();
+    // each source read is validated once, however many views read it (a fused QKV: three)
+    let mut read: Vec<&str> = dst.iter().flat_map(|(_, v)| v.sources()).collect();
+    read.sort_unstable();
+    read.dedup();
+    for name in read {
+        if let Some(s) = by_name.get(name) {
+            s.validate()?;
+        }
+    }
     plan_each(dst, |(d, view), ops, fills| {
         plan_view(&by_name, d, view, ops, fills)
     })
@@ -308,7 +317,6 @@ fn plan_view(
             }
         }
         check_source(s, &dst.name, dst.dtype)?;
-        s.validate()?;
         srcs.push((name, s));
     }
     let shape_of = |n: &str| by_name.get(n).map(|t| t.shape.clone());
