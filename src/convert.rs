@@ -11,7 +11,8 @@ use crate::formats::{self, Aliasing, Checkpoint, Format, Output, WriteOptions};
 use crate::layout::{DType, TensorLayout};
 use crate::parts::{split, Part, Span};
 use crate::per_rank::{classify, Policy};
-use crate::plan::{plan_named, Plan};
+use crate::plan::{plan_named, plan_views, Plan};
+use crate::recipe::{Applied, RecipeOptions};
 pub use crate::select::Selection;
 use crate::target::LayoutSpec;
 use reshard_storage::remote;
@@ -61,6 +62,10 @@ pub struct ConvertOptions {
     /// Converting to an object-store URL: destination bytes written to scratch before their
     /// parts are sent (`None`: 128 MiB).
     pub upload_batch: Option<u64>,
+    /// Converting between frameworks: which recipe, with which parameters
+    /// ([`crate::recipe`]); by default one is chosen where the source and the output belong
+    /// to different frameworks and the source's configuration names a model.
+    pub recipe: RecipeOptions,
 }
 
 impl ConvertOptions {
@@ -82,6 +87,7 @@ impl ConvertOptions {
             verify_read: Default::default(),
             upload_chunk: None,
             upload_batch: None,
+            recipe: RecipeOptions::default(),
         }
     }
 }
@@ -111,6 +117,8 @@ pub struct Job {
     pub dropped: Vec<String>,
     /// Groups of tied tensors (output names) the output stores once.
     pub ties: Vec<Vec<String>>,
+    /// The recipe that converts between frameworks, if one applies.
+    pub recipe: Option<Applied>,
 }
 
 impl Job {
@@ -141,6 +149,9 @@ pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions)
     let source = Checkpoint::open_with(src, None, &opts.open)?;
     let world = opts.layout.world();
     let (format, format_reason) = formats::output_format(dst, world, source.format, opts.format)?;
+    if let Some(applied) = crate::recipe::apply(&source, format, &opts.recipe)? {
+        return prepare_recipe(source, format, format_reason, applied, opts);
+    }
     let selected = opts.select.apply(&source)?;
     let kept_extras: Vec<_> = source
         .extras
@@ -231,6 +242,122 @@ pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions)
         per_rank: policy,
         dropped,
         ties: wopts.ties,
+        recipe: None,
+    })
+}
+
+/// [`prepare`] for a conversion between frameworks: the targets are the recipe's, each a
+/// view of the source tensors (selected and renamed by their output names); the output's
+/// configuration file is the recipe's, and nothing else of the source is carried (no
+/// non-tensor entries, no per-rank state).
+fn prepare_recipe(
+    source: Checkpoint,
+    format: Format,
+    format_reason: Option<String>,
+    applied: Applied,
+    opts: &ConvertOptions,
+) -> Result<Job> {
+    let world = opts.layout.world();
+    let dtype_of: std::collections::HashMap<&str, DType> = source
+        .tensors
+        .iter()
+        .map(|t| (t.name.as_str(), t.dtype))
+        .collect();
+    let kept: Vec<&(String, crate::layout::View)> = applied
+        .instance
+        .targets
+        .iter()
+        .filter(|(n, _)| opts.select.keeps(n))
+        .collect();
+    if kept.is_empty() {
+        return Err(Error::usage(format!(
+            "no target tensor of recipe {} matches the include/exclude patterns",
+            applied.name
+        )));
+    }
+    let names = opts
+        .select
+        .rename_all(kept.iter().map(|(n, _)| n.as_str()))?;
+    let shape_of = |n: &str| source.tensor(n).map(|t| t.shape.clone());
+    let mut wanted: Vec<(String, DType, Vec<u64>)> = vec![];
+    for ((target, view), name) in kept.iter().zip(&names) {
+        let srcs = view.sources();
+        let d = dtype_of[srcs[0]];
+        if let Some(other) = srcs.iter().find(|s| dtype_of[**s] != d) {
+            return Err(Error::layout(
+                target,
+                format!(
+                    "recipe {} reads {} ({d}) and {other} ({}): one target's sources must share a dtype",
+                    applied.name, srcs[0], dtype_of[*other]
+                ),
+            ));
+        }
+        let dtype = match opts.dtype {
+            Some(c) if d.is_castable_float() => c,
+            _ => d,
+        };
+        wanted.push((name.clone(), dtype, view.shape(target, &shape_of)?));
+    }
+    let target = opts.layout.compile(&wanted)?;
+    let mut wopts = opts.write.clone();
+    if let Some(config) = applied
+        .instance
+        .config
+        .as_ref()
+        .filter(|_| applied.to == "hf")
+    {
+        let mut text = serde_json::to_vec_pretty(config)
+            .map_err(|e| Error::internal(format!("recipe config: {e}")))?;
+        text.push(b'\n');
+        // a config named with the options (`--config`) is the user's word
+        if !wopts.companions.iter().any(|(n, _)| n == "config.json") {
+            wopts.companions.push(("config.json".into(), text));
+        }
+    }
+    if applied.to == "megatron" {
+        wopts.extras = crate::recipe::megatron_common(applied.instance.config.as_ref());
+    }
+    let output = formats::write(format, &target, world as u32, &wopts)?;
+    let view_of: std::collections::HashMap<&str, &crate::layout::View> = names
+        .iter()
+        .map(String::as_str)
+        .zip(kept.iter().map(|(_, v)| v))
+        .collect();
+    let dst = output
+        .tensors
+        .iter()
+        .map(|t| {
+            let of = output
+                .copies
+                .iter()
+                .find(|(copy, _)| *copy == t.name)
+                .map_or(t.name.as_str(), |(_, of)| of.as_str());
+            let view = view_of.get(of).ok_or_else(|| {
+                Error::layout(&t.name, "is in the output but no recipe rule defines it")
+            })?;
+            Ok((t.clone(), (*view).clone()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let plan = plan_views(source.tensors.iter().map(|t| (t.name.as_str(), t)), &dst)?;
+    let dropped = source
+        .tensors
+        .iter()
+        .map(|t| t.name.as_str())
+        .filter(|n| crate::per_rank::classify(n).is_some())
+        .map(String::from)
+        .collect();
+    Ok(Job {
+        source,
+        format,
+        format_reason,
+        world: world as u32,
+        output,
+        plan,
+        extras: 0,
+        per_rank: Policy::Drop,
+        dropped,
+        ties: vec![],
+        recipe: Some(applied),
     })
 }
 

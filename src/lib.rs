@@ -45,6 +45,7 @@ pub mod cli;
 pub mod convert;
 pub mod diff;
 pub mod load;
+pub mod recipe;
 mod select;
 pub mod verify;
 

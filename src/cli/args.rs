@@ -277,6 +277,16 @@ pub struct TargetArgs {
     /// `from_pretrained` loads it (default: the source's own, when it has one).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
+    /// Convert between frameworks (megatron <-> hf) with this recipe: a built-in (llama,
+    /// mistral, qwen2) or a recipe file (docs/recipes.md); `none` keeps the names. Default:
+    /// the one the source's configuration calls for (Megatron-LM's saved arguments, the
+    /// config.json's model_type) when the output is the other framework's.
+    #[arg(long, value_name = "NAME|FILE")]
+    recipe: Option<String>,
+    /// Set a recipe parameter, over what the source's configuration says (repeatable), e.g.
+    /// `--param padded_vocab=256` or `--param tp=2` for a megatron output.
+    #[arg(long = "param", value_name = "KEY=VALUE", value_parser = crate::recipe::parse_param)]
+    params: Vec<(String, serde_json::Value)>,
 }
 
 /// A size such as `5GB`, `500MiB` or `1024` (bytes): decimal (KB, MB, GB, TB) and binary
@@ -307,6 +317,10 @@ impl TargetArgs {
                 add_prefix: self.add_prefix.clone(),
             },
             dtype: self.dtype,
+            recipe: crate::recipe::RecipeOptions {
+                recipe: self.recipe.clone(),
+                params: self.params.iter().cloned().collect(),
+            },
             write: WriteOptions {
                 max_shard_size: self.max_shard_size,
                 zero_stage: self.zero_stage,

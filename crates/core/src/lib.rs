@@ -7,6 +7,7 @@
 //! |---|---|
 //! | [`layout`] | dtypes, regions, placements over a mesh, tensor layouts, cast kernels |
 //! | [`plan`] | source layout × target layout → a minimal copy plan (pure, serializable) |
+//! | [`recipe`] | mappings between frameworks' names and fusions, compiled to views |
 //! | [`target`] | what the user asks each target rank to hold ([`target::LayoutSpec`]) |
 //! | [`parts`] | which worker of many this is, and the plan's split into parts |
 //! | [`output`] | the files a writer lays out ([`output::OutputFile`]) |
@@ -25,6 +26,7 @@ pub mod output;
 pub mod parts;
 pub mod per_rank;
 pub mod plan;
+pub mod recipe;
 pub mod target;
 pub mod value;
 

@@ -419,6 +419,56 @@ impl View {
         out
     }
 
+    /// The view with each source leaf replaced by what `f` makes of its name (a rename, or
+    /// another view: a slice of a stacked tensor).
+    pub fn map_sources(self, f: &mut dyn FnMut(&str) -> View) -> View {
+        match self {
+            View::Source { name } => f(&name),
+            View::Slice {
+                of,
+                dim,
+                start,
+                len,
+            } => View::Slice {
+                of: Box::new(of.map_sources(f)),
+                dim,
+                start,
+                len,
+            },
+            View::Split { of, dim, sizes } => View::Split {
+                of: Box::new(of.map_sources(f)),
+                dim,
+                sizes,
+            },
+            View::Merge { of, dim, count } => View::Merge {
+                of: Box::new(of.map_sources(f)),
+                dim,
+                count,
+            },
+            View::Permute { of, order } => View::Permute {
+                of: Box::new(of.map_sources(f)),
+                order,
+            },
+            View::Concat { dim, parts } => View::Concat {
+                dim,
+                parts: parts.into_iter().map(|p| p.map_sources(f)).collect(),
+            },
+            View::Pad {
+                of,
+                dim,
+                before,
+                after,
+                fill,
+            } => View::Pad {
+                of: Box::new(of.map_sources(f)),
+                dim,
+                before,
+                after,
+                fill,
+            },
+        }
+    }
+
     /// The shape of target tensor `target` this view defines, the sources' shapes given by
     /// `shape_of`; an inconsistent view is a one-line error naming `target`.
     pub fn shape(

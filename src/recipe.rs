@@ -1,0 +1,323 @@
+//! Recipes applied to checkpoints: the built-in recipes, which framework a checkpoint or an
+//! output format belongs to, the configuration a recipe reads (Megatron-LM's saved arguments,
+//! a Hugging Face `config.json`), and which recipe applies and why. The recipe itself
+//! (parameters, rules, views) is [`reshard_core::recipe`].
+
+use crate::error::{Error, IoContext, Result};
+use crate::formats::{Checkpoint, Format};
+use crate::layout::DType;
+pub use reshard_core::recipe::{Instance, Recipe};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// The built-in recipes: name and JSON text (the files of the repository's `recipes/`).
+pub const BUILTIN: &[(&str, &str)] = &[
+    ("llama", include_str!("../recipes/llama.json")),
+    ("mistral", include_str!("../recipes/mistral.json")),
+    ("qwen2", include_str!("../recipes/qwen2.json")),
+];
+
+/// How a conversion between frameworks is asked for.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RecipeOptions {
+    /// A built-in recipe's name or a recipe file; `None` chooses one where the source and the
+    /// output belong to different frameworks; `Some("none")` keeps the names as they are.
+    pub recipe: Option<String>,
+    /// Parameter values that override the source's configuration (`padded_vocab=256`).
+    pub params: BTreeMap<String, Value>,
+}
+
+/// A recipe chosen and applied to a source.
+#[derive(Clone, Debug)]
+pub struct Applied {
+    /// The recipe's name.
+    pub name: String,
+    /// Why it applies: named on the command line, or what of the source's configuration chose it.
+    pub reason: String,
+    /// The source's framework.
+    pub from: &'static str,
+    /// The output's framework.
+    pub to: &'static str,
+    /// The parameters, the targets' views and the output's configuration file.
+    pub instance: Instance,
+}
+
+/// The framework whose names a format holds: `megatron` (megatron-core checkpoints), `hf`
+/// (safetensors, Hugging Face folders), or none (names of any framework).
+pub fn framework(format: Format) -> Option<&'static str> {
+    match format.name() {
+        n if n.starts_with("megatron") => Some("megatron"),
+        "hf" | "safetensors" => Some("hf"),
+        _ => None,
+    }
+}
+
+/// Parse a `--param KEY=VALUE`: the value as JSON (a number, `true`), else as a string.
+pub fn parse_param(s: &str) -> std::result::Result<(String, Value), String> {
+    let (k, v) = s
+        .split_once('=')
+        .ok_or_else(|| format!("`{s}`: expected KEY=VALUE"))?;
+    let k = k.trim();
+    if k.is_empty() {
+        return Err(format!("`{s}`: empty parameter name"));
+    }
+    let v = v.trim();
+    let value = serde_json::from_str(v).unwrap_or_else(|_| Value::String(v.to_string()));
+    Ok((k.to_string(), value))
+}
+
+/// The recipe named `name` (a built-in) or in the file `name`, its `extends` resolved.
+pub fn load(name: &str) -> Result<Recipe> {
+    let (recipe, what) = match BUILTIN.iter().find(|(n, _)| *n == name) {
+        Some((n, text)) => (Recipe::from_json(text, n)?, format!("built-in recipe {n}")),
+        None => {
+            let path = Path::new(name);
+            if !path.is_file() {
+                return Err(Error::usage(format!(
+                    "no recipe `{name}`: not a built-in ({}) and not a file",
+                    builtin_names().join(", ")
+                )));
+            }
+            let meta = std::fs::metadata(path).at(path)?;
+            if meta.len() > 16 << 20 {
+                return Err(Error::format(path, "is larger than 16 MiB: not a recipe"));
+            }
+            let text = std::fs::read_to_string(path).at(path)?;
+            let r: Recipe = serde_json::from_str(&text)
+                .map_err(|e| Error::format(path, format!("bad recipe: {e}")))?;
+            (r, path.display().to_string())
+        }
+    };
+    let mut recipe = recipe;
+    let mut depth = 0;
+    while let Some(base) = recipe.extends.clone() {
+        depth += 1;
+        let Some((_, text)) = BUILTIN.iter().find(|(n, _)| *n == base) else {
+            return Err(Error::usage(format!(
+                "{what}: extends `{base}`, which is not a built-in recipe ({})",
+                builtin_names().join(", ")
+            )));
+        };
+        if depth > 8 {
+            return Err(Error::usage(format!("{what}: extends recipes 8 deep")));
+        }
+        let base = Recipe::from_json(text, &base)?;
+        let chained = base.extends.clone();
+        recipe = recipe.over(&base);
+        recipe.extends = chained;
+    }
+    Ok(recipe)
+}
+
+/// The built-in recipes' names.
+pub fn builtin_names() -> Vec<&'static str> {
+    BUILTIN.iter().map(|(n, _)| *n).collect()
+}
+
+/// The configuration of `ck` as its framework keeps it: Megatron-LM's `args` (from
+/// `common.pt`, or the rank files of a legacy checkpoint) or the Hugging Face `config.json`
+/// beside the weights, as a JSON object; `None` when there is none.
+pub fn source_config(ck: &Checkpoint, framework: &str) -> Result<Option<Value>> {
+    match framework {
+        "megatron" => Ok(ck
+            .extras
+            .iter()
+            .find(|e| e.name == "args")
+            .and_then(|e| e.pickle.as_ref())
+            .and_then(namespace_json)),
+        "hf" => match ck.companions.iter().find(|(n, _)| n == "config.json") {
+            Some((_, bytes)) => serde_json::from_slice(bytes)
+                .map(Some)
+                .map_err(|e| Error::format(ck.path.join("config.json"), format!("bad JSON: {e}"))),
+            None => Ok(None),
+        },
+        _ => Ok(None),
+    }
+}
+
+/// An `argparse.Namespace` as a JSON object of its attributes.
+fn namespace_json(v: &reshard_core::value::Value) -> Option<Value> {
+    use reshard_core::value::Value as P;
+    match v {
+        P::Object {
+            module,
+            name,
+            state: Some(state),
+            ..
+        } if module == "argparse" && name == "Namespace" => {
+            Some(reshard_formats::dcp::to_json(state))
+        }
+        _ => None,
+    }
+}
+
+/// A dotted key (`rope_parameters.rope_theta`) of a JSON object.
+fn lookup(config: &Value, key: &str) -> Option<Value> {
+    let mut v = config;
+    for part in key.split('.') {
+        v = v.get(part)?;
+    }
+    Some(v.clone())
+}
+
+/// The built-in recipe a source's configuration calls for, and why.
+fn choose(framework: &str, config: &Value) -> Option<(&'static str, String)> {
+    match framework {
+        "megatron" => {
+            if lookup(config, "num_experts").is_some_and(|v| !v.is_null()) {
+                return None;
+            }
+            if lookup(config, "add_qkv_bias") == Some(Value::Bool(true)) {
+                return Some(("qwen2", "common.pt args: add_qkv_bias=True".into()));
+            }
+            let swiglu = lookup(config, "swiglu") == Some(Value::Bool(true));
+            let rms = lookup(config, "normalization") == Some(Value::from("RMSNorm"));
+            (swiglu && rms).then(|| {
+                (
+                    "llama",
+                    "common.pt args: normalization=RMSNorm, swiglu=True".to_string(),
+                )
+            })
+        }
+        "hf" => {
+            let t = lookup(config, "model_type")?;
+            let t = t.as_str()?;
+            BUILTIN
+                .iter()
+                .find(|(n, _)| *n == t)
+                .map(|(n, _)| (*n, format!("config.json: model_type={t}")))
+        }
+        _ => None,
+    }
+}
+
+/// The recipe that applies to converting `ck` to `format` under `opts`, applied: `None` when
+/// names are kept (same framework, no recipe asked for, or `--recipe none`).
+pub fn apply(ck: &Checkpoint, format: Format, opts: &RecipeOptions) -> Result<Option<Applied>> {
+    if opts.recipe.as_deref() == Some("none") {
+        return Ok(None);
+    }
+    let (from, to) = (framework(ck.format), framework(format));
+    let (Some(from), Some(to)) = (from, to) else {
+        return match &opts.recipe {
+            Some(r) => Err(Error::usage(format!(
+                "recipe {r} converts between frameworks, but {} is a {} checkpoint and the output {}: recipes convert megatron and hf checkpoints",
+                ck.path.display(),
+                ck.format.name(),
+                format.name()
+            ))),
+            None => Ok(None),
+        };
+    };
+    if from == to {
+        return match &opts.recipe {
+            Some(r) => Err(Error::usage(format!(
+                "recipe {r}: the source and the output are both {from} checkpoints (choose an output format of the other framework)"
+            ))),
+            None => Ok(None),
+        };
+    }
+    let config = source_config(ck, from)?;
+    let (name, reason) = match &opts.recipe {
+        Some(r) => (r.clone(), "--recipe".to_string()),
+        None => match config.as_ref().and_then(|c| choose(from, c)) {
+            Some((n, why)) => (n.to_string(), why),
+            // no configuration that names a model: names kept, as before recipes
+            None => return Ok(None),
+        },
+    };
+    let recipe = load(&name)?;
+    let empty = Value::Object(Default::default());
+    let config = config.unwrap_or(empty);
+    let mut given = opts.params.clone();
+    if recipe.params.contains_key("dtype") && !given.contains_key("dtype") {
+        if let Some(name) = ck.tensors.iter().find_map(|t| torch_float_name(t.dtype)) {
+            given.insert("dtype".into(), Value::from(name));
+        }
+    }
+    let (params, mut origins) = recipe.resolve(from, &|k| lookup(&config, k), &given)?;
+    if !opts.params.contains_key("dtype") && params.contains_key("dtype") {
+        origins.insert("dtype".into(), "the source tensors".into());
+    }
+    let shapes: reshard_core::recipe::SourceShapes<'_> = ck
+        .tensors
+        .iter()
+        .map(|t| (t.name.as_str(), t.shape.as_slice()))
+        .collect();
+    let instance = recipe.instantiate(from, to, params, origins, &shapes)?;
+    Ok(Some(Applied {
+        name: recipe.recipe.clone(),
+        reason,
+        from,
+        to,
+        instance,
+    }))
+}
+
+/// torch's name of a floating dtype, as `config.json` writes it.
+fn torch_float_name(d: DType) -> Option<&'static str> {
+    Some(match d {
+        DType::F16 => "float16",
+        DType::BF16 => "bfloat16",
+        DType::F32 => "float32",
+        DType::F64 => "float64",
+        _ => return None,
+    })
+}
+
+/// The `common.pt` entries of a megatron output converted from another framework: Megatron-LM's
+/// `args` (an `argparse.Namespace` of the recipe's configuration, when it has one),
+/// `checkpoint_version` 3.0 and `iteration` 0, as Megatron-LM's own saves hold them.
+pub fn megatron_common(config: Option<&Value>) -> Vec<crate::Extra> {
+    use reshard_core::value::Value as P;
+    let entry = |name: &str, pickle: P| crate::Extra {
+        name: name.into(),
+        value: reshard_formats::dcp::to_json(&pickle),
+        pickle: Some(pickle),
+        raw: None,
+        origin: reshard_formats::megatron::COMMON_ORIGIN,
+        opaque: None,
+    };
+    let mut out = vec![];
+    if let Some(Value::Object(fields)) = config {
+        let state = P::Dict(
+            fields
+                .iter()
+                .map(|(k, v)| (P::Str(k.clone()), python_value(v)))
+                .collect(),
+        );
+        let args = P::Object {
+            module: "argparse".into(),
+            name: "Namespace".into(),
+            args: vec![],
+            state: Some(Box::new(state)),
+        };
+        let mut e = entry("args", args);
+        e.value = config.cloned().unwrap_or_default();
+        out.push(e);
+    }
+    out.push(entry("checkpoint_version", P::Float(3.0)));
+    out.push(entry("iteration", P::Int(0)));
+    out
+}
+
+/// A JSON value as the Python value `json.loads` makes of it.
+fn python_value(v: &Value) -> reshard_core::value::Value {
+    use reshard_core::value::Value as P;
+    match v {
+        Value::Null => P::None,
+        Value::Bool(b) => P::Bool(*b),
+        Value::Number(n) => match n.as_i64() {
+            Some(i) => P::Int(i),
+            None => P::Float(n.as_f64().unwrap_or(f64::NAN)),
+        },
+        Value::String(s) => P::Str(s.clone()),
+        Value::Array(a) => P::List(a.iter().map(python_value).collect()),
+        Value::Object(o) => P::Dict(
+            o.iter()
+                .map(|(k, v)| (P::Str(k.clone()), python_value(v)))
+                .collect(),
+        ),
+    }
+}
