@@ -321,3 +321,24 @@ fn python_value(v: &Value) -> reshard_core::value::Value {
         ),
     }
 }
+
+/// What converting `ck` to the other framework would do, in one line: the recipe that
+/// applies and why, or why none does; `None` for a checkpoint of no framework, or one whose
+/// configuration names no model (names are then kept).
+pub fn describe(ck: &Checkpoint) -> Option<String> {
+    let other = match framework(ck.format)? {
+        "megatron" => Format::HF,
+        _ => Format::MEGATRON,
+    };
+    match apply(ck, other, &RecipeOptions::default()) {
+        Ok(Some(a)) => Some(format!(
+            "recipe {} ({}) converts it to {} (--format {})",
+            a.name,
+            a.reason,
+            a.to,
+            other.name()
+        )),
+        Ok(None) => None,
+        Err(e) => Some(format!("no recipe converts it to {}: {e}", other.name())),
+    }
+}

@@ -230,7 +230,9 @@ impl ConvertFlags {
 /// The target of `plan` and `convert`: layout, format, selection, casts, threads.
 #[derive(Args)]
 pub struct TargetArgs {
-    /// Target world size M (default layout: Shard(0) over M ranks, as FSDP2).
+    /// Target world size M (default layout: Shard(0) over M ranks, as FSDP2; default M: 1 for
+    /// a one-rank format such as hf, for megatron (whose loader reads any split), and with
+    /// --recipe).
     #[arg(long, value_name = "M")]
     to: Option<u64>,
     /// Target layout file (JSON: mesh and per-name-glob placements); see docs/guide.md,
@@ -371,6 +373,16 @@ impl TargetArgs {
             }
             (None, Some(0)) => Err(Error::usage("--to must be at least 1")),
             (None, Some(m)) => Ok(LayoutSpec::fsdp(m)),
+            // one rank is the only choice of a one-rank format, and what a conversion between
+            // frameworks is for (its megatron output loads at any split)
+            (None, None)
+                if self.recipe.as_deref().is_some_and(|r| r != "none")
+                    || self.format.is_some_and(|f| {
+                        f.capabilities().max_world == Some(1) || f == Format::MEGATRON
+                    }) =>
+            {
+                Ok(LayoutSpec::fsdp(1))
+            }
             (None, None) => Err(Error::usage(
                 "give the target world size with --to M (or a --layout file)",
             )),

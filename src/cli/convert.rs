@@ -174,6 +174,9 @@ fn print(
     if let Some(reason) = &job.format_reason {
         writeln!(out, "output format {}: {reason}", job.format)?;
     }
+    if let Some(line) = recipe_line(job) {
+        writeln!(out, "{line}")?;
+    }
     print_aborted(out, &stats.aborted_uploads)?;
     if !job.dropped.is_empty() {
         writeln!(
@@ -203,4 +206,27 @@ fn print_extras(out: &mut dyn Write, job: &Job) -> io::Result<()> {
     let entries = if n == 1 { "entry" } else { "entries" };
     let how = job.format.capabilities().extras_kept;
     writeln!(out, "kept {n} non-tensor {entries} {how}")
+}
+
+/// `recipe llama (config.json: model_type=llama): hf -> megatron; hidden=64 (hf: hidden_size), …`
+/// for a conversion between frameworks.
+pub fn recipe_line(job: &Job) -> Option<String> {
+    let a = job.recipe.as_ref()?;
+    let params: Vec<String> = a
+        .instance
+        .params
+        .iter()
+        .map(|(k, v)| {
+            let from = a.instance.origins.get(k).map(String::as_str).unwrap_or("");
+            format!("{k}={v} ({from})")
+        })
+        .collect();
+    Some(format!(
+        "recipe {} ({}): {} -> {}; {}",
+        a.name,
+        a.reason,
+        a.from,
+        a.to,
+        params.join(", ")
+    ))
 }

@@ -17,6 +17,8 @@ struct Findings<'a> {
     per_rank: BTreeMap<&'a str, PerRank>,
     /// The checkpoints of the folder given, when it holds several (step folders, tags).
     siblings: Vec<String>,
+    /// The recipe that converts it to the other framework, or why none does.
+    recipe: Option<String>,
 }
 
 /// Open `path` and print what it holds to `out`.
@@ -31,6 +33,7 @@ pub fn run(
         ties: ck.tied_names()?,
         per_rank: per_rank_entries(&ck),
         siblings: crate::formats::checkpoints_in(path),
+        recipe: crate::recipe::describe(&ck),
     };
     if as_json {
         let mut v = serde_json::to_value(&ck).map_err(|e| Error::usage(e.to_string()))?;
@@ -43,6 +46,7 @@ pub fn run(
         v["per_rank"] = serde_json::json!(found.per_rank);
         v["tied"] = serde_json::json!(found.ties);
         v["checkpoints_in_folder"] = serde_json::json!(found.siblings);
+        v["recipe"] = serde_json::json!(found.recipe);
         shown(json(out, &v))?;
     } else {
         shown(print_table(out, &ck, &found))?;
@@ -98,6 +102,9 @@ fn print_table(out: &mut dyn Write, ck: &Checkpoint, found: &Findings) -> io::Re
             clip(&found.siblings.join(", "), 200),
             ck.tag.as_deref().unwrap_or("?")
         )?;
+    }
+    if let Some(r) = &found.recipe {
+        writeln!(out, "  {r}")?;
     }
     print_tensors(out, ck)?;
     if !ck.extras.is_empty() {

@@ -1,7 +1,7 @@
 //! `reshard plan`: what a conversion would read and write, without writing anything.
 
 use super::args::TargetArgs;
-use super::text::{json, name_width, shown, size};
+use super::text::{clip, json, name_width, shown, size};
 use super::Outcome;
 use crate::convert::{self, ConvertOptions, Job};
 use crate::Result;
@@ -55,6 +55,7 @@ fn print(
     if as_json {
         let v = serde_json::json!({
             "source": {"path": job.source.path, "format": job.source.format, "ranks": job.source.ranks, "files": job.source.file_names()},
+            "recipe": job.recipe.as_ref().map(|a| serde_json::json!({"name": a.name, "reason": a.reason, "from": a.from, "to": a.to, "params": a.instance.params, "origins": a.instance.origins})),
             "target": {"path": dst, "container": job.format.capabilities().container, "format": job.format, "format_reason": job.format_reason, "ranks": job.world,
                        "files": job.output.files.iter().map(|f| serde_json::json!({"path": f.path, "size": f.size})).collect::<Vec<_>>()},
             "bytes_read": job.plan.bytes_read(),
@@ -93,6 +94,9 @@ fn print_summary(
         job.format_reason.as_deref().unwrap_or("as asked")
     )?;
     writeln!(out, "into {}", destination(job, dst))?;
+    if let Some(line) = super::convert::recipe_line(job) {
+        writeln!(out, "{line}")?;
+    }
     writeln!(
         out,
         "{} tensor(s), {} op(s); read {} from {} of {} file(s); write {} into {} file(s)",
@@ -141,6 +145,18 @@ fn print_tensors(out: &mut dyn Write, job: &Job) -> io::Result<()> {
             format!("{} -> {}", t.pieces.0, t.pieces.1),
             t.ops,
             size(t.bytes.1)
+        )?;
+        if let Some(v) = &t.view {
+            writeln!(out, "{:w$}    = {}", "", clip(&v.to_string(), 300))?;
+        }
+    }
+    let fills = p.bytes_filled();
+    if fills > 0 {
+        writeln!(
+            out,
+            "{} fill op(s), {} of padding",
+            p.fills.len(),
+            size(fills)
         )?;
     }
     Ok(())

@@ -216,6 +216,44 @@ pub enum View {
     },
 }
 
+/// A compact one-line form: `name`, `X[d: a..b]`, `split(X, d, [..])`, `merge(X, d, n)`,
+/// `permute(X, [..])`, `concat(d, [A, B])`, `pad(X, d, before, after, fill)`.
+impl fmt::Display for View {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            View::Source { name } => write!(f, "{name}"),
+            View::Slice {
+                of,
+                dim,
+                start,
+                len,
+            } => {
+                write!(f, "{of}[{dim}: {start}..{}]", start.saturating_add(*len))
+            }
+            View::Split { of, dim, sizes } => write!(f, "split({of}, {dim}, {sizes:?})"),
+            View::Merge { of, dim, count } => write!(f, "merge({of}, {dim}, {count})"),
+            View::Permute { of, order } => write!(f, "permute({of}, {order:?})"),
+            View::Concat { dim, parts } => {
+                write!(f, "concat({dim}, [")?;
+                for (i, p) in parts.iter().enumerate() {
+                    if i > 0 {
+                        write!(f, ", ")?;
+                    }
+                    write!(f, "{p}")?;
+                }
+                write!(f, "])")
+            }
+            View::Pad {
+                of,
+                dim,
+                before,
+                after,
+                fill,
+            } => write!(f, "pad({of}, {dim}, {before}, {after}, {fill})"),
+        }
+    }
+}
+
 /// One axis of a [`ViewPart`]: index `x ∈ [0, size)` steps `stride` along target dimension
 /// `dim` and `src_stride` along source dimension `src_dim` (both unused in a fill part).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
