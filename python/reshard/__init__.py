@@ -13,7 +13,7 @@ numpy are imported when a tensor is made, never linked.
 
 import json as _json
 import os as _os
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 from . import _dtypes, _values
 from ._reshard import (
@@ -507,6 +507,8 @@ def convert(
     config: Optional[PathLike] = None,
     part: Any = None,
     staging: Optional[PathLike] = None,
+    recipe: Optional[str] = None,
+    params: Optional[Mapping[str, Any]] = None,
 ) -> Dict[str, Any]:
     """Convert checkpoint ``src`` into ``dst`` for ``world_size`` ranks, as ``reshard
     convert`` does: the output format from ``format`` or from ``dst``, the world size and
@@ -535,8 +537,14 @@ def convert(
     ``hf`` output carries, with ``generation_config.json``, so that ``from_pretrained``
     loads it); ``zero_stage`` the ZeRO
     stage of a ``format="deepspeed"`` output (default: the source's).
+
+    Between frameworks (a megatron-core checkpoint to ``format="hf"``, a Hugging Face folder to
+    ``format="megatron"``): ``recipe`` names a built-in recipe (``"llama"``, ``"mistral"``,
+    ``"qwen2"``) or a recipe file (default: the one the source's configuration calls for;
+    ``"none"`` keeps the names), ``params`` sets its parameters over the source's
+    configuration (``{"padded_vocab": 256}``, ``{"tp": 2}``); see docs/recipes.md.
     Returns a summary: the format chosen (and why), files and bytes written, entries
-    dropped, tied tensors."""
+    dropped, tied tensors, the recipe applied and its parameters."""
     return _reshard.convert(
         _os.fspath(src),
         _os.fspath(dst),
@@ -562,6 +570,8 @@ def convert(
         config=None if config is None else _os.fspath(config),
         part=_part(part),
         staging=None if staging is None else _os.fspath(staging),
+        recipe=None if recipe is None else _os.fspath(recipe),
+        params=None if params is None else _json.dumps(dict(params)),
     )
 
 

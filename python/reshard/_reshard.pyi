@@ -122,6 +122,8 @@ class _ConvertOptions(TypedDict, total=False):
     config: Optional[str]
     part: Optional[str]
     staging: Optional[str]
+    recipe: Optional[str]
+    params: Optional[str]
 
 def convert(src: str, dst: str, *, world_size: int, **options: Unpack[_ConvertOptions]) -> Dict[str, Any]:
     """Convert a checkpoint (or one part of it: ``part`` "K/N" or "env"); a summary."""

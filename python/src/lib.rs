@@ -598,6 +598,10 @@ keyword_options! {
         /// `"env"` (from the launcher's environment) or `"K/N"`.
         part: Option<String> = None,
         staging: Option<PathBuf> = None,
+        /// A built-in recipe's name or a recipe file (`"none"`: names kept).
+        recipe: Option<String> = None,
+        /// The recipe's parameters, a JSON object text.
+        params: Option<String> = None,
     }
 }
 
@@ -630,6 +634,8 @@ impl ConvertArgs {
             config,
             part,
             staging,
+            recipe,
+            params,
         } = self;
         // "env": from the launcher's environment; "K/N": that part; None: the whole conversion
         let part = match part.as_deref() {
@@ -681,6 +687,14 @@ impl ConvertArgs {
         opts.force = overwrite;
         opts.verify = verify;
         opts.staging = staging;
+        opts.recipe.recipe = recipe;
+        if let Some(p) = params {
+            opts.recipe.params = serde_json::from_str(&p).map_err(|e| {
+                request(format!(
+                    "params must be a dict of numbers, booleans and strings: {e}"
+                ))
+            })?;
+        }
         opts.exec.progress = progress.map(|f| {
             Arc::new(Callback {
                 f,
@@ -769,6 +783,13 @@ fn summary(
         "bytes_written": stats.map(|s| s.bytes_written),
         "parts": parts,
         "aborted_uploads": aborted,
+        "recipe": job.recipe.as_ref().map(|a| serde_json::json!({
+            "name": a.name,
+            "reason": a.reason,
+            "from": a.from,
+            "to": a.to,
+            "params": a.instance.params,
+        })),
     })
 }
 

@@ -28,6 +28,7 @@ mod hf_storage;
 mod megatron;
 mod pt_read;
 mod pt_write;
+mod recipes;
 mod torch_save;
 mod torchtitan;
 
