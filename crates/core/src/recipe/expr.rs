@@ -312,6 +312,7 @@ mod tests {
             "heads" => json!(8),
             "groups" => json!(2),
             "theta" => json!(10000.0),
+            "eps" => json!(1e-6),
             "gqa" => json!(true),
             "name" => json!("llama"),
             _ => return None,
@@ -336,7 +337,8 @@ mod tests {
         assert!(u("nope + 1").unwrap_err().contains("unknown name `nope`"));
         assert!(u("heads +").unwrap_err().contains("ends too early"));
         assert!(u("heads 2").unwrap_err().contains("unexpected `2`"));
-        assert!(u("theta * 2").unwrap_err().contains("not an integer"));
+        assert_eq!(u("theta * 2"), Ok(20000));
+        assert!(u("eps * 2").unwrap_err().contains("not an integer"));
         assert!(u("x$").unwrap_err().contains("unexpected character"));
         assert!(u("roundup(1)").unwrap_err().contains("unknown function"));
         assert!(u("9223372036854775807 + 1")
