@@ -41,6 +41,8 @@ pub struct Applied {
     pub to: &'static str,
     /// The parameters, the targets' views and the output's configuration file.
     pub instance: Instance,
+    /// What the defaults taken mean (the parameters' notes).
+    pub notes: Vec<String>,
 }
 
 /// The framework whose names a format holds: `megatron` (megatron-core checkpoints), `hf`
@@ -245,6 +247,12 @@ pub fn apply(ck: &Checkpoint, format: Format, opts: &RecipeOptions) -> Result<Op
         .iter()
         .map(|t| (t.name.as_str(), t.shape.as_slice()))
         .collect();
+    let notes = recipe
+        .params
+        .iter()
+        .filter(|(k, _)| origins.get(*k).is_some_and(|o| o == "default"))
+        .filter_map(|(k, p)| Some(format!("{k}={}: {}", params[k], p.note.as_ref()?)))
+        .collect();
     let instance = recipe.instantiate(from, to, params, origins, &shapes)?;
     Ok(Some(Applied {
         name: recipe.recipe.clone(),
@@ -252,6 +260,7 @@ pub fn apply(ck: &Checkpoint, format: Format, opts: &RecipeOptions) -> Result<Op
         from,
         to,
         instance,
+        notes,
     }))
 }
 

@@ -789,6 +789,7 @@ fn summary(
             "from": a.from,
             "to": a.to,
             "params": a.instance.params,
+            "notes": a.notes,
         })),
     })
 }

@@ -221,12 +221,17 @@ pub fn recipe_line(job: &Job) -> Option<String> {
             format!("{k}={v} ({from})")
         })
         .collect();
-    Some(format!(
+    let mut line = format!(
         "recipe {} ({}): {} -> {}; {}",
         a.name,
         a.reason,
         a.from,
         a.to,
         params.join(", ")
-    ))
+    );
+    for n in &a.notes {
+        line.push_str("\nnote: ");
+        line.push_str(n);
+    }
+    Some(line)
 }

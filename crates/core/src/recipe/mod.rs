@@ -69,6 +69,10 @@ pub struct Param {
     /// parameters. Without one, the parameter must be given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub default: Option<Value>,
+    /// Said (with the value) when the default is taken: what that means for the output and
+    /// how to give the value instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 /// One direction: the rules that define every tensor of the `to` framework's checkpoint from
