@@ -6,8 +6,8 @@ use crate::checkpoint::check_buffer;
 use crate::error::{Error, Result};
 use crate::exec::{read_many_into, read_regions_into};
 use crate::formats::Checkpoint;
-use crate::layout::{row_major_strides, DType, Loc, Piece, Region, Sharding, TensorLayout};
-use crate::plan::CopyOp;
+use crate::layout::{row_major_strides, DType, Loc, Piece, Region, Sharding, TensorLayout, View};
+use crate::plan::{CopyOp, FillOp};
 use crate::select::Selection;
 use crate::target::LayoutSpec;
 use rayon::prelude::*;
@@ -273,20 +273,7 @@ pub fn read_local_tensors_into(
             outs.len()
         )));
     }
-    for (lt, out) in tensors.iter().zip(outs.iter()) {
-        if out.len() as u64 != lt.nbytes() {
-            return Err(Error::layout(
-                &lt.name,
-                format!(
-                    "a local tensor {:?} of {} is {} bytes, the buffer {}",
-                    lt.shape,
-                    lt.dtype,
-                    lt.nbytes(),
-                    out.len()
-                ),
-            ));
-        }
-    }
+    check_buffers(tensors, outs)?;
     let prepared: Vec<(Option<&TensorLayout>, Vec<Piece>)> = tensors
         .iter()
         .map(|lt| local_pieces(ck, lt))
@@ -321,6 +308,149 @@ pub fn read_local_tensors_into(
         })
         .collect();
     read_many_into(&jobs, ck.sources(), outs)
+}
+
+/// Fill each of `tensors` into the caller's buffer of the same index, as
+/// [`read_local_tensors_into`] does, where tensor `i` is not one of `ck`'s but the target
+/// `views[i]` defines of them (a recipe's: `q_proj` out of a fused QKV, a vocabulary without
+/// its padding): its parts are regions of that target, read through the view from the
+/// source pieces, with no tensor materialised. Everything is checked before a byte is
+/// written.
+pub fn read_view_tensors_into(
+    ck: &Checkpoint,
+    tensors: &[LocalTensor],
+    views: &[&View],
+    outs: &mut [&mut [u8]],
+) -> Result<()> {
+    if tensors.len() != outs.len() || tensors.len() != views.len() {
+        return Err(Error::usage(format!(
+            "{} tensors, {} views and {} buffers",
+            tensors.len(),
+            views.len(),
+            outs.len()
+        )));
+    }
+    check_buffers(tensors, outs)?;
+    // the sources the views read, located whole and validated once
+    let mut names: Vec<&str> = views.iter().flat_map(|v| v.sources()).collect();
+    names.sort_unstable();
+    names.dedup();
+    let wanted = names
+        .iter()
+        .map(|n| {
+            ck.tensor(n)
+                .map(|t| (t, None))
+                .ok_or_else(|| Error::layout(*n, format!("is not in {}", ck.path.display())))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let located = ck.located_many(&wanted)?;
+    for t in &located {
+        t.validate()?;
+    }
+    let by_name: std::collections::HashMap<&str, &TensorLayout> = names
+        .iter()
+        .copied()
+        .zip(located.iter().map(|t| t.as_ref()))
+        .collect();
+    let shape_of = |n: &str| by_name.get(n).map(|t| t.shape.clone());
+    let planned: Vec<(Vec<CopyOp>, Vec<FillOp>)> = tensors
+        .par_iter()
+        .zip(views)
+        .map(|(lt, view)| {
+            let shape = view.shape(&lt.name, &shape_of)?;
+            let dst = TensorLayout {
+                name: lt.name.clone(),
+                dtype: lt.dtype,
+                shape: shape.clone(),
+                pieces: buffer_pieces(lt, &shape)?,
+            };
+            let (mut ops, mut fills) = (vec![], vec![]);
+            crate::plan::plan_view_pieces(&by_name, &dst, view, &mut ops, &mut fills)?;
+            Ok((ops, fills))
+        })
+        .collect::<Result<_>>()?;
+    let (jobs, fills): (Vec<Vec<CopyOp>>, Vec<Vec<FillOp>>) = planned.into_iter().unzip();
+    for (i, fs) in fills.iter().enumerate() {
+        let n = outs[i].len() as u64;
+        for f in fs {
+            let (_, end) = f.dst_span();
+            if end > n || f.value.is_empty() || f.len % f.value.len() as u64 != 0 {
+                return Err(Error::internal(format!(
+                    "tensor `{}`: a fill outside its buffer",
+                    tensors[i].name
+                )));
+            }
+        }
+    }
+    read_many_into(&jobs, ck.sources(), outs)?;
+    // the padding: each fill's rows set to its value (disjoint from the copies)
+    for (out, fs) in outs.iter_mut().zip(&fills) {
+        for f in fs {
+            for r in 0..f.count {
+                let at = (f.dst_offset + r * f.dst_stride) as usize;
+                for chunk in out[at..at + f.len as usize].chunks_exact_mut(f.value.len()) {
+                    chunk.copy_from_slice(&f.value);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Each buffer is exactly its tensor's [`LocalTensor::nbytes`].
+fn check_buffers(tensors: &[LocalTensor], outs: &[&mut [u8]]) -> Result<()> {
+    for (lt, out) in tensors.iter().zip(outs.iter()) {
+        if out.len() as u64 != lt.nbytes() {
+            return Err(Error::layout(
+                &lt.name,
+                format!(
+                    "a local tensor {:?} of {} is {} bytes, the buffer {}",
+                    lt.shape,
+                    lt.dtype,
+                    lt.nbytes(),
+                    out.len()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The parts of `lt` (regions of a tensor of `global` shape) as pieces of its buffer (file 0),
+/// each checked to lie in the tensor and to fit the destination's shape.
+fn buffer_pieces(lt: &LocalTensor, global: &[u64]) -> Result<Vec<Piece>> {
+    let strides = row_major_strides(&lt.shape);
+    lt.parts
+        .iter()
+        .map(|p| {
+            let inside = p.region.ndim() == global.len()
+                && (0..global.len())
+                    .all(|d| p.region.offsets[d].saturating_add(p.region.sizes[d]) <= global[d]);
+            let fits = p.at.len() == lt.shape.len()
+                && (0..lt.shape.len())
+                    .all(|d| p.at[d].saturating_add(p.region.sizes[d]) <= lt.shape[d]);
+            if !inside || !fits {
+                return Err(Error::layout(
+                    &lt.name,
+                    format!(
+                        "part {} at {:?} does not fit a tensor {:?} in a local tensor {:?}",
+                        p.region, p.at, global, lt.shape
+                    ),
+                ));
+            }
+            let first: u64 = p.at.iter().zip(&strides).map(|(a, s)| a * s).sum();
+            Ok(Piece {
+                rank: 0,
+                region: p.region.clone(),
+                loc: Loc {
+                    file: 0,
+                    offset: first * lt.dtype.size() as u64,
+                    strides: Some(strides.to_vec()),
+                    pending: None,
+                },
+            })
+        })
+        .collect()
 }
 
 /// The tensor of `ck` the destination `lt` is filled from (`None` when it has no parts) and

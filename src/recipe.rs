@@ -351,3 +351,27 @@ pub fn describe(ck: &Checkpoint) -> Option<String> {
         Err(e) => Some(format!("no recipe converts it to {}: {e}", other.name())),
     }
 }
+
+/// The recipe that reads `ck` as the other framework's tensors, for a loader that fills a
+/// model of that framework without writing files (a megatron-core checkpoint into a Hugging
+/// Face model): as [`apply`] decides it for an output of the other framework, and an error
+/// when none applies.
+pub fn for_loading(ck: &Checkpoint, opts: &RecipeOptions) -> Result<Applied> {
+    let other = match framework(ck.format) {
+        Some("megatron") => Format::HF,
+        Some(_) => Format::MEGATRON,
+        None => {
+            return Err(Error::usage(format!(
+                "{}: a {} checkpoint belongs to no framework a recipe converts (megatron, hf)",
+                ck.path.display(),
+                ck.format.name()
+            )))
+        }
+    };
+    apply(ck, other, opts)?.ok_or_else(|| {
+        Error::usage(format!(
+            "{}: no recipe applies (its configuration names no model a built-in recipe knows, or recipe=\"none\"): name one with recipe=",
+            ck.path.display()
+        ))
+    })
+}

@@ -27,11 +27,13 @@ Parts = List[Tuple[List[int], List[int], List[int]]]
 class Fill:
     """Targets gathered for one native read of ``ck``, filled by :meth:`run`."""
 
-    def __init__(self, ck: Checkpoint, *, shared: str) -> None:
+    def __init__(self, ck: Checkpoint, *, shared: str, views: Optional[Dict[str, str]] = None) -> None:
         if shared not in ("last", "each"):
             raise ValueError(f'shared must be "last" or "each", not {shared!r}')
         self.ck = ck
         self.shared = shared
+        # names read through a recipe's view (JSON) of the checkpoint's tensors, when given
+        self.views = views
         # (checkpoint name, dtype read, target, parts)
         self.items: List[Tuple[str, str, torch.Tensor, Parts]] = []
 
@@ -90,7 +92,9 @@ class Fill:
                     dests[same] = entry  # the same tensor again: the last name wins
                     continue
             dests.append(entry)
-        if dests:
+        if dests and self.views is not None:
+            self.ck._ck.read_views_into(dests, [self.views[d[0]] for d in dests])
+        elif dests:
             self.ck._read_into(dests)
         for target, buf in copies:
             target.copy_(buf, non_blocking=buf.is_pinned())

@@ -83,6 +83,12 @@ class NativeCheckpoint:
         """The regions rank ``rank`` of ``world_size`` holds under a layout."""
     def read_into(self, dests: List[_Dest]) -> None:
         """Fill destinations ``(name, dtype, shape, parts, address, nbytes)`` in memory."""
+    def recipe_targets(
+        self, recipe: Optional[str] = None, params: Optional[str] = None
+    ) -> Tuple[str, str, List[Tuple[str, str, List[int], str]]]:
+        """The recipe, why, and the other framework's tensors ``(name, dtype, shape, view JSON)``."""
+    def read_views_into(self, dests: List[_Dest], views: List[str]) -> None:
+        """Fill destinations from views (JSON) of the tensors, as ``read_into`` does."""
 
 def open(
     path: Union[str, "PathLike[str]"],

@@ -155,10 +155,20 @@ def load(
     include: Optional[Sequence[str]] = None,
     exclude: Optional[Sequence[str]] = None,
     rename: Any = None,
+    recipe: Optional[str] = None,
+    params: Optional[Mapping[str, Any]] = None,
 ) -> LoadResult:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` (any world size, any
     format reshard reads; an open :class:`reshard.Checkpoint` works too), like
     ``torch.distributed.checkpoint.load``.
+
+    Across frameworks: with ``recipe`` (a built-in's name, a recipe file, or ``"auto"`` for
+    the one the checkpoint's configuration calls for) and optional ``params``, the
+    checkpoint's tensors are read as the other framework's (a megatron-core checkpoint as a
+    Hugging Face model's state dict: ``q_proj`` out of the fused QKV, the vocabulary without
+    its padding), each target read through its view from the files, nothing materialised
+    and no file written; ``include``/``exclude``/``rename`` then apply to the target names.
+    See docs/recipes.md.
 
     Each tensor gets exactly what it holds: a ``DTensor`` its local shard (from its mesh
     coordinate and placements: ``Shard``, ``_StridedShard``, ``Replicate``, uneven and empty
@@ -179,6 +189,8 @@ def load(
     ck = _checkpoint(path)
     if not isinstance(state_dict, Mapping):
         raise RequestError(f"state_dict must be a dict, not {type(state_dict).__name__}")
+    if recipe is not None or params is not None:
+        return _load_through_recipe(state_dict, ck, recipe, params, strict, include, exclude, rename)
     # Stateful objects are loaded through their own state dicts.
     stateful: List[Tuple[Any, Any]] = []
     view: Dict[str, Any] = {}
@@ -272,6 +284,62 @@ def load(
     for obj, sd in stateful:
         obj.load_state_dict(sd)
     return LoadResult(missing, unexpected)
+
+
+def _load_through_recipe(
+    state_dict: Dict[str, Any],
+    ck: Checkpoint,
+    recipe: Optional[str],
+    params: Optional[Mapping[str, Any]],
+    strict: bool,
+    include: Optional[Sequence[str]],
+    exclude: Optional[Sequence[str]],
+    rename: Any,
+) -> LoadResult:
+    """:func:`load` of the tensors a recipe reads ``ck`` as (the other framework's)."""
+    import json
+
+    _name, _why, targets = ck._ck.recipe_targets(
+        None if recipe in (None, "auto") else _os_fspath(recipe),
+        None if params is None else json.dumps(dict(params)),
+    )
+    leaves: List[_Leaf] = []
+    nodes: Dict[str, Tuple[Any, Any, Tuple[Any, ...]]] = {}
+    _walk(dict(state_dict), (), leaves, nodes, None, None)
+    by_name = {_flat(l.path): l for l in leaves}
+    names = [t[0] for t in targets]
+    keep = ck._keeps(names, include, exclude)
+    ren = _rename_fn(rename)
+    fill = Fill(ck, shared="last", views={})
+    matched: set = set()
+    unexpected: List[str] = []
+    for (name, _dtype, shape, view), kept in zip(targets, keep):
+        target = ren(name) if kept else None
+        if target is None:
+            continue
+        leaf = by_name.get(target)
+        if leaf is None or not isinstance(leaf.value, torch.Tensor):
+            unexpected.append(target)
+            continue
+        fill.views[name] = view
+        _plan_tensor(fill, name, tuple(shape), leaf.value, f"tensor `{target}`")
+        matched.add(target)
+    missing = [n for n in by_name if n not in matched]
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} key(s) of the state dict are not among the recipe's tensors: {_few(missing)}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} of the recipe's tensors have no place in the state dict: {_few(unexpected)}")
+        raise RequestError(f"{ck.path}: " + "; ".join(parts) + " (pass strict=False to load the rest)")
+    fill.run()
+    return LoadResult(missing, unexpected)
+
+
+def _os_fspath(p: Any) -> str:
+    import os
+
+    return os.fspath(p)
 
 
 def _few(names: List[str], n: int = 5) -> str:

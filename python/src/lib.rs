@@ -365,67 +365,145 @@ impl PyCheckpoint {
     /// placed at index `at` of the destination. Everything is checked before a byte is
     /// written.
     fn read_into(&self, py: Python<'_>, dests: Vec<Dest>) -> PyResult<()> {
-        let mut tensors = Vec::with_capacity(dests.len());
-        let mut spans = Vec::with_capacity(dests.len());
-        for (name, dt, shape, parts, addr, nbytes) in dests {
-            let lt = LocalTensor {
-                dtype: dtype(&dt)?,
-                shape,
-                parts: parts
-                    .into_iter()
-                    .map(|(offsets, sizes, at)| LocalPart {
-                        region: Region::new(offsets, sizes),
-                        at,
-                    })
-                    .collect(),
-                name,
-            };
-            if lt.nbytes() != nbytes as u64 {
-                return Err(request(format!(
-                    "tensor `{}`: a destination of {:?} {} is {} bytes, the memory given {nbytes}",
-                    lt.name,
-                    lt.shape,
-                    lt.dtype,
-                    lt.nbytes()
-                )));
-            }
-            if nbytes > 0 && addr == 0 {
-                return Err(request(format!("tensor `{}`: a null destination", lt.name)));
-            }
-            spans.push((addr, nbytes, lt.name.clone()));
-            tensors.push(lt);
-        }
-        // Destinations are written from several threads: they must not share a byte.
-        let mut sorted: Vec<&(usize, usize, String)> = spans.iter().filter(|s| s.1 > 0).collect();
-        sorted.sort_by_key(|s| s.0);
-        for w in sorted.windows(2) {
-            if w[0].0.saturating_add(w[0].1) > w[1].0 {
-                return Err(request(format!(
-                    "destinations of `{}` and `{}` share memory",
-                    w[0].2, w[1].2
-                )));
-            }
-        }
+        let (tensors, addrs) = destinations(dests)?;
         let ck = self.ck.clone();
-        let addrs: Vec<(usize, usize)> = spans.iter().map(|s| (s.0, s.1)).collect();
         py.detach(move || {
-            let mut outs: Vec<&mut [u8]> = addrs
-                .iter()
-                .map(|&(addr, n)| {
-                    if n == 0 {
-                        return &mut [][..];
-                    }
-                    // SAFETY: the caller passes the address and byte size of memory it owns
-                    // (a contiguous CPU tensor it keeps alive and leaves alone for the
-                    // duration of this call); the spans were checked above to be non-null
-                    // and pairwise disjoint, so no two slices alias.
-                    unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, n) }
-                })
-                .collect();
-            load::read_local_tensors_into(&ck, &tensors, &mut outs)
+            with_buffers(&addrs, |outs| {
+                load::read_local_tensors_into(&ck, &tensors, outs)
+            })
         })
         .map_err(py_err)
     }
+
+    /// The tensors of the other framework a recipe reads this checkpoint as (a megatron-core
+    /// checkpoint as Hugging Face's, and the reverse): the recipe's name and why it applies,
+    /// and each target as `(name, dtype, shape, view JSON)`. `recipe`: a built-in's name or a
+    /// file (default: the one the checkpoint's configuration calls for); `params`: a JSON
+    /// object of parameters.
+    #[pyo3(signature = (recipe=None, params=None))]
+    fn recipe_targets(
+        &self,
+        recipe: Option<String>,
+        params: Option<String>,
+    ) -> PyResult<RecipeTargets> {
+        let mut opts = reshard::recipe::RecipeOptions {
+            recipe,
+            ..Default::default()
+        };
+        if let Some(p) = params {
+            opts.params = serde_json::from_str(&p).map_err(|e| {
+                request(format!(
+                    "params must be a dict of numbers, booleans and strings: {e}"
+                ))
+            })?;
+        }
+        let a = reshard::recipe::for_loading(&self.ck, &opts).map_err(py_err)?;
+        let shape_of = |n: &str| self.ck.tensor(n).map(|t| t.shape.clone());
+        let mut targets = vec![];
+        for (name, view) in &a.instance.targets {
+            let src = view.sources()[0];
+            let dtype = self.ck.tensor(src).map_or("F32", |t| t.dtype.name());
+            let shape = view.shape(name, &shape_of).map_err(py_err)?;
+            let json = serde_json::to_string(view).map_err(|e| request(e.to_string()))?;
+            targets.push((name.clone(), dtype, shape, json));
+        }
+        Ok((a.name, a.reason, targets))
+    }
+
+    /// Fill destinations as `read_into` does, where destination `i` is the target that
+    /// `views[i]` (a view's JSON, from `recipe_targets`) defines of this checkpoint's tensors.
+    fn read_views_into(
+        &self,
+        py: Python<'_>,
+        dests: Vec<Dest>,
+        views: Vec<String>,
+    ) -> PyResult<()> {
+        let views: Vec<reshard::layout::View> = views
+            .iter()
+            .map(|v| serde_json::from_str(v).map_err(|e| request(format!("a bad view: {e}"))))
+            .collect::<PyResult<_>>()?;
+        let (tensors, addrs) = destinations(dests)?;
+        let ck = self.ck.clone();
+        py.detach(move || {
+            let refs: Vec<&reshard::layout::View> = views.iter().collect();
+            with_buffers(&addrs, |outs| {
+                load::read_view_tensors_into(&ck, &tensors, &refs, outs)
+            })
+        })
+        .map_err(py_err)
+    }
+}
+
+/// What `recipe_targets` returns: the recipe's name, why it applies, and its targets.
+type RecipeTargets = (
+    String,
+    String,
+    Vec<(String, &'static str, Vec<u64>, String)>,
+);
+
+/// The destinations of `read_into` as the library's local tensors, and their memory as
+/// `(address, nbytes)`: every size checked, no null address, no two sharing a byte.
+fn destinations(dests: Vec<Dest>) -> PyResult<(Vec<LocalTensor>, Vec<(usize, usize)>)> {
+    let mut tensors = Vec::with_capacity(dests.len());
+    let mut spans = Vec::with_capacity(dests.len());
+    for (name, dt, shape, parts, addr, nbytes) in dests {
+        let lt = LocalTensor {
+            dtype: dtype(&dt)?,
+            shape,
+            parts: parts
+                .into_iter()
+                .map(|(offsets, sizes, at)| LocalPart {
+                    region: Region::new(offsets, sizes),
+                    at,
+                })
+                .collect(),
+            name,
+        };
+        if lt.nbytes() != nbytes as u64 {
+            return Err(request(format!(
+                "tensor `{}`: a destination of {:?} {} is {} bytes, the memory given {nbytes}",
+                lt.name,
+                lt.shape,
+                lt.dtype,
+                lt.nbytes()
+            )));
+        }
+        if nbytes > 0 && addr == 0 {
+            return Err(request(format!("tensor `{}`: a null destination", lt.name)));
+        }
+        spans.push((addr, nbytes, lt.name.clone()));
+        tensors.push(lt);
+    }
+    // Destinations are written from several threads: they must not share a byte.
+    let mut sorted: Vec<&(usize, usize, String)> = spans.iter().filter(|s| s.1 > 0).collect();
+    sorted.sort_by_key(|s| s.0);
+    for w in sorted.windows(2) {
+        if w[0].0.saturating_add(w[0].1) > w[1].0 {
+            return Err(request(format!(
+                "destinations of `{}` and `{}` share memory",
+                w[0].2, w[1].2
+            )));
+        }
+    }
+    Ok((tensors, spans.iter().map(|s| (s.0, s.1)).collect()))
+}
+
+/// Run `f` over the destinations' memory as byte slices.
+fn with_buffers<T>(addrs: &[(usize, usize)], f: impl FnOnce(&mut [&mut [u8]]) -> T) -> T {
+    let mut outs: Vec<&mut [u8]> = addrs
+        .iter()
+        .map(|&(addr, n)| {
+            if n == 0 {
+                return &mut [][..];
+            }
+            // SAFETY: the caller passes the address and byte size of memory it owns (a
+            // contiguous CPU tensor it keeps alive and leaves alone for the duration of this
+            // call); `destinations` checked the spans to be non-null and pairwise disjoint, so
+            // no two slices alias.
+            unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, n) }
+        })
+        .collect();
+    f(&mut outs)
 }
 
 /// Read `len` bytes at `offset` of the checkpoint's file `file` (a non-tensor item).

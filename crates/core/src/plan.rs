@@ -225,8 +225,22 @@ pub fn plan_views<'a>(
         }
     }
     plan_each(dst, |(d, view), ops, fills| {
-        plan_view(&by_name, d, view, ops, fills)
+        plan_view(&by_name, d, view, true, ops, fills)
     })
+}
+
+/// The copies and fills of the pieces of `dst` (a tensor defined by `view` of the tensors of
+/// `src`, by name), which need not cover it — a loading rank's share of a target, its pieces
+/// placed in the rank's buffers — appended to `ops` and `fills`. The sources are validated by
+/// the caller (once per source).
+pub fn plan_view_pieces(
+    src: &HashMap<&str, &TensorLayout>,
+    dst: &TensorLayout,
+    view: &View,
+    ops: &mut Vec<CopyOp>,
+    fills: &mut Vec<FillOp>,
+) -> Result<()> {
+    plan_view(src, dst, view, false, ops, fills).map(|_| ())
 }
 
 /// One tensor's copies, fills and summary.
@@ -289,11 +303,13 @@ fn check_source(src: &TensorLayout, target: &str, dtype: DType) -> Result<()> {
     Ok(())
 }
 
-/// Plan one target tensor `dst` defined by `view` of the tensors of `by_name`.
+/// Plan one target tensor `dst` defined by `view` of the tensors of `by_name`; `whole`: its
+/// pieces must cover it exactly (an output), else they are any regions of it (a loader's).
 fn plan_view(
     by_name: &HashMap<&str, &TensorLayout>,
     dst: &TensorLayout,
     view: &View,
+    whole: bool,
     ops: &mut Vec<CopyOp>,
     fills: &mut Vec<FillOp>,
 ) -> Result<TensorPlan> {
@@ -330,7 +346,9 @@ fn plan_view(
             ),
         ));
     }
-    dst.validate()?;
+    if whole {
+        dst.validate()?;
+    }
     for part in &map.parts {
         match &part.from {
             PartFrom::Source { name, .. } => {
