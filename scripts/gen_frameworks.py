@@ -85,6 +85,10 @@ CASES: dict[str, dict] = {
     "llama_tp2_pp2": dict(tp=2, pp=2, ep=1),
     "qwen2_tp2": dict(tp=2, pp=1, ep=1, model=dict(add_qkv_bias=True, hf="qwen2")),
     "llama_tied_tp2": dict(tp=2, pp=1, ep=1, model=dict(tied=True)),
+    # Mixtral-like: 4 experts, top 2, megatron-core's SequentialMLP experts (the local spec),
+    # expert-parallel over 2 processes (which are also the dense part's 2 data-parallel ranks)
+    "mixtral_ep2": dict(tp=1, pp=1, ep=2, model=dict(num_experts=4, moe_ffn_hidden_size=24, ffn_hidden_size=24,
+                                                     hf="mixtral")),
 }
 
 
@@ -168,7 +172,7 @@ def megatron_lm_args(m: dict, tp: int, pp: int, ep: int, ckpt_format: str, mlm: 
         argv.append("--add-qkv-bias")
     if m["num_experts"]:
         argv += ["--num-experts", str(m["num_experts"]), "--moe-ffn-hidden-size", str(m["moe_ffn_hidden_size"]),
-                 "--moe-router-topk", str(m["moe_router_topk"]), "--moe-token-dispatcher-type", "alltoall",
+                 "--moe-router-topk", str(m["moe_router_topk"]), "--moe-token-dispatcher-type", "allgather",
                  "--moe-router-load-balancing-type", "aux_loss"]
         if m["moe_grouped_gemm"]:
             argv.append("--moe-grouped-gemm")
@@ -198,9 +202,12 @@ def build_model(m: dict, tp: int, pp: int, ep: int, pp_rank: int):
 
     moe = {}
     if m["num_experts"]:
+        from megatron.core.transformer.moe import moe_utils
+
+        moe_utils.te_general_gemm = None  # (a TransformerEngine kernel it would try on CPU)
         moe = dict(num_moe_experts=m["num_experts"], moe_ffn_hidden_size=m["moe_ffn_hidden_size"],
                    moe_router_topk=m["moe_router_topk"], moe_grouped_gemm=m["moe_grouped_gemm"],
-                   moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
+                   moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="aux_loss",
                    moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep)
     cfg = TransformerConfig(
         num_layers=m["num_layers"], hidden_size=m["hidden_size"], ffn_hidden_size=m["ffn_hidden_size"],
@@ -273,6 +280,8 @@ def mbridge_export(model, m: dict, out: Path) -> None:
     cfg = hf_config(m)
     if m["hf"] == "qwen2":
         from mbridge.models.qwen2 import Qwen2Bridge as B
+    elif m["hf"] == "mixtral":
+        from mbridge.models.mixtral import MixtralBridge as B
     else:
         from mbridge.models.llama import LLaMABridge as B
 
@@ -290,13 +299,36 @@ def mbridge_export(model, m: dict, out: Path) -> None:
     bridge.vocab_size, bridge.padded_vocab_size = m["vocab_size"], m["padded_vocab_size"]
     empty = Path(tempfile.mkdtemp())
     bridge.safetensor_io = SafeTensorIO(str(empty))  # no index: one model.safetensors
-    bridge.save_weights([model], str(out))
+    bridge.save_weights([_GroupedExpertNames(model) if m["num_experts"] else model], str(out))
+
+
+class _GroupedExpertNames:
+    """A model seen by mbridge with TransformerEngine's grouped-expert names: mbridge maps
+    `mlp.experts.linear_fc1.weight<e>` (TEGroupedMLP) only, and the local spec's SequentialMLP
+    names the same tensor `mlp.experts.local_experts.<e>.linear_fc1.weight`."""
+
+    def __init__(self, model):
+        self._model = model
+        self.decoder = model.decoder
+
+    @staticmethod
+    def _rename(name):
+        import re
+
+        return re.sub(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight", r"mlp.experts.\2.weight\1", name)
+
+    def named_parameters(self):
+        for n, p in self._model.named_parameters():
+            yield self._rename(n), p
+
+    def state_dict(self):
+        return {self._rename(k): v for k, v in self._model.state_dict().items()}
 
 
 def hf_config(m: dict):
     """The transformers configuration of the model."""
     import torch
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config
 
     common = dict(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"], intermediate_size=m["ffn_hidden_size"],
                   num_hidden_layers=m["num_layers"], num_attention_heads=m["num_attention_heads"],
@@ -306,6 +338,10 @@ def hf_config(m: dict):
                   attention_dropout=0.0, torch_dtype=torch.float32)
     if m["hf"] == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
+    if m["hf"] == "mixtral":
+        common["intermediate_size"] = m["moe_ffn_hidden_size"]
+        return MixtralConfig(**common, num_local_experts=m["num_experts"], num_experts_per_tok=m["moe_router_topk"],
+                             router_aux_loss_coef=0.0, sliding_window=None)
     return LlamaConfig(**common, attention_bias=m["add_qkv_bias"], mlp_bias=False)
 
 
@@ -367,7 +403,9 @@ def worker_save(args):
 
     # --- legacy (--ckpt-format torch): one file per (TP, PP) rank, written by DP rank 0
     largs = megatron_lm_args(m, tp, pp, ep, "torch", mlm)
-    if dp_rank == 0:
+    # as Megatron-LM: every (TP, PP, EP) shard written once, by a rank that is first in its
+    # data-parallel group or in its expert-data-parallel group
+    if dp_rank == 0 or ps.get_expert_data_parallel_rank() == 0:
         name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
         if ep > 1:
             name += f"_{ep_rank:03d}"
@@ -435,7 +473,7 @@ def hf_logits(folder: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
     model.eval()
     with torch.no_grad():
         return model(torch.tensor(INPUT_IDS)).logits

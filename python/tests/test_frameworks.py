@@ -145,15 +145,15 @@ def iter_dir(ckpt: Path) -> Path:
     return ckpt
 
 
-def megatron_logits(ckpt: Path, case: str, tp: int, pp: int, tmp: Path) -> torch.Tensor:
+def megatron_logits(ckpt: Path, case: str, tp: int, pp: int, tmp: Path, ep: int = 1) -> torch.Tensor:
     """megatron-core's logits of the case's tokens after loading the torch_dist checkpoint `ckpt`
-    into a GPTModel at (tp, pp) with dist_checkpointing.load (tp x pp gloo processes)."""
+    into a GPTModel at (tp, pp, ep) with dist_checkpointing.load (tp x pp x ep gloo processes)."""
     from safetensors.torch import load_file
 
-    out = tmp / f"logits_tp{tp}_pp{pp}.safetensors"
+    out = tmp / f"logits_tp{tp}_pp{pp}_ep{ep}.safetensors"
     argv = ["--worker", "reload", "--case", case, "--dir", str(iter_dir(ckpt)), "--tp", str(tp), "--pp", str(pp),
-            "--json", str(out)]
-    rc, log = _torchrun.run(GEN, tp * pp, argv, env={"PYTHONWARNINGS": "ignore"}, cwd=tmp, timeout=300)
+            "--ep", str(ep), "--json", str(out)]
+    rc, log = _torchrun.run(GEN, tp * pp * ep, argv, env={"PYTHONWARNINGS": "ignore"}, cwd=tmp, timeout=300)
     assert rc == 0, log[-6000:]
     return load_file(str(out))["logits"]
 
@@ -178,33 +178,45 @@ def legacy_to_torch_dist_names(case: str) -> dict:
     """The global (torch_dist-named, layer-stacked) tensors of the legacy save, put together from
     its per-rank files the way Megatron-LM splits them: embeddings, output layer, linear_qkv and
     linear_fc1 along dim 0 (linear_fc1 as each rank's [gate_r; up_r]), linear_proj and
-    linear_fc2 along dim 1, norms replicated; layers numbered from 0 on every PP stage."""
+    linear_fc2 along dim 1, norms and the router replicated; layers numbered from 0 on every PP
+    stage; SequentialMLP's experts numbered from 0 on every EP rank, stacked on a second axis."""
+    import re
+
     info = case_info(case)
-    tp, pp, layers = info["tp"], info["pp"], info["model"]["num_layers"]
+    tp, pp, ep, m = info["tp"], info["pp"], info["ep"], info["model"]
+    layers, experts = m["num_layers"], m["num_experts"] or 0
     per_stage = layers // pp
     root = FIXTURES / case / "legacy" / ITER
     parts: dict = {}
     for p in range(pp):
-        for t in range(tp):
-            name = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
-            sd = torch.load(str(root / name / "model_optim_rng.pt"), weights_only=False)
-            assert sd["checkpoint_version"] == 3.0 and sd["iteration"] == 7 and sd["args"].ckpt_format == "torch"
-            for k, v in sd["model"].items():
-                if v is None:  # the local linear layers' _extra_state
-                    assert k.endswith("._extra_state"), k
-                    continue
-                layer = None
-                if k.startswith("decoder.layers."):
-                    _, _, i, rest = k.split(".", 3)
-                    layer = p * per_stage + int(i)
-                    rest = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-                            "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}.get(rest, rest)
-                    k = "decoder.layers." + rest
-                parts.setdefault((k, layer), {})[t] = v
+        for e in range(ep):
+            for t in range(tp):
+                name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+                sd = torch.load(str(root / name / "model_optim_rng.pt"), weights_only=False)
+                assert sd["checkpoint_version"] == 3.0 and sd["iteration"] == 7 and sd["args"].ckpt_format == "torch"
+                for k, v in sd["model"].items():
+                    if v is None:  # the local linear layers' _extra_state
+                        assert k.endswith("._extra_state"), k
+                        continue
+                    layer = expert = None
+                    if k.startswith("decoder.layers."):
+                        _, _, i, rest = k.split(".", 3)
+                        layer = p * per_stage + int(i)
+                        x = re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)", rest)
+                        if x:
+                            expert = e * experts // ep + int(x.group(1))
+                            rest = "mlp.experts.experts." + x.group(2)
+                        rest = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}.get(rest, rest)
+                        k = "decoder.layers." + rest
+                    seen = parts.setdefault((k, layer, expert), {})
+                    if t in seen:  # a dense tensor in every EP rank's file: the same
+                        assert torch.equal(seen[t], v), (name, k)
+                    seen[t] = v
     stacked: dict = {}
-    for (k, layer), by_tp in parts.items():
+    for (k, layer, expert), by_tp in parts.items():
         shards = [by_tp[t] for t in range(tp)]
-        if "layer_norm" in k or "layernorm" in k:
+        if "layer_norm" in k or "layernorm" in k or k.endswith("router.weight"):
             assert all(torch.equal(s, shards[0]) for s in shards), k
             g = shards[0]
         elif k.endswith("linear_fc1.weight"):
@@ -216,9 +228,12 @@ def legacy_to_torch_dist_names(case: str) -> dict:
             g = torch.cat(shards, dim=0)
         if layer is None:
             stacked[k] = g
-        else:
+        elif expert is None:
             stacked.setdefault(k, [None] * layers)[layer] = g
-    return {k: torch.stack(v) if isinstance(v, list) else v for k, v in stacked.items()}
+        else:
+            stacked.setdefault(k, [[None] * experts for _ in range(layers)])[layer][expert] = g
+    return {k: (torch.stack([torch.stack(x) if isinstance(x, list) else x for x in v]) if isinstance(v, list) else v)
+            for k, v in stacked.items()}
 
 
 def hf_from_torch_dist(g: dict, m: dict) -> dict:
@@ -240,9 +255,17 @@ def hf_from_torch_dist(g: dict, m: dict) -> dict:
             out[p + f"self_attn.k_proj.{suffix}"] = qkv[:, q_rows:q_rows + hd].reshape(-1, *qkv.shape[2:])
             out[p + f"self_attn.v_proj.{suffix}"] = qkv[:, q_rows + hd:].reshape(-1, *qkv.shape[2:])
         out[p + "self_attn.o_proj.weight"] = g["decoder.layers.self_attention.linear_proj.weight"][i]
-        gate, up = g["decoder.layers.mlp.linear_fc1.weight"][i].chunk(2)
-        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
-        out[p + "mlp.down_proj.weight"] = g["decoder.layers.mlp.linear_fc2.weight"][i]
+        if m["num_experts"]:  # Mixtral: per-expert w1 (gate), w3 (up), w2 (down) and the router
+            moe = p + "block_sparse_moe."
+            out[moe + "gate.weight"] = g["decoder.layers.mlp.router.weight"][i]
+            for e in range(m["num_experts"]):
+                gate, up = g["decoder.layers.mlp.experts.experts.linear_fc1.weight"][i, e].chunk(2)
+                out[moe + f"experts.{e}.w1.weight"], out[moe + f"experts.{e}.w3.weight"] = gate, up
+                out[moe + f"experts.{e}.w2.weight"] = g["decoder.layers.mlp.experts.experts.linear_fc2.weight"][i, e]
+        else:
+            gate, up = g["decoder.layers.mlp.linear_fc1.weight"][i].chunk(2)
+            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
+            out[p + "mlp.down_proj.weight"] = g["decoder.layers.mlp.linear_fc2.weight"][i]
         out[p + "input_layernorm.weight"] = g["decoder.layers.self_attention.linear_qkv.layer_norm_weight"][i]
         out[p + "post_attention_layernorm.weight"] = g["decoder.layers.mlp.linear_fc1.layer_norm_weight"][i]
     return {k: v.contiguous() for k, v in out.items()}
@@ -251,7 +274,7 @@ def hf_from_torch_dist(g: dict, m: dict) -> dict:
 # --------------------------------------------------------------------------- the harness itself
 
 def test_the_fixtures_are_there():
-    assert {"llama_tp2", "llama_pp2", "llama_tp2_pp2", "qwen2_tp2", "llama_tied_tp2"} <= set(CASES), CASES
+    assert {"llama_tp2", "llama_pp2", "llama_tp2_pp2", "qwen2_tp2", "llama_tied_tp2", "mixtral_ep2"} <= set(CASES), CASES
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -292,13 +315,13 @@ def test_common_pt_holds_megatron_lm_args():
 
 
 # (case, tp, pp): each torch_dist fixture loaded at a split it was not saved at
-RELOADS = [("llama_tp2", 1, 2), ("llama_pp2", 2, 1), ("llama_tp2_pp2", 1, 1), ("qwen2_tp2", 1, 2),
-           ("llama_tied_tp2", 1, 1)]
+RELOADS = [("llama_tp2", 1, 2, 1), ("llama_pp2", 2, 1, 1), ("llama_tp2_pp2", 1, 1, 1), ("qwen2_tp2", 1, 2, 1),
+           ("llama_tied_tp2", 1, 1, 1), ("mixtral_ep2", 1, 1, 1), ("mixtral_ep2", 2, 1, 2)]
 
 
-@pytest.mark.parametrize("case,tp,pp", RELOADS)
-def test_torch_dist_loads_at_another_split(case, tp, pp, tmp_path):
-    got = megatron_logits(FIXTURES / case / "torch_dist", case, tp, pp, tmp_path)
+@pytest.mark.parametrize("case,tp,pp,ep", RELOADS)
+def test_torch_dist_loads_at_another_split(case, tp, pp, ep, tmp_path):
+    got = megatron_logits(FIXTURES / case / "torch_dist", case, tp, pp, tmp_path, ep=ep)
     assert close(got, want_logits(case)) <= TOL
 
 
@@ -314,8 +337,8 @@ def test_torch_dist_to_hf(case, tmp_path):
     assert hf_config_fields(out) == hf_config_fields(FIXTURES / case / "hf_mbridge")
 
 
-# HF -> megatron: the cases whose Hugging Face model differs in kind (plain, q/k/v biases, tied)
-HF_SOURCES = ["llama_tp2", "qwen2_tp2", "llama_tied_tp2"]
+# HF -> megatron: the cases whose Hugging Face model differs in kind (plain, q/k/v biases, tied, MoE)
+HF_SOURCES = ["llama_tp2", "qwen2_tp2", "llama_tied_tp2", "mixtral_ep2"]
 
 
 @RECIPES
