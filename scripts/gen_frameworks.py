@@ -7,7 +7,11 @@ Every case builds a seeded megatron-core 0.16.1 GPTModel on CPU under torchrun (
 per TP x PP rank): RMSNorm, SwiGLU (gated_linear_unit), grouped-query attention (num_query_groups <
 heads), RoPE, fp32, untied embeddings unless the case says tied, q/k/v biases for the Qwen2 cases,
 a vocabulary of 96 padded by Megatron-LM's rule (make_vocab_size_divisible_by 128 x TP) so that
-padding rows exist. Every parameter is then overwritten with seeded values (norms around 1, biases
+padding rows exist; and Mixtral-like mixture-of-experts cases (4 experts, top 2, expert-parallel
+over 2 processes) with megatron-core's SequentialMLP experts and with its GroupedMLP experts
+(`moe_grouped_gemm`; built with the grouped_gemm package's availability check stubbed and its
+weights loaded from the SequentialMLP model, whose logits and export it shares: GroupedMLP runs
+only on CUDA in bf16). Every parameter is then overwritten with seeded values (norms around 1, biases
 non-zero, the padding rows of the vocabulary random as in a trained model), the model computes its
 logits on fixed tokens, and it is saved. Output, per case, under <out>/<case>/:
 
@@ -46,7 +50,11 @@ venv's, which is the same release).
 What it took on CPU: torch.cuda.synchronize a no-op and torch.cuda.current_device returning "cpu"
 (megatron's checkpoint writer and mbridge call them); initialize_rng_tracker(inference_rng_tracker=
 True); the causal attention mask passed explicitly (megatron builds its default on cuda); the
-pipeline stages run by hand (stage 0's hidden states sent to stage 1 with dist.send); mbridge's name
+pipeline stages run by hand (stage 0's hidden states sent to stage 1 with dist.send); for MoE,
+moe_utils.te_general_gemm = None and the `allgather` token dispatcher (`alltoall` makes CUDA
+streams), and Megatron-LM's validate_args told the device is a Hopper (it asks CUDA about grouped
+GEMM); mbridge sees SequentialMLP's experts under TransformerEngine's grouped names (a proxy
+renames `local_experts.<e>.linear_fc1.weight` to `linear_fc1.weight<e>`); mbridge's name
 table extended with the local spec's two norms (input_layernorm, pre_mlp_layernorm: mbridge knows
 TransformerEngine's fused names only) and its vocabulary sizes set by hand (its own model builder
 sets them, and needs TransformerEngine); Megatron-LM's validate_args told the device is pre-Blackwell
@@ -89,6 +97,10 @@ CASES: dict[str, dict] = {
     # expert-parallel over 2 processes (which are also the dense part's 2 data-parallel ranks)
     "mixtral_ep2": dict(tp=1, pp=1, ep=2, model=dict(num_experts=4, moe_ffn_hidden_size=24, ffn_hidden_size=24,
                                                      hf="mixtral")),
+    # the same with megatron-core's GroupedMLP experts (moe_grouped_gemm): the logits and the
+    # Hugging Face export come from the SequentialMLP model the weights are loaded from
+    "mixtral_gg_ep2": dict(tp=1, pp=1, ep=2, model=dict(num_experts=4, moe_ffn_hidden_size=24, ffn_hidden_size=24,
+                                                        moe_grouped_gemm=True, hf="mixtral")),
 }
 
 
@@ -178,7 +190,11 @@ def megatron_lm_args(m: dict, tp: int, pp: int, ep: int, ckpt_format: str, mlm: 
             argv.append("--moe-grouped-gemm")
     old = sys.argv
     sys.argv = argv
-    arguments.get_device_arch_version = lambda: 9  # validate_args asks CUDA; a pre-Blackwell answer
+    arguments.get_device_arch_version = lambda: 9  # validate_args asks CUDA; a Hopper's answers
+    import torch
+
+    capability = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             args = arguments.parse_args()
@@ -186,6 +202,7 @@ def megatron_lm_args(m: dict, tp: int, pp: int, ep: int, ckpt_format: str, mlm: 
             arguments.validate_args(args, {})
     finally:
         sys.argv = old
+        torch.cuda.get_device_capability = capability
     assert args.padded_vocab_size == m["padded_vocab_size"], (args.padded_vocab_size, m)
     return args
 
@@ -347,6 +364,34 @@ def hf_config(m: dict):
 
 # --------------------------------------------------------------------------- workers
 
+def grouped_gemm_twin(model, m, tp, pp, ep, pp_rank, out: Path):
+    """The same weights in megatron-core's GroupedMLP experts (`moe_grouped_gemm`): built with
+    the grouped_gemm package's availability check stubbed (its CUDA kernels, and bf16, are needed
+    for a forward pass only), and loaded through dist_checkpointing from the SequentialMLP model
+    (the two save the same keys and global shapes)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    tmp = out / "_sequential"
+    if dist.get_rank() == 0:
+        tmp.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
+    dist.barrier()
+    grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
+    twin = build_model(m, tp, pp, ep, pp_rank)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    twin.load_state_dict(dist_checkpointing.load(twin.sharded_state_dict(), str(tmp)), strict=True)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp)
+    return twin
+
+
 def _rng_state(tp_rank):
     """What Megatron-LM's get_rng_state collects, less cuda_rng_state (no CUDA here)."""
     import random
@@ -375,12 +420,16 @@ def worker_save(args):
     dp_rank = ps.get_data_parallel_rank()
     rank = dist.get_rank()
     torch.manual_seed(1234)
-    model = build_model(m, tp, pp, ep, pp_rank)
+    seq = dict(m, moe_grouped_gemm=False)
+    model = build_model(seq, tp, pp, ep, pp_rank)
     seed_parameters(model, tp_rank, pp_rank, ep_rank)
     out = Path(args.dir)
     logits = forward_logits(model, m, pp, pp_rank, ps.get_pipeline_model_parallel_group(), dist)
     if logits is not None and tp_rank == 0 and ep_rank == 0 and dp_rank == 0:
         save_file({"logits": logits}, str(out / "logits.safetensors"))
+    exporter = model
+    if m["moe_grouped_gemm"]:
+        model = grouped_gemm_twin(model, m, tp, pp, ep, pp_rank, out)
 
     mlm = Path(args.megatron_lm)
     flops = 123456789
@@ -419,7 +468,7 @@ def worker_save(args):
         (out / "legacy" / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
 
     # --- mbridge's Hugging Face export
-    mbridge_export(model, m, out / "hf_mbridge")
+    mbridge_export(exporter, m, out / "hf_mbridge")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -445,7 +494,9 @@ def worker_reload(args):
     from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
 
-    m = dict(model_config(args.case), padded_vocab_size=padded_vocab_of(Path(args.dir)))
+    # (GroupedMLP experts run only on CUDA in bf16: a grouped-GEMM case loads into SequentialMLP's,
+    # which saves the same keys and shapes)
+    m = dict(model_config(args.case), padded_vocab_size=padded_vocab_of(Path(args.dir)), moe_grouped_gemm=False)
     tp, pp, ep = args.tp, args.pp, args.ep
     ps = _parallel(tp, pp, ep)
     pp_rank = ps.get_pipeline_model_parallel_rank()

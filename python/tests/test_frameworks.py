@@ -203,6 +203,22 @@ def legacy_to_torch_dist_names(case: str) -> dict:
                         _, _, i, rest = k.split(".", 3)
                         layer = p * per_stage + int(i)
                         x = re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)", rest)
+                        if rest in ("mlp.experts.weight1", "mlp.experts.weight2"):
+                            # GroupedMLP: weight1 is shaped [H, E_local * 2F] but holds
+                            # [E_local, H, 2F] (each local expert's fc1 transposed, one after the
+                            # other: a reshape, not columns side by side); weight2 [E_local * F, H]
+                            # holds [E_local, F, H] (each expert's fc2 transposed)
+                            local = experts // ep
+                            h, f = m["hidden_size"], m["moe_ffn_hidden_size"] // tp
+                            if rest.endswith("1"):
+                                per = v.reshape(local, h, 2 * f).transpose(1, 2)
+                            else:
+                                per = v.reshape(local, f, h).transpose(1, 2)
+                            fc = "linear_fc1.weight" if rest.endswith("1") else "linear_fc2.weight"
+                            for j in range(local):
+                                parts.setdefault(("decoder.layers.mlp.experts.experts." + fc, layer, e * local + j),
+                                                 {})[t] = per[j].contiguous()
+                            continue
                         if x:
                             expert = e * experts // ep + int(x.group(1))
                             rest = "mlp.experts.experts." + x.group(2)
@@ -274,7 +290,8 @@ def hf_from_torch_dist(g: dict, m: dict) -> dict:
 # --------------------------------------------------------------------------- the harness itself
 
 def test_the_fixtures_are_there():
-    assert {"llama_tp2", "llama_pp2", "llama_tp2_pp2", "qwen2_tp2", "llama_tied_tp2", "mixtral_ep2"} <= set(CASES), CASES
+    assert {"llama_tp2", "llama_pp2", "llama_tp2_pp2", "qwen2_tp2", "llama_tied_tp2", "mixtral_ep2",
+            "mixtral_gg_ep2"} <= set(CASES), CASES
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -316,7 +333,8 @@ def test_common_pt_holds_megatron_lm_args():
 
 # (case, tp, pp): each torch_dist fixture loaded at a split it was not saved at
 RELOADS = [("llama_tp2", 1, 2, 1), ("llama_pp2", 2, 1, 1), ("llama_tp2_pp2", 1, 1, 1), ("qwen2_tp2", 1, 2, 1),
-           ("llama_tied_tp2", 1, 1, 1), ("mixtral_ep2", 1, 1, 1), ("mixtral_ep2", 2, 1, 2)]
+           ("llama_tied_tp2", 1, 1, 1), ("mixtral_ep2", 1, 1, 1), ("mixtral_ep2", 2, 1, 2),
+           ("mixtral_gg_ep2", 1, 1, 1)]
 
 
 @pytest.mark.parametrize("case,tp,pp,ep", RELOADS)
