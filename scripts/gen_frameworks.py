@@ -48,7 +48,8 @@ the saved `args` (megatron-core's wheel has no megatron/training): DIR, or $RESH
 venv's, which is the same release).
 
 What it took on CPU: torch.cuda.synchronize a no-op and torch.cuda.current_device returning "cpu"
-(megatron's checkpoint writer and mbridge call them); initialize_rng_tracker(inference_rng_tracker=
+(megatron's checkpoint writer and mbridge call them), Tensor.cuda() the tensor itself (a tied
+output layer on the last PP stage); initialize_rng_tracker(inference_rng_tracker=
 True); the causal attention mask passed explicitly (megatron builds its default on cuda); the
 pipeline stages run by hand (stage 0's hidden states sent to stage 1 with dist.send); for MoE,
 moe_utils.te_general_gemm = None and the `allgather` token dispatcher (`alltoall` makes CUDA
@@ -132,6 +133,9 @@ def _init():
 
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
+    # (tied embeddings with PP > 1: the last stage's output weight is moved to CUDA before the
+    # embedding group's all-reduce)
+    torch.Tensor.cuda = lambda self, *a, **k: self
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     return torch, dist
@@ -419,6 +423,12 @@ def worker_save(args):
     ep_rank = ps.get_expert_model_parallel_rank()
     dp_rank = ps.get_data_parallel_rank()
     rank = dist.get_rank()
+    import random
+
+    import numpy as np
+
+    random.seed(1234)  # (the saved rng_state holds Python's, numpy's and torch's generators)
+    np.random.seed(1234)
     torch.manual_seed(1234)
     seq = dict(m, moe_grouped_gemm=False)
     model = build_model(seq, tp, pp, ep, pp_rank)
