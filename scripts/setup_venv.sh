@@ -20,6 +20,11 @@
 #   scripts/setup_venv.sh --megatron      ... plus megatron-core 0.16.1 and psutil (the load-back
 #                                          tests of megatron outputs, which CI runs; the fixture
 #                                          generator scripts/gen_megatron.py has venvs of its own)
+#   scripts/setup_venv.sh --frameworks    ... plus megatron-core and transformers (as above) and mbridge
+#                                          0.15.1 (--no-deps: its own requirements would move torch,
+#                                          transformers or megatron-core) with einops, the one of its
+#                                          dependencies its import needs (python/tests/test_frameworks.py,
+#                                          which CI runs; scripts/gen_frameworks.py)
 #   scripts/setup_venv.sh --s3            ... plus moto's S3 server and boto3 (the object-storage
 #                                          tests start a server on 127.0.0.1: test_remote.py)
 #
@@ -44,6 +49,7 @@ want_transformers=0
 want_megatron=0
 want_torchtitan=0
 want_s3=0
+want_frameworks=0
 for arg in "$@"; do
   case "$arg" in
     --torch21) want_torch21=1 ;;
@@ -53,8 +59,9 @@ for arg in "$@"; do
     --transformers) want_transformers=1 ;;
     --torchtitan) want_torchtitan=1 ;;
     --megatron) want_megatron=1 ;;
+    --frameworks) want_frameworks=1; want_megatron=1; want_transformers=1 ;;
     --s3) want_s3=1 ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
     *) echo "setup_venv.sh: unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -100,6 +107,12 @@ fi
 if [ "$want_megatron" = 1 ]; then
   # megatron-core's async checkpoint writer needs psutil
   ensure_venv "$VENV" 'import megatron.core, psutil; print("megatron-core", megatron.core.__version__)' "${RESHARD_MEGATRON_SPEC:-megatron-core==0.16.1}" psutil
+fi
+if [ "$want_frameworks" = 1 ]; then
+  # mbridge exports a megatron-core model to a Hugging Face folder: the reference the
+  # Megatron <-> Hugging Face conversions are judged against
+  ensure_venv "$VENV" 'import mbridge, einops; print("mbridge", mbridge.__version__)' \
+    --no-deps "${RESHARD_MBRIDGE_SPEC:-mbridge==0.15.1}" "${RESHARD_EINOPS_SPEC:-einops==0.8.2}"
 fi
 if [ "$want_torchtitan" = 1 ]; then
   # torchtitan's own requirements pull datasets, wandb, tensorboard, ...: none of them is

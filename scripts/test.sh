@@ -3,7 +3,7 @@
 # need when it is missing, then runs every suite.
 #
 #   1. setup (idempotent, seconds once done): the Python venv with real torch, Lightning,
-#      DeepSpeed, transformers, megatron-core, torchtitan, moto's S3 server and pytest
+#      DeepSpeed, transformers, megatron-core, mbridge, torchtitan, moto's S3 server and pytest
 #      (scripts/setup_venv.sh, cached in ~/.cache/reshard/venv and linked as .venv: several
 #      GB and about 15 minutes the first time), and Debian's slurm-wlm for the one-node Slurm
 #      test (scripts/slurm_local.sh install, as root; elsewhere that test says why it skips);
@@ -38,7 +38,7 @@ done
 if [ "$setup" = 1 ] && [ "$python" = 1 ]; then
   echo "== setup: the venv (scripts/setup_venv.sh) and Slurm (scripts/slurm_local.sh install)"
   start=$(date +%s)
-  bash scripts/setup_venv.sh --lightning --deepspeed --transformers --megatron --torchtitan --s3
+  bash scripts/setup_venv.sh --lightning --deepspeed --transformers --megatron --frameworks --torchtitan --s3
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     bash scripts/slurm_local.sh install
   else
