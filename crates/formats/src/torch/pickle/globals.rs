@@ -100,10 +100,11 @@ pub fn dcp_metadata_globals() -> Globals {
 /// `meta.pt`, megatron-core's `common.pt`): [`torch_save_globals`] plus `argparse.Namespace`,
 /// which Megatron-LM saves its arguments as (read as an object with its `__dict__`), and the
 /// enums of megatron-core those arguments hold (`AttnBackend.auto`: a call of the class with
-/// its value, read as such, never made).
+/// its value, read as such, never made), and `signal.Signals` (Megatron-LM's `exit_signal`).
 pub fn pickled_dict_globals() -> Globals {
     let mut g = torch_save_globals();
     g.allow("argparse", "Namespace");
+    g.allow("signal", "Signals");
     g.allow_module("megatron.core.enums");
     g.allow_module("megatron.core.transformer.enums");
     g
