@@ -316,7 +316,11 @@ fn prepare_recipe(
     }
     if applied.to == "megatron" {
         wopts.extras = crate::recipe::megatron_common(applied.instance.config.as_ref());
+        wopts
+            .extras
+            .extend(crate::recipe::objects(&applied.instance));
     }
+    let extras = wopts.extras.len();
     let output = formats::write(format, &target, world as u32, &wopts)?;
     let view_of: std::collections::HashMap<&str, &crate::layout::View> = names
         .iter()
@@ -353,7 +357,7 @@ fn prepare_recipe(
         world: world as u32,
         output,
         plan,
-        extras: 0,
+        extras,
         per_rank: Policy::Drop,
         dropped,
         ties: vec![],

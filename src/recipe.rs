@@ -280,14 +280,8 @@ fn torch_float_name(d: DType) -> Option<&'static str> {
 /// `checkpoint_version` 3.0 and `iteration` 0, as Megatron-LM's own saves hold them.
 pub fn megatron_common(config: Option<&Value>) -> Vec<crate::Extra> {
     use reshard_core::value::Value as P;
-    let entry = |name: &str, pickle: P| crate::Extra {
-        name: name.into(),
-        value: reshard_formats::dcp::to_json(&pickle),
-        pickle: Some(pickle),
-        raw: None,
-        origin: reshard_formats::megatron::COMMON_ORIGIN,
-        opaque: None,
-    };
+    let entry =
+        |name: &str, pickle: P| extra(name, pickle, reshard_formats::megatron::COMMON_ORIGIN);
     let mut out = vec![];
     if let Some(Value::Object(fields)) = config {
         let state = P::Dict(
@@ -374,4 +368,26 @@ pub fn for_loading(ck: &Checkpoint, opts: &RecipeOptions) -> Result<Applied> {
             ck.path.display()
         ))
     })
+}
+
+/// A non-tensor entry of `origin` holding `pickle`.
+fn extra(name: &str, pickle: reshard_core::value::Value, origin: &'static str) -> crate::Extra {
+    crate::Extra {
+        name: name.into(),
+        value: reshard_formats::dcp::to_json(&pickle),
+        pickle: Some(pickle),
+        raw: None,
+        origin,
+        opaque: None,
+    }
+}
+
+/// The objects a recipe states for its target (megatron-core's `_extra_state`), as entries
+/// a megatron output stores as `BYTE_IO` items.
+pub fn objects(instance: &Instance) -> Vec<crate::Extra> {
+    instance
+        .objects
+        .iter()
+        .map(|(name, value)| extra(name, python_value(value), "dcp"))
+        .collect()
 }

@@ -98,6 +98,27 @@ pub struct Map {
     /// template whose strings starting with `=` are expressions of the parameters.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub config: Option<Value>,
+    /// Non-tensor entries the target framework's loader asks for (megatron-core's
+    /// `_extra_state` objects of its linear layers), each with its value.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub objects: Vec<ObjectRule>,
+}
+
+/// A non-tensor entry of the target (or a family over loop indices) and its value.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ObjectRule {
+    /// The entry's name; `{EXPR}` is replaced by the expression's value (loop variables and
+    /// parameters: `shard_{i}_{layers}`).
+    pub name: String,
+    /// Loops, as a tensor rule's.
+    #[serde(default, rename = "for", skip_serializing_if = "BTreeMap::is_empty")]
+    pub each: BTreeMap<String, Num>,
+    /// Apply only when this expression of the parameters is true.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub when: Option<String>,
+    /// The value (JSON: `[null]` is a list holding `None`).
+    pub value: Value,
 }
 
 /// A target tensor (or a family over loop indices) and its view of the sources.
@@ -218,6 +239,8 @@ pub struct Instance {
     pub targets: Vec<(String, View)>,
     /// The target's configuration file, rendered, if the map has one.
     pub config: Option<Value>,
+    /// The target's non-tensor entries the map states: name and value.
+    pub objects: Vec<(String, Value)>,
 }
 
 impl Recipe {
@@ -481,11 +504,37 @@ impl Recipe {
             .map(|c| render_config(c, &params))
             .transpose()
             .map_err(|m| Error::usage(format!("recipe {name}: config: {m}")))?;
+        let mut objects = vec![];
+        for rule in &map.objects {
+            let bad = |m: String| Error::usage(format!("recipe {name}: object {}: {m}", rule.name));
+            let ctx = |vars: &BTreeMap<String, u64>| {
+                let (params, vars) = (&params, vars.clone());
+                move |n: &str| {
+                    vars.get(n)
+                        .map(|v| Value::from(*v))
+                        .or_else(|| params.get(n).cloned())
+                }
+            };
+            let none = BTreeMap::new();
+            if let Some(w) = &rule.when {
+                if !expr::eval_bool(w, &ctx(&none)).map_err(bad)? {
+                    continue;
+                }
+            }
+            for vars in loops(&rule.each, &ctx(&none)).map_err(bad)? {
+                let n = render_name(&rule.name, &ctx(&vars)).map_err(bad)?;
+                objects.push((n, rule.value.clone()));
+                if objects.len() > MAX_TARGETS {
+                    return Err(bad("too many".into()));
+                }
+            }
+        }
         Ok(Instance {
             params,
             origins,
             targets,
             config,
+            objects,
         })
     }
 }
@@ -562,6 +611,29 @@ fn fill_in(template: &str, vars: &BTreeMap<String, u64>) -> String {
         s = s.replace(&format!("{{{k}}}"), &v.to_string());
     }
     s
+}
+
+/// `template` with each `{EXPR}` replaced by the expression's value.
+fn render_name(
+    template: &str,
+    ctx: &dyn Fn(&str) -> Option<Value>,
+) -> std::result::Result<String, String> {
+    let mut out = String::new();
+    let mut rest = template;
+    while let Some(open) = rest.find('{') {
+        let close = rest[open..]
+            .find('}')
+            .ok_or_else(|| format!("`{template}`: a `{{` without its `}}`"))?;
+        out.push_str(&rest[..open]);
+        let v = expr::eval(&rest[open + 1..open + close], ctx)?;
+        match v {
+            Value::String(s) => out.push_str(&s),
+            v => out.push_str(&v.to_string()),
+        }
+        rest = &rest[open + close + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
 }
 
 impl Num {
