@@ -260,7 +260,22 @@ impl Recipe {
             .filter(|b| !self.maps.iter().any(|m| m.from == b.from && m.to == b.to))
             .cloned()
             .collect();
-        maps.append(&mut self.maps);
+        for m in std::mem::take(&mut self.maps) {
+            let patched = base
+                .map(&m.from, &m.to)
+                .filter(|_| m.tensors.is_empty())
+                .map(|b| {
+                    // a map with no rules patches the base's configuration (RFC 7396: null removes)
+                    let mut b = b.clone();
+                    if let Some(patch) = &m.config {
+                        let mut c = b.config.take().unwrap_or(Value::Object(Default::default()));
+                        merge_patch(&mut c, patch);
+                        b.config = Some(c);
+                    }
+                    b
+                });
+            maps.push(patched.unwrap_or(m));
+        }
         Recipe {
             recipe: self.recipe,
             about: if self.about.is_empty() {
@@ -839,4 +854,23 @@ fn render_config(
         }
         _ => t.clone(),
     })
+}
+
+/// Apply a JSON merge patch (RFC 7396) to `target`: objects merge key by key, `null` removes.
+fn merge_patch(target: &mut Value, patch: &Value) {
+    let Value::Object(p) = patch else {
+        *target = patch.clone();
+        return;
+    };
+    if !target.is_object() {
+        *target = Value::Object(Default::default());
+    }
+    let t = target.as_object_mut().expect("an object");
+    for (k, v) in p {
+        if v.is_null() {
+            t.remove(k);
+        } else {
+            merge_patch(t.entry(k.clone()).or_insert(Value::Null), v);
+        }
+    }
 }
