@@ -61,11 +61,15 @@ CONFIGS = {
                     qkv_bias=True, te=True, dtype=torch.bfloat16),
 }
 
+# mixture of experts: 4 experts of FFN 6 (SequentialMLP, local spec), a router, 2 layers
+CONFIGS["moe"] = dict(CONFIGS["llama"], layers=2, experts=4, expert_ffn=6)
+
 CASES = {
     "tp2": ("llama", 2, 1),
     "pp2": ("llama", 1, 2),
     "tp2_pp2": ("llama", 2, 2),
     "te_qkv_bias_tp2_pp2": ("qwen_te", 2, 2),
+    "moe_tp2_ep2": ("moe", 2, 1, 2),
 }
 
 
@@ -87,6 +91,14 @@ def global_tensors(c: dict, seed: int) -> dict[str, torch.Tensor]:
             out[p + "self_attention.linear_qkv.bias"] = rand(qkv_rows)
         out[p + "self_attention.linear_proj.weight"] = rand(h, heads * hd)
         out[p + "mlp.linear_fc1.layer_norm_weight"] = rand(h)
+        if c.get("experts"):
+            fe = c["expert_ffn"]
+            out[p + "mlp.router.weight"] = rand(c["experts"], h)
+            for e in range(c["experts"]):
+                q = f"{p}mlp.experts.local_experts.{e}."
+                out[q + "linear_fc1.weight"] = rand(2 * fe, h)
+                out[q + "linear_fc2.weight"] = rand(h, fe)
+            continue
         out[p + "mlp.linear_fc1.weight"] = rand(2 * f, h)  # [gate; up]
         out[p + "mlp.linear_fc2.weight"] = rand(h, f)
     out["decoder.final_layernorm.weight"] = rand(h)
@@ -94,8 +106,10 @@ def global_tensors(c: dict, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def local_state_dict(c: dict, full: dict, tp: int, pp: int, t: int, s: int) -> dict:
-    """Rank (t, s)'s ``GPTModel.state_dict()``: local layer indices, local TP shards."""
+def local_state_dict(c: dict, full: dict, tp: int, pp: int, t: int, s: int, ep: int = 1,
+                     e: int = 0) -> dict:
+    """Rank (t, s, e)'s ``GPTModel.state_dict()``: local layer indices, local TP shards, the
+    expert rank's experts under local expert indices (``SequentialMLP.local_experts``)."""
     per = c["layers"] // pp
     first, last = s == 0, s == pp - 1
     sd = {}
@@ -132,6 +146,16 @@ def local_state_dict(c: dict, full: dict, tp: int, pp: int, t: int, s: int) -> d
             sd[lp + "pre_mlp_layernorm.weight"] = fc1_norm
         else:
             sd[lp + "mlp.linear_fc1.layer_norm_weight"] = fc1_norm
+        if c.get("experts"):
+            sd[lp + "mlp.router.weight"] = full[gp + "mlp.router.weight"].clone()
+            per = c["experts"] // ep
+            for le in range(per):
+                gq = f"{gp}mlp.experts.local_experts.{e * per + le}."
+                lq = f"{lp}mlp.experts.local_experts.{le}."
+                gate, up = full[gq + "linear_fc1.weight"].chunk(2, dim=0)
+                sd[lq + "linear_fc1.weight"] = torch.cat([rows(gate), rows(up)], dim=0)
+                sd[lq + "linear_fc2.weight"] = cols(full[gq + "linear_fc2.weight"])
+            continue
         gate, up = full[gp + "mlp.linear_fc1.weight"].chunk(2, dim=0)
         sd[lp + "mlp.linear_fc1.weight"] = torch.cat([rows(gate), rows(up)], dim=0)
         if c["te"]:
@@ -144,7 +168,7 @@ def local_state_dict(c: dict, full: dict, tp: int, pp: int, t: int, s: int) -> d
     return sd
 
 
-def megatron_args(c: dict, tp: int, pp: int) -> argparse.Namespace:
+def megatron_args(c: dict, tp: int, pp: int, ep: int = 1) -> argparse.Namespace:
     """The arguments Megatron-LM saves (its own argument names; a subset of the ~500)."""
     return argparse.Namespace(
         num_layers=c["layers"],
@@ -174,12 +198,15 @@ def megatron_args(c: dict, tp: int, pp: int) -> argparse.Namespace:
         num_layers_per_virtual_pipeline_stage=None,
         decoder_first_pipeline_num_layers=None,
         decoder_last_pipeline_num_layers=None,
-        expert_model_parallel_size=1,
+        expert_model_parallel_size=ep,
         expert_tensor_parallel_size=tp,
-        num_experts=None,
+        num_experts=c.get("experts"),
+        moe_ffn_hidden_size=c.get("expert_ffn"),
+        moe_router_topk=2,
+        moe_grouped_gemm=False,
         context_parallel_size=1,
         data_parallel_size=1,
-        world_size=tp * pp,
+        world_size=tp * pp * ep,
         params_dtype=c["dtype"],
         bf16=c["dtype"] == torch.bfloat16,
         fp16=False,
@@ -217,17 +244,21 @@ def generate(out: Path) -> None:
     for name, c in CONFIGS.items():
         fulls[name] = global_tensors(c, seed=1234)
         save_file(fulls[name], str(out / f"{name}.safetensors"))
-    for case, (cfg, tp, pp) in CASES.items():
+    for case, (cfg, tp, pp, *more) in CASES.items():
+        ep = more[0] if more else 1
         c, full = CONFIGS[cfg], fulls[cfg]
         root = out / case / "checkpoint"
         it = root / f"iter_{ITERATION:07d}"
-        for s in range(pp):
-            for t in range(tp):
-                folder = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{s:03d}"
-                model = local_state_dict(c, full, tp, pp, t, s)
+        for s, e, t in ((s, e, t) for s in range(pp) for e in range(ep) for t in range(tp)):
+            if True:
+                # get_checkpoint_name: mp_rank_TT, _PPP with pipeline parallelism, _EEE with
+                # expert parallelism
+                folder = f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") + (
+                    f"_{e:03d}" if ep > 1 else "")
+                model = local_state_dict(c, full, tp, pp, t, s, ep, e)
                 first = next(v for v in model.values() if isinstance(v, torch.Tensor))
                 sd = {
-                    "args": megatron_args(c, tp, pp),
+                    "args": megatron_args(c, tp, pp, ep),
                     "checkpoint_version": 3.0,
                     "iteration": ITERATION,
                     "model": model,

@@ -11,12 +11,15 @@ use reshard::formats::{Checkpoint, Format};
 use reshard::OpenOptions;
 use std::path::{Path, PathBuf};
 
-/// The legacy fixture cases: (case, the config its global tensors are of, TP, PP).
-const CASES: &[(&str, &str, u32, u32)] = &[
-    ("tp2", "llama", 2, 1),
-    ("pp2", "llama", 1, 2),
-    ("tp2_pp2", "llama", 2, 2),
-    ("te_qkv_bias_tp2_pp2", "qwen_te", 2, 2),
+/// The legacy fixture cases: (case, the config its global tensors are of, ranks: TP × PP ×
+/// EP).
+const CASES: &[(&str, &str, u32)] = &[
+    ("tp2", "llama", 2),
+    ("pp2", "llama", 2),
+    ("tp2_pp2", "llama", 4),
+    ("te_qkv_bias_tp2_pp2", "qwen_te", 4),
+    // 4 experts over 2 expert ranks (mp_rank_TT_EEE), each split over 2 tensor ranks
+    ("moe_tp2_ep2", "moe", 4),
 ];
 
 fn legacy(case: &str) -> PathBuf {
@@ -51,11 +54,11 @@ fn copy(case: &str) -> (tempfile::TempDir, PathBuf) {
 
 #[test]
 fn legacy_checkpoints_read_as_the_global_tensors() {
-    for (case, config, tp, pp) in CASES {
+    for (case, config, ranks) in CASES {
         let want = expected(config);
         let ck = Checkpoint::open(legacy(case)).unwrap();
         assert_eq!(ck.format, Format::MEGATRON_LEGACY, "{case}");
-        assert_eq!(ck.ranks, tp * pp, "{case}");
+        assert_eq!(ck.ranks, *ranks, "{case}");
         assert_eq!(ck.tag.as_deref(), Some("iter_0000007"), "{case}");
         same(case, &read_all(&ck), &want);
         // the arguments and counters are non-tensor entries for common.pt; the optimizer's

@@ -195,11 +195,7 @@ impl Codec for MegatronLegacy {
         &CAPS
     }
     fn recognize(&self, probe: &Probe) -> Recognition {
-        Recognition::marker_if(
-            !probe.is_file
-                && probe.files.is_empty()
-                && probe.dirs.iter().any(|d| is_rank_folder(d)),
-        )
+        Recognition::marker_if(!probe.is_file && probe.dirs.iter().any(|d| is_rank_folder(d)))
     }
     fn read(&self, path: &Path) -> Result<Checkpoint> {
         read(path)
@@ -586,7 +582,7 @@ struct Placed {
 /// rank `ep`; `None` for what is not a tensor of the model (`_extra_state`, the last stage's
 /// copy of a tied embedding).
 fn place(cfg: &Config, key: &str, stage: u64, ep: u64, file: &Path) -> Result<Option<Placed>> {
-    if key.ends_with("._extra_state") || key.ends_with("_extra_state") {
+    if key.ends_with("_extra_state") {
         return Ok(None);
     }
     if key.starts_with("language_model.") {
