@@ -404,24 +404,28 @@ def open(
 
     ``tag``: the checkpoint in that sub-folder of ``path`` (a DeepSpeed tag such as
     ``"global_step100"``; default: the one DeepSpeed's ``latest`` names, or the newest step
-    folder of a torchtitan ``checkpoint/`` folder); ``step=N`` is ``tag="step-N"``.
+    folder of a torchtitan ``checkpoint/`` folder, or the iteration a Megatron-LM save
+    directory's ``latest_checkpointed_iteration.txt`` names); ``step=N``: the step folder
+    ``step-N`` (torchtitan) or ``iter_000000N`` (Megatron-LM).
     ``weights`` (DeepSpeed): ``"master"`` (the fp32 master weights, the default) or
     ``"model"`` (the model-dtype weights of ZeRO stages 1 and 2)."""
     if framework not in ("pt", "torch", "np", "numpy"):
         raise RequestError(f'framework must be "pt" or "numpy", not "{framework}"')
-    native = _reshard.open(_os.fspath(path), format=format, tag=_tag(tag, step), weights=weights)
+    native = _reshard.open(
+        _os.fspath(path), format=format, tag=tag, step=_step(tag, step), weights=weights
+    )
     return Checkpoint(native, framework)
 
 
-def _tag(tag: Optional[str], step: Optional[int]) -> Optional[str]:
-    """The sub-folder to open: ``tag``, or ``step-N`` for ``step=N``."""
+def _step(tag: Optional[str], step: Optional[int]) -> Optional[int]:
+    """The step to open (``step-N``, ``iter_000000N``), checked: not with a ``tag``."""
     if step is None:
-        return tag
+        return None
     if tag is not None:
         raise RequestError("give tag or step, not both")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise RequestError(f"step must be a non-negative int, not {step!r}")
-    return f"step-{step}"
+    return step
 
 
 def _progress(progress: Any) -> Optional[Callable[[int, int], None]]:
@@ -564,7 +568,8 @@ def convert(
         verify=verify,
         progress=_progress(progress),
         dry_run=dry_run,
-        tag=_tag(tag, step),
+        tag=tag,
+        step=_step(tag, step),
         weights=weights,
         zero_stage=zero_stage,
         config=None if config is None else _os.fspath(config),

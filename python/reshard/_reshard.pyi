@@ -95,6 +95,7 @@ def open(
     *,
     format: Optional[str] = None,
     tag: Optional[str] = None,
+    step: Optional[int] = None,
     weights: Optional[str] = None,
 ) -> NativeCheckpoint:
     """Open and validate a checkpoint of any supported format."""
@@ -123,6 +124,7 @@ class _ConvertOptions(TypedDict, total=False):
     progress: Optional[Callable[[int, int], Any]]
     dry_run: bool
     tag: Optional[str]
+    step: Optional[int]
     weights: Optional[str]
     zero_stage: Optional[int]
     config: Optional[str]

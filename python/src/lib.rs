@@ -107,10 +107,16 @@ fn selection(include: Option<Vec<String>>, exclude: Option<Vec<String>>) -> Sele
     }
 }
 
-/// How to open a source: a tag (sub-folder) and which weights (`master`, `model`).
-fn open_options(tag: Option<String>, weights: Option<&str>) -> PyResult<reshard::OpenOptions> {
+/// How to open a source: a tag (sub-folder) or a step (`step-N`, `iter_000000N`), and which
+/// weights (`master`, `model`).
+fn open_options(
+    tag: Option<String>,
+    step: Option<u64>,
+    weights: Option<&str>,
+) -> PyResult<reshard::OpenOptions> {
     Ok(reshard::OpenOptions {
         tag,
+        step,
         weights: weights
             .map(|w| w.parse::<reshard::Weights>().map_err(request))
             .transpose()?,
@@ -514,16 +520,17 @@ fn read_raw(ck: &Checkpoint, file: u32, offset: u64, len: u64) -> PyResult<Vec<u
 /// Open a checkpoint of any supported format (detected, or `format` by name) for reading: the
 /// layouts are validated now, a DCP item's own header when a read needs that item.
 #[pyfunction]
-#[pyo3(signature = (path, *, format=None, tag=None, weights=None))]
+#[pyo3(signature = (path, *, format=None, tag=None, step=None, weights=None))]
 fn open(
     py: Python<'_>,
     path: PathBuf,
     format: Option<&str>,
     tag: Option<String>,
+    step: Option<u64>,
     weights: Option<&str>,
 ) -> PyResult<PyCheckpoint> {
     let format = format.map(format_named).transpose()?;
-    let opts = open_options(tag, weights)?;
+    let opts = open_options(tag, step, weights)?;
     let ck = py
         .detach(move || Checkpoint::open_lazy_with(&path, format, &opts))
         .map_err(py_err)?;
@@ -670,6 +677,7 @@ keyword_options! {
         progress: Option<Py<PyAny>> = None,
         dry_run: bool = false,
         tag: Option<String> = None,
+        step: Option<u64> = None,
         weights: Option<String> = None,
         zero_stage: Option<u8> = None,
         config: Option<PathBuf> = None,
@@ -707,6 +715,7 @@ impl ConvertArgs {
             progress,
             dry_run: _,
             tag,
+            step,
             weights,
             zero_stage,
             config,
@@ -725,7 +734,7 @@ impl ConvertArgs {
             }
         };
         let mut opts = ConvertOptions::to(1);
-        opts.open = open_options(tag, weights.as_deref())?;
+        opts.open = open_options(tag, step, weights.as_deref())?;
         if let Some(s) = zero_stage {
             if !(1..=3).contains(&s) {
                 return Err(request(format!("zero_stage must be 1, 2 or 3, not {s}")));

@@ -143,10 +143,12 @@ pub enum Cmd {
 #[derive(Args)]
 pub struct SourceArgs {
     /// The checkpoint in this sub-folder of the path (a DeepSpeed tag such as global_step100;
-    /// default: the one DeepSpeed's `latest` file names, the newest step folder).
+    /// default: the one DeepSpeed's `latest` file names, the iteration Megatron-LM's
+    /// latest_checkpointed_iteration.txt names, the newest step folder).
     #[arg(long, value_name = "TAG", conflicts_with = "step")]
     tag: Option<String>,
-    /// The step folder `step-N` of a folder of them (torchtitan; default: the newest).
+    /// The step folder `step-N` of a folder of them (torchtitan; default: the newest), or the
+    /// iteration folder `iter_000000N` of a Megatron-LM save directory.
     #[arg(long, value_name = "N")]
     step: Option<u64>,
     /// DeepSpeed: where parameter values come from: the fp32 master weights of the optim
@@ -160,10 +162,8 @@ impl SourceArgs {
     /// The library's open options.
     pub fn options(&self) -> crate::OpenOptions {
         crate::OpenOptions {
-            tag: self
-                .step
-                .map(|n| format!("step-{n}"))
-                .or_else(|| self.tag.clone()),
+            tag: self.tag.clone(),
+            step: self.step,
             weights: self.weights,
         }
     }

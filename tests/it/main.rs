@@ -26,6 +26,7 @@ mod dcp_write;
 mod deepspeed;
 mod hf_storage;
 mod megatron;
+mod megatron_legacy;
 mod pt_read;
 mod pt_write;
 mod recipes;

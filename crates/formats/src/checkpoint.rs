@@ -18,22 +18,39 @@ use std::sync::Arc;
 
 /// How to open a checkpoint: which checkpoint of a folder of several, and which copy of the
 /// parameters to read where a format keeps two. The default opens the folder's own (for
-/// DeepSpeed, the tag its `latest` file names) with each format's default weights.
+/// DeepSpeed, the tag its `latest` file names; for a Megatron-LM save directory, the
+/// iteration its `latest_checkpointed_iteration.txt` names) with each format's default
+/// weights.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct OpenOptions {
     /// A checkpoint in a sub-folder of the path given (`PATH/<tag>`: a DeepSpeed tag such as
     /// `global_step100`, a torchtitan step folder such as `step-1000`).
     pub tag: Option<String>,
+    /// A step of a folder of step folders: torchtitan's `step-N`, or Megatron-LM's
+    /// `iter_{N:07}` in a save directory. Not with [`OpenOptions::tag`].
+    pub step: Option<u64>,
     /// Where parameter values come from; `None`: the format's default (master weights).
     pub weights: Option<Weights>,
 }
 
 impl OpenOptions {
     /// The path to open for `path` under these options: `path/<tag>` when a tag is given
-    /// (checked to be one folder name, and a folder); without one, the newest step folder
-    /// (`step-<n>`) of a folder of them, else `path` itself.
+    /// (checked to be one folder name, and a folder); for a step, its step folder
+    /// ([`crate::megatron_legacy::step_folder`]); without either, the iteration a
+    /// Megatron-LM save directory's tracker file names, else the newest step folder
+    /// (`step-<n>`, `iter_<n>`) of a folder of them, else `path` itself.
     pub fn resolve(&self, path: &Path) -> Result<PathBuf> {
+        if let Some(step) = self.step {
+            if self.tag.is_some() {
+                return Err(Error::usage("give a tag or a step, not both"));
+            }
+            return crate::megatron_legacy::step_folder(path, step);
+        }
         let Some(tag) = &self.tag else {
+            // a Megatron-LM save directory: the iteration its tracker file names
+            if let Some(dir) = crate::megatron_legacy::tracked(path)? {
+                return Ok(dir);
+            }
             // a folder of step folders (torchtitan): the newest
             return Ok(match crate::latest_step(path) {
                 Some(step) => path.join(step),

@@ -17,6 +17,7 @@
 //! | `pt/` | one `torch.save` file (`.pt`) holding a state dict: codec, reader, writer |
 //! | `deepspeed/` | DeepSpeed ZeRO checkpoints (stages 1-3): file records, partitions, reader, writer |
 //! | `megatron` | megatron-core `dist_checkpointing` (`torch_dist`): its files around a DCP checkpoint |
+//! | `megatron_legacy` | Megatron-LM's per-rank checkpoints (`--ckpt-format torch`) as global tensors, and its save directories (`latest_checkpointed_iteration.txt`, `iter_NNNNNNN/`) |
 //! | `torch/` | the torch.save machinery DCP and `.pt` share: pickle, zip records, dtypes |
 //! | `index` | which bytes opening a checkpoint reads, for checkpoints read from object storage |
 //!
@@ -39,6 +40,7 @@ pub mod hf;
 pub mod hf_storage;
 pub mod index;
 pub mod megatron;
+pub mod megatron_legacy;
 pub mod pt;
 pub mod safetensors;
 pub mod ties;
@@ -72,6 +74,7 @@ pub const REGISTRY: &[Format] = &[
     Format::PT,
     Format::DEEPSPEED,
     Format::MEGATRON,
+    Format::MEGATRON_LEGACY,
 ];
 
 /// One checkpoint format: what it can hold, how to recognize it, its reader and its writer.
@@ -240,6 +243,9 @@ pub struct Probe<'a> {
     pub head: Vec<u8>,
     /// The names of the regular files in a directory (sorted), empty for a file.
     pub files: Vec<String>,
+    /// The names of the sub-folders of a directory (sorted; at most the first 10,000
+    /// entries are looked at), empty for a file.
+    pub dirs: Vec<String>,
 }
 
 /// The names of the regular files (links followed) directly in `dir`, sorted; names that
@@ -256,6 +262,24 @@ pub fn file_names(dir: &Path) -> Result<Vec<String>> {
     }
     v.sort();
     Ok(v)
+}
+
+/// The names of the sub-folders (links followed) directly in `dir`, sorted; names that are
+/// not UTF-8 are left out, and at most the first 10,000 entries are looked at.
+fn dir_names(dir: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return vec![];
+    };
+    let mut v: Vec<String> = entries
+        .take(10_000)
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let name = e.file_name().into_string().ok()?;
+            e.path().is_dir().then_some(name)
+        })
+        .collect();
+    v.sort();
+    v
 }
 
 /// A format: a handle on its [`Codec`], compared, printed and parsed by name.
@@ -280,6 +304,9 @@ impl Format {
     /// A megatron-core `dist_checkpointing` folder (`torch_dist`: `metadata.json`,
     /// `common.pt` and a DCP checkpoint).
     pub const MEGATRON: Format = Format(&megatron::Megatron);
+    /// Megatron-LM's per-rank checkpoints (`--ckpt-format torch`: an `iter_NNNNNNN` folder of
+    /// `mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`), read as global tensors.
+    pub const MEGATRON_LEGACY: Format = Format(&megatron_legacy::MegatronLegacy);
 
     /// The name used on the command line.
     pub fn name(self) -> &'static str {
@@ -417,16 +444,17 @@ fn candidates(path: &Path) -> Result<Vec<Format>> {
             .unwrap_or(0);
         head.extend_from_slice(&buf[..n]);
     }
-    let files = if meta.is_file() {
-        vec![]
+    let (files, dirs) = if meta.is_file() {
+        (vec![], vec![])
     } else {
-        file_names(path)?
+        (file_names(path)?, dir_names(path))
     };
     let probe = Probe {
         path,
         is_file: meta.is_file(),
         head,
         files,
+        dirs,
     };
     let mut markers = vec![];
     let mut fallbacks = vec![];
@@ -445,7 +473,8 @@ fn candidates(path: &Path) -> Result<Vec<Format>> {
 }
 
 /// The checkpoints a folder holds in sub-folders, when it is not a checkpoint itself: the
-/// names of the sub-folders a format recognizes, sorted (step folders `step-<n>` by `n`);
+/// names of the sub-folders a format recognizes, sorted (step folders `step-<n>` and
+/// Megatron-LM's `iter_<n>` by `n`);
 /// empty when `dir` is a checkpoint (or no folder). At most the first 10,000 entries are
 /// looked at.
 pub fn checkpoints_in(dir: &Path) -> Vec<String> {
@@ -457,15 +486,18 @@ pub fn checkpoints_in(dir: &Path) -> Vec<String> {
     v
 }
 
-/// The step number of a step folder's name (`step-1000`, torchtitan's layout).
+/// The step number of a step folder's name: `step-1000` (torchtitan's layout) or
+/// `iter_0001000` (Megatron-LM's, [`megatron_legacy::iteration_folder`]).
 pub fn step_of(name: &str) -> Option<u64> {
-    let n = name.strip_prefix("step-")?;
+    let n = name
+        .strip_prefix("step-")
+        .or_else(|| name.strip_prefix("iter_").filter(|n| n.len() >= 7))?;
     (!n.is_empty() && n.len() <= 19 && n.bytes().all(|b| b.is_ascii_digit()))
         .then(|| n.parse().ok())
         .flatten()
 }
 
-/// The newest checkpoint of a folder of step folders (`step-<n>`, the largest n), when
+/// The newest checkpoint of a folder of step folders (`step-<n>` or `iter_<n>`, the largest n), when
 /// `dir` is not a checkpoint itself and every checkpoint in it is a step folder.
 pub fn latest_step(dir: &Path) -> Option<String> {
     let inner = checkpoints_in(dir);
@@ -737,6 +769,10 @@ pub fn write(
     world: u32,
     opts: &WriteOptions,
 ) -> Result<Output> {
+    if format.capabilities().max_world == Some(0) {
+        // a format reshard only reads: its writer says so
+        return format.codec().write(target, world, opts);
+    }
     if !format.holds(world as u64) {
         return Err(Error::TooManyRanks {
             format: format.name(),

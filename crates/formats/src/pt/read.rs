@@ -41,17 +41,32 @@ pub fn is_legacy(head: &[u8]) -> bool {
 /// Read the `torch.save` zip file at `path` as a one-rank checkpoint of its flattened state
 /// dict.
 pub fn read(path: &Path) -> Result<Checkpoint> {
+    read_with(path, None)
+}
+
+/// [`read`] with another allow-list of globals than `torch.save`'s (`None`: that one), for
+/// files of a trainer that pickles its own values beside the state dict (Megatron-LM's
+/// `argparse.Namespace` of arguments, its RNG states).
+pub fn read_with(
+    path: &Path,
+    globals: Option<&crate::torch::pickle::Globals>,
+) -> Result<Checkpoint> {
     let f = std::fs::File::open(path).at(path)?;
     let len = f.metadata().at(path)?.len();
     if len == 0 {
         return Err(Error::format(path, "is empty, not a torch.save file"));
     }
     let map = crate::sys::map_file(&f, path)?;
-    decode(path, &map)
+    decode(path, &map, globals)
 }
 
-/// Read the `torch.save` file `bytes` (the content of `path`).
-fn decode(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
+/// Read the `torch.save` file `bytes` (the content of `path`), its pickle under `globals`
+/// (`None`: `torch.save`'s allow-list).
+fn decode(
+    path: &Path,
+    bytes: &[u8],
+    globals: Option<&crate::torch::pickle::Globals>,
+) -> Result<Checkpoint> {
     if is_legacy(bytes) {
         return Err(Error::format(
             path,
@@ -59,7 +74,11 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
              (zip) serialization: torch.save(torch.load(f), f2)",
         ));
     }
-    let item = save::parse(bytes).map_err(|e| Error::format(path, e.to_string()))?;
+    let item = match globals {
+        Some(g) => save::parse_with(bytes, g),
+        None => save::parse(bytes),
+    }
+    .map_err(|e| Error::format(path, e.to_string()))?;
     if item.tensor.is_some() || is_tensor_call(&item.value) {
         return Err(Error::format(
             path,
@@ -373,7 +392,7 @@ mod tests {
     }
 
     fn run(bytes: &[u8]) -> Result<Checkpoint> {
-        decode(Path::new("x.pt"), bytes)
+        decode(Path::new("x.pt"), bytes, None)
     }
 
     #[test]

@@ -110,6 +110,22 @@ pub fn pickled_dict_globals() -> Globals {
     g
 }
 
+/// Allow-list for Megatron-LM's per-rank `model_optim_rng.pt` files (`--ckpt-format torch`):
+/// [`pickled_dict_globals`] (its `args`) plus the numpy names its RNG state pickles (numpy's
+/// `get_state()`: an array rebuilt by `_reconstruct`, its `dtype`, scalars), read as values
+/// and never called.
+pub fn megatron_legacy_globals() -> Globals {
+    let mut g = pickled_dict_globals();
+    for m in ["numpy.core.multiarray", "numpy._core.multiarray"] {
+        g.allow(m, "_reconstruct");
+        g.allow(m, "scalar");
+    }
+    g.allow("numpy", "ndarray");
+    g.allow("numpy", "dtype");
+    g.allow_module("numpy.dtypes");
+    g
+}
+
 /// Allow-list for `data.pkl` of `torch.save` archives: what `torch.load(weights_only=True)`
 /// accepts (`docs/pytorch-formats.md` §8.1) plus torch dtypes, `_rebuild_parameter`, and
 /// `_io.BytesIO`, the buffer trainers keep state in (read as an object whose state is its

@@ -55,7 +55,10 @@ pub mod op;
 pub mod read;
 pub mod write;
 
-pub use globals::{dcp_metadata_globals, pickled_dict_globals, torch_save_globals, Globals};
+pub use globals::{
+    dcp_metadata_globals, megatron_legacy_globals, pickled_dict_globals, torch_save_globals,
+    Globals,
+};
 pub use read::{parse, parse_graph, Obj, PickleError};
 pub use reshard_core::value::Value;
 #[cfg(any(test, feature = "internals"))]

@@ -1,0 +1,353 @@
+//! Megatron-LM's own layouts: save directories (`latest_checkpointed_iteration.txt` beside
+//! `iter_NNNNNNN/` folders, the tracked iteration by default, `--step N` to choose) with
+//! either format inside, and legacy per-rank checkpoints (`--ckpt-format torch`:
+//! `mp_rank_TT[_PPP]/model_optim_rng.pt`, `tests/fixtures/megatron_legacy`, written by
+//! `scripts/gen_megatron_legacy.py` from seeded global tensors cut by Megatron's rules), read
+//! as global tensors and judged byte for byte against the generator's global tensors
+//! (`<config>.safetensors`).
+
+use crate::common::{self, convert, fails, fixture, ok, read_all, read_st, s, Tensors};
+use reshard::formats::{Checkpoint, Format};
+use reshard::OpenOptions;
+use std::path::{Path, PathBuf};
+
+/// The legacy fixture cases: (case, the config its global tensors are of, ranks: TP × PP ×
+/// EP).
+const CASES: &[(&str, &str, u32)] = &[
+    ("tp2", "llama", 2),
+    ("pp2", "llama", 2),
+    ("tp2_pp2", "llama", 4),
+    ("te_qkv_bias_tp2_pp2", "qwen_te", 4),
+    // 4 experts over 2 expert ranks (mp_rank_TT_EEE), each split over 2 tensor ranks
+    ("moe_tp2_ep2", "moe", 4),
+];
+
+fn legacy(case: &str) -> PathBuf {
+    fixture(&format!("megatron_legacy/{case}/checkpoint"))
+}
+
+fn expected(config: &str) -> Tensors {
+    read_st(&fixture(&format!("megatron_legacy/{config}.safetensors"))).0
+}
+
+/// `got` holds exactly the tensors of `want`, with the same dtype, shape and bytes.
+fn same(what: &str, got: &Tensors, want: &Tensors) {
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>(),
+        "{what}: names"
+    );
+    for (name, w) in want {
+        let g = &got[name];
+        assert_eq!((&g.0, &g.1), (&w.0, &w.1), "{what}: `{name}`");
+        assert!(g.2 == w.2, "{what}: bytes of `{name}` differ");
+    }
+}
+
+/// A copy of the legacy case `case`'s save directory in a temporary folder.
+fn copy(case: &str) -> (tempfile::TempDir, PathBuf) {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("save");
+    common::copy_dir(&legacy(case), &dir);
+    (d, dir)
+}
+
+#[test]
+fn legacy_checkpoints_read_as_the_global_tensors() {
+    for (case, config, ranks) in CASES {
+        let want = expected(config);
+        let ck = Checkpoint::open(legacy(case)).unwrap();
+        assert_eq!(ck.format, Format::MEGATRON_LEGACY, "{case}");
+        assert_eq!(ck.ranks, *ranks, "{case}");
+        assert_eq!(ck.tag.as_deref(), Some("iter_0000007"), "{case}");
+        same(case, &read_all(&ck), &want);
+        // the arguments and counters are non-tensor entries for common.pt; the optimizer's
+        // and the RNG states are each rank's and left out
+        let names: Vec<&str> = ck.extras.iter().map(|x| x.name.as_str()).collect();
+        for n in [
+            "args",
+            "checkpoint_version",
+            "iteration",
+            "num_floating_point_operations_so_far",
+            "opt_param_scheduler.max_lr",
+        ] {
+            assert!(names.contains(&n), "{case}: {n} not in {names:?}");
+        }
+        assert!(
+            names.iter().all(|n| !n.starts_with("optimizer")
+                && !n.starts_with("rng_state")
+                && !n.starts_with("model")),
+            "{case}: {names:?}"
+        );
+        assert!(ck.extras.iter().all(|x| x.origin == "common.pt"));
+        let iteration = ck.extras.iter().find(|x| x.name == "iteration").unwrap();
+        assert_eq!(iteration.value, serde_json::json!(7));
+        // through the CLI into one safetensors file: the same bytes
+        let d = tempfile::tempdir().unwrap();
+        let st = d.path().join("m.safetensors");
+        convert(
+            &legacy(case),
+            &st,
+            &["--to", "1", "--format", "safetensors", "-q"],
+        );
+        same(&format!("{case} → safetensors"), &read_st(&st).0, &want);
+    }
+}
+
+#[test]
+fn inspect_shows_the_split_and_the_iteration() {
+    let out = ok(&["inspect", s(&legacy("tp2_pp2"))]);
+    assert!(
+        out.contains("megatron-legacy checkpoint, 4 rank(s), 4 file(s)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("Megatron-LM (--ckpt-format torch), TP 2, PP 2, 4 layers, iteration 7"),
+        "{out}"
+    );
+    assert!(
+        out.contains("decoder.layers.3.mlp.linear_fc1.weight"),
+        "{out}"
+    );
+    // the iteration folder itself opens too
+    let it = legacy("tp2_pp2").join("iter_0000007");
+    let out = ok(&["inspect", s(&it)]);
+    assert!(
+        out.contains("megatron-legacy checkpoint, 4 rank(s)"),
+        "{out}"
+    );
+}
+
+#[test]
+fn legacy_to_torch_dist_carries_the_arguments_into_common_pt() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("dist");
+    convert(
+        &legacy("tp2"),
+        &out,
+        &["--to", "2", "--format", "megatron", "-q"],
+    );
+    let ck = Checkpoint::open(&out).unwrap();
+    assert_eq!(ck.format, Format::MEGATRON);
+    same("legacy → torch_dist", &read_all(&ck), &expected("llama"));
+    let args = ck.extras.iter().find(|x| x.name == "args").unwrap();
+    assert_eq!(args.origin, "common.pt");
+    let hidden = args.pickle.as_ref().and_then(|a| a.get("hidden_size"));
+    assert_eq!(hidden.and_then(|v| v.as_int()), Some(8));
+    // reshard does not write the legacy format
+    fails(
+        &[
+            "convert",
+            s(&legacy("tp2")),
+            s(&d.path().join("again")),
+            "--to",
+            "2",
+            "--format",
+            "megatron-legacy",
+        ],
+        "reshard reads Megatron-LM legacy checkpoints but does not write them",
+    );
+}
+
+#[test]
+fn save_directories_open_the_tracked_iteration_and_step_chooses() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("save");
+    // a torch_dist checkpoint at iteration 7, a legacy one at iteration 12
+    common::copy_dir(
+        &fixture("megatron/mcore016_tp2_dp1/checkpoint"),
+        &dir.join("iter_0000007"),
+    );
+    common::copy_dir(
+        &legacy("tp2").join("iter_0000007"),
+        &dir.join("iter_0000012"),
+    );
+    std::fs::write(dir.join("latest_checkpointed_iteration.txt"), "7\n").unwrap();
+    let ck = Checkpoint::open(&dir).unwrap();
+    assert_eq!(
+        (ck.format, ck.tag.as_deref()),
+        (Format::MEGATRON, Some("iter_0000007"))
+    );
+    let want = read_all(&Checkpoint::open(dir.join("iter_0000007")).unwrap());
+    assert_eq!(read_all(&ck), want);
+    let step = |n| OpenOptions {
+        step: Some(n),
+        ..Default::default()
+    };
+    let ck12 = Checkpoint::open_with(&dir, None, &step(12)).unwrap();
+    assert_eq!(
+        (ck12.format, ck12.tag.as_deref()),
+        (Format::MEGATRON_LEGACY, Some("iter_0000012"))
+    );
+    // the CLI: inspect lists the iterations, --step chooses, convert reads the tracked one
+    let out = ok(&["inspect", s(&dir)]);
+    assert!(out.contains("megatron checkpoint, 2 rank(s)"), "{out}");
+    assert!(
+        out.contains(
+            "one of 2 checkpoints in the folder: iter_0000007, iter_0000012 (read: iter_0000007"
+        ),
+        "{out}"
+    );
+    let out = ok(&["inspect", s(&dir), "--step", "12"]);
+    assert!(out.contains("megatron-legacy checkpoint"), "{out}");
+    let st = d.path().join("m.safetensors");
+    convert(&dir, &st, &["--to", "1", "-q"]);
+    assert_eq!(read_all(&Checkpoint::open(&st).unwrap()), want);
+    let st12 = d.path().join("m12.safetensors");
+    convert(&dir, &st12, &["--to", "1", "--step", "12", "-q"]);
+    same("--step 12", &read_st(&st12).0, &expected("llama"));
+    // the tracker moves on: the newest is read
+    std::fs::write(dir.join("latest_checkpointed_iteration.txt"), "12").unwrap();
+    assert_eq!(
+        Checkpoint::open(&dir).unwrap().format,
+        Format::MEGATRON_LEGACY
+    );
+    // a release checkpoint
+    std::fs::rename(dir.join("iter_0000012"), dir.join("release")).unwrap();
+    std::fs::write(dir.join("latest_checkpointed_iteration.txt"), "release").unwrap();
+    let rel = Checkpoint::open(&dir).unwrap();
+    assert_eq!(rel.tag.as_deref(), Some("release"));
+}
+
+#[test]
+fn save_directory_errors_name_the_file() {
+    let (_d, dir) = copy("tp2");
+    let tracker = dir.join("latest_checkpointed_iteration.txt");
+    std::fs::write(&tracker, "9").unwrap();
+    let e = Checkpoint::open(&dir).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        format!(
+            "{}: names iteration 9, but {} is not a folder",
+            tracker.display(),
+            dir.join("iter_0000009").display()
+        )
+    );
+    fails(&["inspect", s(&dir)], "names iteration 9, but");
+    std::fs::write(&tracker, "seven").unwrap();
+    let e = Checkpoint::open(&dir).unwrap_err().to_string();
+    assert!(
+        e.starts_with(&format!(
+            "{}: holds `seven`, not an iteration number or `release`",
+            tracker.display()
+        )),
+        "{e}"
+    );
+    assert_eq!(e.lines().count(), 1);
+    std::fs::write(&tracker, "7").unwrap();
+    fails(
+        &["inspect", s(&dir), "--step", "8"],
+        &format!(
+            "has no iteration 8 ({} is not a folder)",
+            dir.join("iter_0000008").display()
+        ),
+    );
+    // without a tracker the newest iteration is read
+    std::fs::remove_file(&tracker).unwrap();
+    let ck = Checkpoint::open(&dir).unwrap();
+    assert_eq!(ck.tag.as_deref(), Some("iter_0000007"));
+}
+
+/// Rewrite one pickled int argument of a rank file in place (`name` from `from` to `to`, both
+/// below 256, so the pickle keeps its length), and the CRC-32 its zip records of `data.pkl`.
+fn set_arg_byte(file: &Path, name: &str, from: u8, to: u8) {
+    let mut b = std::fs::read(file).unwrap();
+    let u32_at = |b: &[u8], i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap());
+    let u16_at = |b: &[u8], i: usize| u16::from_le_bytes(b[i..i + 2].try_into().unwrap()) as usize;
+    // data.pkl: its local header first (sizes in a data descriptor after the data, as
+    // torch.save writes it), its size in the central directory's entry
+    let rec = b"model_optim_rng/data.pkl";
+    let find =
+        |b: &[u8], from: usize| from + b[from..].windows(rec.len()).position(|w| w == rec).unwrap();
+    let local = find(&b, 0) - 30;
+    let start = local + 30 + u16_at(&b, local + 26) + u16_at(&b, local + 28);
+    let central = find(&b, start) - 46;
+    assert_eq!(&b[central..central + 4], b"PK\x01\x02");
+    let end = start + u32_at(&b, central + 20) as usize;
+    // torch.save's protocol 2: the name as BINUNICODE (`X`, u32 length, bytes), BINPUT (`q`,
+    // a memo index), then the value as BININT1 (`K`, one byte)
+    let mut pat = vec![b'X'];
+    pat.extend_from_slice(&(name.len() as u32).to_le_bytes());
+    pat.extend_from_slice(name.as_bytes());
+    let at = start
+        + b[start..end]
+            .windows(pat.len())
+            .position(|w| w == pat.as_slice())
+            .unwrap_or_else(|| panic!("{name} not in {}", file.display()));
+    let v = at + pat.len();
+    assert_eq!(
+        (b[v], b[v + 2], b[v + 3]),
+        (b'q', b'K', from),
+        "{name} as pickled"
+    );
+    b[v + 3] = to;
+    let crc = crc32fast::hash(&b[start..end]).to_le_bytes();
+    // the CRC in the data descriptor and in the central directory's entry
+    let desc = if &b[end..end + 4] == b"PK\x07\x08" {
+        end + 4
+    } else {
+        end
+    };
+    b[desc..desc + 4].copy_from_slice(&crc);
+    b[central + 16..central + 20].copy_from_slice(&crc);
+    std::fs::write(file, b).unwrap();
+}
+
+#[test]
+fn legacy_errors_name_the_file() {
+    // a rank file missing
+    let (_d, dir) = copy("tp2_pp2");
+    let it = dir.join("iter_0000007");
+    let gone = it.join("mp_rank_01_001/model_optim_rng.pt");
+    std::fs::remove_file(&gone).unwrap();
+    let e = Checkpoint::open(&it).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        format!(
+            "{}: is missing: the arguments of {} say TP 2, PP 2",
+            gone.display(),
+            it.join("mp_rank_00_000/model_optim_rng.pt").display()
+        )
+    );
+    fails(&["inspect", s(&dir)], "is missing: the arguments of");
+
+    // arguments that differ between ranks
+    let (_d, dir) = copy("tp2");
+    let it = dir.join("iter_0000007");
+    let other = it.join("mp_rank_01/model_optim_rng.pt");
+    set_arg_byte(&other, "num_attention_heads", 4, 8);
+    let e = Checkpoint::open(&it).unwrap_err().to_string();
+    assert!(
+        e.starts_with(&format!(
+            "{}: has args.num_attention_heads = 8, but {} has 4",
+            other.display(),
+            it.join("mp_rank_00/model_optim_rng.pt").display()
+        )),
+        "{e}"
+    );
+
+    // a tensor whose local shape contradicts the arguments (both ranks say 8 heads)
+    let first = it.join("mp_rank_00/model_optim_rng.pt");
+    set_arg_byte(&first, "num_attention_heads", 4, 8);
+    let e = Checkpoint::open(&it).unwrap_err().to_string();
+    assert!(
+        e.starts_with(&format!(
+            "{}: `decoder.layers.0.self_attention.linear_qkv.weight` has the shape [8, 8], but the arguments make it [12, 8]",
+            first.display()
+        )),
+        "{e}"
+    );
+    assert_eq!(e.lines().count(), 1);
+
+    // a pipeline split the arguments cannot place
+    let (_d, dir) = copy("pp2");
+    let it = dir.join("iter_0000007");
+    for f in ["mp_rank_00_000", "mp_rank_00_001"] {
+        set_arg_byte(&it.join(f).join("model_optim_rng.pt"), "num_layers", 4, 5);
+    }
+    let e = Checkpoint::open(&it).unwrap_err().to_string();
+    assert!(
+        e.contains("args say 5 layers over 2 pipeline stages, which reshard cannot place"),
+        "{e}"
+    );
+}
