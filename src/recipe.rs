@@ -16,6 +16,7 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ("llama", include_str!("../recipes/llama.json")),
     ("mistral", include_str!("../recipes/mistral.json")),
     ("qwen2", include_str!("../recipes/qwen2.json")),
+    ("mixtral", include_str!("../recipes/mixtral.json")),
 ];
 
 /// How a conversion between frameworks is asked for.
@@ -168,7 +169,10 @@ fn choose(framework: &str, config: &Value) -> Option<(&'static str, String)> {
     match framework {
         "megatron" => {
             if lookup(config, "num_experts").is_some_and(|v| !v.is_null()) {
-                return None;
+                return Some((
+                    "mixtral",
+                    "common.pt args: num_experts is set (mixture of experts)".into(),
+                ));
             }
             if lookup(config, "add_qkv_bias") == Some(Value::Bool(true)) {
                 return Some(("qwen2", "common.pt args: add_qkv_bias=True".into()));

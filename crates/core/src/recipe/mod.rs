@@ -102,6 +102,15 @@ pub struct Map {
     /// `_extra_state` objects of its linear layers), each with its value.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub objects: Vec<ObjectRule>,
+    /// In a recipe that `extends` another: this map amends the base's map of the same
+    /// direction rather than replacing it — the base's rules and objects named in `remove`
+    /// are dropped, this map's rules, objects and `ignore` patterns are added, and its
+    /// `config` is a merge patch (RFC 7396: `null` removes a key) of the base's.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub extend: bool,
+    /// With `extend`: the names (templates, as written) of the base's rules and objects to drop.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remove: Vec<String>,
 }
 
 /// A non-tensor entry of the target (or a family over loop indices) and its value.
@@ -261,20 +270,21 @@ impl Recipe {
             .cloned()
             .collect();
         for m in std::mem::take(&mut self.maps) {
-            let patched = base
-                .map(&m.from, &m.to)
-                .filter(|_| m.tensors.is_empty())
-                .map(|b| {
-                    // a map with no rules patches the base's configuration (RFC 7396: null removes)
-                    let mut b = b.clone();
-                    if let Some(patch) = &m.config {
-                        let mut c = b.config.take().unwrap_or(Value::Object(Default::default()));
-                        merge_patch(&mut c, patch);
-                        b.config = Some(c);
-                    }
-                    b
-                });
-            maps.push(patched.unwrap_or(m));
+            let amended = base.map(&m.from, &m.to).filter(|_| m.extend).map(|b| {
+                let mut b = b.clone();
+                b.tensors.retain(|r| !m.remove.contains(&r.name));
+                b.objects.retain(|o| !m.remove.contains(&o.name));
+                b.tensors.extend(m.tensors.iter().cloned());
+                b.objects.extend(m.objects.iter().cloned());
+                b.ignore.extend(m.ignore.iter().cloned());
+                if let Some(patch) = &m.config {
+                    let mut c = b.config.take().unwrap_or(Value::Object(Default::default()));
+                    merge_patch(&mut c, patch);
+                    b.config = Some(c);
+                }
+                b
+            });
+            maps.push(amended.unwrap_or(m));
         }
         Recipe {
             recipe: self.recipe,
