@@ -53,7 +53,11 @@ pytestmark = pytest.mark.skipif(
     bool(MISSING) and os.environ.get("CI") != "true",
     reason=f"{', '.join(MISSING)} not installed (scripts/setup_venv.sh --frameworks)",
 )
-RECIPES = pytest.mark.xfail(reason="recipes not landed", strict=False)
+# what reshard does not do yet, each failing for the reason said (strict: a pass is news)
+LEGACY_WRITER = pytest.mark.xfail(reason="writing Megatron-LM's legacy format is not built yet", strict=True)
+GROUPED_LEGACY = pytest.mark.xfail(
+    reason="legacy files of grouped-GEMM experts are refused by the reader", strict=True
+)
 
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "case.json").is_file())
 TOL = 1e-5
@@ -346,7 +350,6 @@ def test_torch_dist_loads_at_another_split(case, tp, pp, ep, tmp_path):
 
 # --------------------------------------------------------------------------- the conversions
 
-@RECIPES
 @pytest.mark.parametrize("case", CASES)
 def test_torch_dist_to_hf(case, tmp_path):
     out = tmp_path / "hf"
@@ -365,7 +368,6 @@ HF_SOURCES = ["llama_tp2", "qwen2_tp2", "llama_tied_tp2", "mixtral_ep2"]
 HF_SPLITS = {"llama_tp2": [(2, 1), (1, 2)]}
 
 
-@RECIPES
 @pytest.mark.parametrize("case", HF_SOURCES)
 def test_hf_to_torch_dist_loads_at_tp2_and_pp2(case, tmp_path):
     out = tmp_path / "mc"
@@ -375,7 +377,6 @@ def test_hf_to_torch_dist_loads_at_tp2_and_pp2(case, tmp_path):
         assert close(got, want_logits(case)) <= TOL, (tp, pp)
 
 
-@RECIPES
 @pytest.mark.parametrize("case", HF_SOURCES)
 def test_hf_to_megatron_to_hf_is_byte_exact(case, tmp_path):
     src = FIXTURES / case / "hf_mbridge"
@@ -385,8 +386,9 @@ def test_hf_to_megatron_to_hf_is_byte_exact(case, tmp_path):
     assert hf_config_fields(tmp_path / "hf") == hf_config_fields(src)
 
 
-@RECIPES
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=GROUPED_LEGACY) if c == "mixtral_gg_ep2" else c for c in CASES]
+)
 def test_legacy_to_hf(case, tmp_path):
     out = tmp_path / "hf"
     reshard_cli("convert", FIXTURES / case / "legacy", out, "--format", "hf")
@@ -398,7 +400,7 @@ def test_legacy_to_hf(case, tmp_path):
 LEGACY_TP1 = ["--format", "megatron-legacy", "--tp", "1"]
 
 
-@RECIPES
+@LEGACY_WRITER
 @pytest.mark.parametrize("case", ["llama_tp2", "qwen2_tp2"])
 def test_legacy_tp2_to_legacy_tp1_to_hf(case, tmp_path):
     reshard_cli("convert", FIXTURES / case / "legacy", tmp_path / "l1", *LEGACY_TP1)
@@ -406,3 +408,42 @@ def test_legacy_tp2_to_legacy_tp1_to_hf(case, tmp_path):
     assert files == [f"{ITER}/mp_rank_00/model_optim_rng.pt"], files
     reshard_cli("convert", tmp_path / "l1", tmp_path / "hf", "--format", "hf")
     assert_bitwise(hf_tensors(tmp_path / "hf"), hf_tensors(FIXTURES / case / "hf_mbridge"), "legacy tp1 -> hf")
+
+
+# --------------------------------------------------------------------------- loading across frameworks
+
+# (transformers 5 keeps Mixtral's experts fused in memory, gate_up_proj [E, 2F, H], under other
+# names than its files' per-expert w1/w2/w3, which the mixtral recipe maps: not covered here)
+@pytest.mark.parametrize("case,form", [("llama_tp2", "torch_dist"), ("qwen2_tp2", "legacy"), ("llama_tp2_pp2", "torch_dist")])
+def test_torch_load_fills_a_hugging_face_model_from_a_megatron_checkpoint(case, form):
+    """``reshard.torch.load(hf_model.state_dict(), megatron_ckpt, recipe=...)``: no file
+    written, every tensor equal to mbridge's, the same logits."""
+    import reshard.torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(FIXTURES / case / "hf_mbridge"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    sd = model.state_dict()
+    res = reshard.torch.load(sd, FIXTURES / case / form, recipe="auto")
+    assert (res.missing_keys, res.unexpected_keys) == ([], [])
+    model.load_state_dict(sd)
+    want = hf_tensors(FIXTURES / case / "hf_mbridge")
+    got = {k: v for k, v in model.state_dict().items() if k in want}
+    assert_bitwise(got, want, "reshard.torch.load vs mbridge")
+    with torch.no_grad():
+        logits = model(input_ids(case)).logits
+    assert close(logits, want_logits(case)) <= TOL
+
+
+def test_torch_load_through_a_recipe_says_what_is_missing():
+    import reshard
+    import reshard.torch
+
+    sd = {"model.norm.weight": torch.zeros(16), "model.extra.weight": torch.zeros(3)}
+    with pytest.raises(reshard.RequestError, match=r"1 key\(s\) of the state dict are not among the recipe's tensors: `model.extra.weight`"):
+        reshard.torch.load(sd, FIXTURES / "llama_tp2" / "torch_dist", recipe="llama")
+    res = reshard.torch.load(sd, FIXTURES / "llama_tp2" / "torch_dist", recipe="llama", strict=False)
+    assert res.missing_keys == ["model.extra.weight"]
+    want = hf_tensors(FIXTURES / "llama_tp2" / "hf_mbridge")["model.norm.weight"]
+    assert torch.equal(sd["model.norm.weight"], want)
