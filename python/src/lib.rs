@@ -440,6 +440,9 @@ impl PyCheckpoint {
     }
 }
 
+/// A destination's memory: `(address, nbytes)`.
+type Span = (usize, usize);
+
 /// What `recipe_targets` returns: the recipe's name, why it applies, and its targets.
 type RecipeTargets = (
     String,
@@ -449,7 +452,7 @@ type RecipeTargets = (
 
 /// The destinations of `read_into` as the library's local tensors, and their memory as
 /// `(address, nbytes)`: every size checked, no null address, no two sharing a byte.
-fn destinations(dests: Vec<Dest>) -> PyResult<(Vec<LocalTensor>, Vec<(usize, usize)>)> {
+fn destinations(dests: Vec<Dest>) -> PyResult<(Vec<LocalTensor>, Vec<Span>)> {
     let mut tensors = Vec::with_capacity(dests.len());
     let mut spans = Vec::with_capacity(dests.len());
     for (name, dt, shape, parts, addr, nbytes) in dests {
