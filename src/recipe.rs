@@ -199,7 +199,8 @@ fn choose(framework: &str, config: &Value) -> Option<(&'static str, String)> {
 }
 
 /// The recipe that applies to converting `ck` to `format` under `opts`, applied: `None` when
-/// names are kept (same framework, no recipe asked for, or `--recipe none`).
+/// names are kept (same framework, `--recipe none`, or no recipe asked for and either the
+/// output is one safetensors file or the source's configuration names no model).
 pub fn apply(ck: &Checkpoint, format: Format, opts: &RecipeOptions) -> Result<Option<Applied>> {
     if opts.recipe.as_deref() == Some("none") {
         return Ok(None);
@@ -227,6 +228,9 @@ pub fn apply(ck: &Checkpoint, format: Format, opts: &RecipeOptions) -> Result<Op
     let config = source_config(ck, from)?;
     let (name, reason) = match &opts.recipe {
         Some(r) => (r.clone(), "--recipe".to_string()),
+        // one safetensors file is a plain tensor file as often as a model: names kept
+        // unless a recipe is asked for
+        None if format == Format::SAFETENSORS => return Ok(None),
         None => match config.as_ref().and_then(|c| choose(from, c)) {
             Some((n, why)) => (n.to_string(), why),
             // no configuration that names a model: names kept, as before recipes

@@ -392,7 +392,7 @@ fn bad_recipes_and_configurations_are_one_line_errors_and_write_nothing() {
     );
     case(
         &["--recipe", "gpt-17"],
-        "no recipe `gpt-17`: not a built-in (llama, mistral, qwen2)",
+        "no recipe `gpt-17`: not a built-in (llama, mistral, qwen2, mixtral)",
     );
     // a target defined twice
     let twice = tmp.path().join("twice.json");
