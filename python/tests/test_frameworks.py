@@ -363,18 +363,19 @@ def test_torch_dist_to_hf(case, tmp_path):
 HF_SOURCES = ["llama_tp2", "qwen2_tp2", "llama_tied_tp2", "mixtral_ep2"]
 
 
-# the (TP, PP) splits megatron-core loads reshard's output at: TP 2 and PP 2 apart for the plain
-# model, together (4 processes, one torchrun) for the others (tied embeddings then span stages)
-HF_SPLITS = {"llama_tp2": [(2, 1), (1, 2)]}
+# the (TP, PP, EP) splits megatron-core loads reshard's output at: TP 2 and PP 2 apart for the
+# plain model, together (4 processes, one torchrun) for the others (tied embeddings then span
+# stages), and the MoE model's experts over 2 expert ranks too
+HF_SPLITS = {"llama_tp2": [(2, 1, 1), (1, 2, 1)], "mixtral_ep2": [(2, 2, 1), (1, 1, 2)]}
 
 
 @pytest.mark.parametrize("case", HF_SOURCES)
 def test_hf_to_torch_dist_loads_at_tp2_and_pp2(case, tmp_path):
     out = tmp_path / "mc"
     reshard_cli("convert", FIXTURES / case / "hf_mbridge", out, "--format", "megatron", "--recipe", recipe_of(case))
-    for tp, pp in HF_SPLITS.get(case, [(2, 2)]):
-        got = megatron_logits(out, case, tp, pp, tmp_path)
-        assert close(got, want_logits(case)) <= TOL, (tp, pp)
+    for tp, pp, ep in HF_SPLITS.get(case, [(2, 2, 1)]):
+        got = megatron_logits(out, case, tp, pp, tmp_path, ep=ep)
+        assert close(got, want_logits(case)) <= TOL, (tp, pp, ep)
 
 
 @pytest.mark.parametrize("case", HF_SOURCES)
