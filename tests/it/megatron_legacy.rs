@@ -88,7 +88,15 @@ fn legacy_checkpoints_read_as_the_global_tensors() {
         convert(
             &legacy(case),
             &st,
-            &["--to", "1", "--format", "safetensors", "-q"],
+            &[
+                "--to",
+                "1",
+                "--format",
+                "safetensors",
+                "--recipe",
+                "none",
+                "-q",
+            ],
         );
         same(&format!("{case} → safetensors"), &read_st(&st).0, &want);
     }
@@ -151,6 +159,9 @@ fn files_under(dir: &Path) -> Vec<String> {
     v
 }
 
+/// A split: TP × PP × EP.
+type Split = (u64, u64, u64);
+
 /// Write `src` as a legacy checkpoint at TP × PP × EP into `out` and read it back.
 fn write_legacy(src: &Path, out: &Path, (tp, pp, ep): (u64, u64, u64)) -> Checkpoint {
     let (t, p, e) = (tp.to_string(), pp.to_string(), ep.to_string());
@@ -199,7 +210,7 @@ fn rank_files((tp, pp, ep): (u64, u64, u64)) -> Vec<String> {
 
 #[test]
 fn legacy_written_at_other_splits_reads_back_byte_for_byte() {
-    let splits: &[(&str, &[(u64, u64, u64)])] = &[
+    let splits: &[(&str, &[Split])] = &[
         ("tp2", &[(1, 1, 1), (2, 4, 1), (1, 2, 1)]),
         ("pp2", &[(2, 1, 1), (1, 4, 1)]),
         ("tp2_pp2", &[(1, 1, 1), (2, 1, 1)]),
@@ -250,10 +261,18 @@ fn legacy_written_at_other_splits_reads_back_byte_for_byte() {
     let one = d.path().join("tp1");
     write_legacy(&legacy("tp2"), &one, (1, 1, 1));
     let again = write_legacy(&one, &d.path().join("tp2_pp2"), (2, 2, 1));
-    same("tp2 → tp1 → tp2 × pp2", &read_all(&again), &expected("llama"));
+    same(
+        "tp2 → tp1 → tp2 × pp2",
+        &read_all(&again),
+        &expected("llama"),
+    );
     // the split defaults to the source's
     let out = d.path().join("same");
-    convert(&legacy("tp2_pp2"), &out, &["--format", "megatron-legacy", "-q"]);
+    convert(
+        &legacy("tp2_pp2"),
+        &out,
+        &["--format", "megatron-legacy", "-q"],
+    );
     assert_eq!(files_under(&out), rank_files((2, 2, 1)));
 }
 
@@ -310,7 +329,11 @@ fn torch_dist_and_grouped_gemm_experts_to_legacy_and_back() {
         // the legacy files megatron-core wrote hold the torch_dist checkpoint's tensors; with
         // grouped GEMM, weight1 / weight2 are each local expert's projections transposed
         let ck = Checkpoint::open(frameworks(case, "legacy")).unwrap();
-        same(&format!("{case}: legacy vs torch_dist"), &read_all(&ck), &want);
+        same(
+            &format!("{case}: legacy vs torch_dist"),
+            &read_all(&ck),
+            &want,
+        );
         for split in splits {
             let d = tempfile::tempdir().unwrap();
             // from torch_dist (layers stacked), and from the legacy files
@@ -318,11 +341,7 @@ fn torch_dist_and_grouped_gemm_experts_to_legacy_and_back() {
                 let out = d.path().join(src);
                 let ck = write_legacy(&frameworks(case, src), &out, *split);
                 assert_eq!(files_under(&out), rank_files(*split), "{case} {what}");
-                same(
-                    &format!("{case} {what} → {split:?}"),
-                    &read_all(&ck),
-                    &want,
-                );
+                same(&format!("{case} {what} → {split:?}"), &read_all(&ck), &want);
             }
         }
     }
@@ -425,7 +444,11 @@ fn save_directories_open_the_tracked_iteration_and_step_chooses() {
     convert(&dir, &st, &["--to", "1", "-q"]);
     assert_eq!(read_all(&Checkpoint::open(&st).unwrap()), want);
     let st12 = d.path().join("m12.safetensors");
-    convert(&dir, &st12, &["--to", "1", "--step", "12", "-q"]);
+    convert(
+        &dir,
+        &st12,
+        &["--to", "1", "--step", "12", "--recipe", "none", "-q"],
+    );
     same("--step 12", &read_st(&st12).0, &expected("llama"));
     // the tracker moves on: the newest is read
     std::fs::write(dir.join("latest_checkpointed_iteration.txt"), "12").unwrap();

@@ -17,7 +17,7 @@
 //! | `pt/` | one `torch.save` file (`.pt`) holding a state dict: codec, reader, writer |
 //! | `deepspeed/` | DeepSpeed ZeRO checkpoints (stages 1-3): file records, partitions, reader, writer |
 //! | `megatron` | megatron-core `dist_checkpointing` (`torch_dist`): its files around a DCP checkpoint |
-//! | `megatron_legacy` | Megatron-LM's per-rank checkpoints (`--ckpt-format torch`) as global tensors, and its save directories (`latest_checkpointed_iteration.txt`, `iter_NNNNNNN/`) |
+//! | `megatron_legacy` | Megatron-LM's per-rank checkpoints (`--ckpt-format torch`) read as global tensors and written at a chosen TP/PP/EP, and its save directories (`latest_checkpointed_iteration.txt`, `iter_NNNNNNN/`) |
 //! | `torch/` | the torch.save machinery DCP and `.pt` share: pickle, zip records, dtypes |
 //! | `index` | which bytes opening a checkpoint reads, for checkpoints read from object storage |
 //!
@@ -305,7 +305,8 @@ impl Format {
     /// `common.pt` and a DCP checkpoint).
     pub const MEGATRON: Format = Format(&megatron::Megatron);
     /// Megatron-LM's per-rank checkpoints (`--ckpt-format torch`: an `iter_NNNNNNN` folder of
-    /// `mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`), read as global tensors.
+    /// `mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`), read as global tensors and written at
+    /// the split [`WriteOptions::tp`], `pp` and `ep` ask for.
     pub const MEGATRON_LEGACY: Format = Format(&megatron_legacy::MegatronLegacy);
 
     /// The name used on the command line.

@@ -20,10 +20,16 @@
 //! The optimizer's state and the RNG states are each rank's own and are not read (the model's
 //! weights are); `args`, `iteration`, `checkpoint_version`, `opt_param_scheduler` and the
 //! other plain entries of rank 0's file are non-tensor entries of origin `common.pt`, so a
-//! `torch_dist` output carries them in its `common.pt`. Not read: virtual pipeline stages
-//! (`model0`, `model1`, …), Megatron-LM's pre-megatron-core models (`language_model.*`),
-//! grouped-GEMM experts, TransformerEngine's `_extra_state` (FP8 scaling state, which has no
-//! split rule). Reading only: the writer refuses.
+//! `torch_dist` output carries them in its `common.pt`. GroupedMLP's experts
+//! (`args.moe_grouped_gemm`: a layer's `mlp.experts.weight1` / `weight2`) are read as
+//! SequentialMLP's, each expert's projection a strided (transposed) view of its stretch of
+//! the record. Not read: virtual pipeline stages (`model0`, `model1`, …), Megatron-LM's
+//! pre-megatron-core models (`language_model.*`), TransformerEngine's `_extra_state` (FP8
+//! scaling state, which has no split rule).
+//!
+//! The writer (`write.rs`) lays global tensors out the other way, at the tensor-, pipeline-
+//! and expert-parallel sizes asked for: a save directory of per-rank files that Megatron-LM's
+//! `load_checkpoint` loads into a GPTModel of that split.
 
 use crate::error::{Error, IoContext, Result};
 use crate::layout::{Loc, Piece, Region, TensorLayout};

@@ -33,6 +33,14 @@ use crate::{Extra, Output, OutputFile, TargetTensor, WriteOptions};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+/// Why a tensor without a split rule is refused at TP > 1.
+const NO_SPLIT: &str =
+    "has no tensor-parallel split rule (reshard knows megatron-core GPT's tensors): write it with --tp 1";
+
+/// A tensor rank's share of a tensor: its local shape, and each region of the tensor it holds
+/// with the local row the region starts at.
+type Share = (Vec<u64>, Vec<(Region, u64)>);
+
 /// What the saved arguments' errors name: the writer has no file of its own yet.
 const ARGS: &str = "the source's args";
 
@@ -160,7 +168,11 @@ fn fields(args: &mut Value) -> Option<&mut Vec<(Value, Value)>> {
 /// Set argument `key` to `v` (added when absent and `add`).
 fn set_arg(args: &mut Value, key: &str, v: Value, add: bool) {
     if let Some(pairs) = fields(args) {
-        match pairs.iter_mut().rev().find(|(k, _)| k.as_str() == Some(key)) {
+        match pairs
+            .iter_mut()
+            .rev()
+            .find(|(k, _)| k.as_str() == Some(key))
+        {
             Some((_, x)) => *x = v,
             None if add => pairs.push((Value::Str(key.into()), v)),
             None => {}
@@ -200,7 +212,7 @@ fn local_pieces(
     t: u64,
     tp: u64,
     swiglu: bool,
-) -> Result<(Vec<u64>, Vec<(Region, u64)>)> {
+) -> Result<Share> {
     let zeros = vec![0u64; shape.len()];
     let cut = |d: usize, parts: u64| -> Result<u64> {
         let n = *shape.get(d).ok_or_else(|| {
@@ -318,7 +330,12 @@ pub(super) fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) ->
     }
     set_arg(&mut args, "ckpt_format", Value::Str("torch".into()), false);
     set_arg(&mut args, "world_size", Value::Int(ranks as i64), false);
-    set_arg(&mut args, "data_parallel_size", Value::Int(ep as i64), false);
+    set_arg(
+        &mut args,
+        "data_parallel_size",
+        Value::Int(ep as i64),
+        false,
+    );
     let cfg = Config::of(here, &args)?;
     if let Some(v) = cfg.vocab.filter(|v| v % tp != 0) {
         return Err(Error::usage(format!(
@@ -390,9 +407,7 @@ pub(super) fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) ->
             let split = if tp == 1 {
                 Split::Replicated
             } else {
-                split_of(&t.name).ok_or_else(|| {
-                    bad(format!("has no tensor-parallel split rule (reshard knows megatron-core GPT's tensors): write it with --tp 1"))
-                })?
+                split_of(&t.name).ok_or_else(|| bad(NO_SPLIT.into()))?
             };
             if let Some(want) = cfg.expected(&t.name, None, false) {
                 if want != t.shape {
@@ -449,7 +464,7 @@ pub(super) fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) ->
         if let Some(x) = n.expert {
             if experts == 0 {
                 return Err(bad(
-                    "is an expert's, but the arguments have no num_experts".into(),
+                    "is an expert's, but the arguments have no num_experts".into()
                 ));
             }
             axes.push((x, experts, "expert"));
@@ -488,9 +503,7 @@ pub(super) fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) ->
         let split = if tp == 1 {
             Split::Replicated
         } else {
-            split_of(rest).ok_or_else(|| {
-                bad(format!("has no tensor-parallel split rule (reshard knows megatron-core GPT's tensors): write it with --tp 1"))
-            })?
+            split_of(rest).ok_or_else(|| bad(NO_SPLIT.into()))?
         };
         let check_name = if expert {
             rest.to_string()
@@ -525,7 +538,10 @@ pub(super) fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) ->
                 let key = match e {
                     None => format!("decoder.layers.{li}.{local_name}"),
                     Some(e) if !grouped => {
-                        format!("decoder.layers.{li}.mlp.experts.local_experts.{}.{rest}", e % per)
+                        format!(
+                            "decoder.layers.{li}.mlp.experts.local_experts.{}.{rest}",
+                            e % per
+                        )
                     }
                     Some(_) if rest == "linear_fc1.weight" => {
                         format!("decoder.layers.{li}.mlp.experts.weight1")
@@ -541,8 +557,7 @@ pub(super) fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) ->
                     prefix.push(e);
                 }
                 for tr in 0..tp {
-                    let (shape, regions) =
-                        local_pieces(&t.name, split, inner, tr, tp, cfg.swiglu)?;
+                    let (shape, regions) = local_pieces(&t.name, split, inner, tr, tp, cfg.swiglu)?;
                     let ones = vec![1u64; prefix.len()];
                     let lift = |r: Region| {
                         Region::new(
@@ -566,8 +581,7 @@ pub(super) fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) ->
                             } else {
                                 vec![1, h]
                             };
-                            let strides: Vec<u64> =
-                                ones.iter().map(|_| c * h).chain(st).collect();
+                            let strides: Vec<u64> = ones.iter().map(|_| c * h).chain(st).collect();
                             let parts = regions
                                 .into_iter()
                                 .map(|(region, r0)| Part {
@@ -707,11 +721,7 @@ pub(super) fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) ->
             }
         }
         let path = PathBuf::from(&folder)
-            .join(rank_folder(
-                t,
-                (pp > 1).then_some(s),
-                (ep > 1).then_some(e),
-            ))
+            .join(rank_folder(t, (pp > 1).then_some(s), (ep > 1).then_some(e)))
             .join(RANK_FILE);
         out_files.push(OutputFile {
             path,
@@ -721,7 +731,10 @@ pub(super) fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) ->
         });
     }
     let tracker = iteration.map_or(RELEASE.to_string(), |n| n.to_string());
-    out_files.push(crate::dcp::write::literal_file(TRACKER, tracker.into_bytes()));
+    out_files.push(crate::dcp::write::literal_file(
+        TRACKER,
+        tracker.into_bytes(),
+    ));
     let tensors = target
         .iter()
         .zip(pieces)
