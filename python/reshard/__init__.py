@@ -509,6 +509,9 @@ def convert(
     zero_stage: Optional[int] = None,
     step: Optional[int] = None,
     config: Optional[PathLike] = None,
+    tp: Optional[int] = None,
+    pp: Optional[int] = None,
+    ep: Optional[int] = None,
     part: Any = None,
     staging: Optional[PathLike] = None,
     recipe: Optional[str] = None,
@@ -540,7 +543,9 @@ def convert(
     ``config``: a ``config.json`` for an ``hf`` output (default: the source's own, which an
     ``hf`` output carries, with ``generation_config.json``, so that ``from_pretrained``
     loads it); ``zero_stage`` the ZeRO
-    stage of a ``format="deepspeed"`` output (default: the source's).
+    stage of a ``format="deepspeed"`` output (default: the source's); ``tp``, ``pp`` and ``ep``
+    the tensor-, pipeline- and expert-parallel sizes of a ``format="megatron-legacy"`` output
+    (Megatron-LM's ``mp_rank_*`` files; default: the source's, from its saved arguments).
 
     Between frameworks (a megatron-core checkpoint to ``format="hf"``, a Hugging Face folder to
     ``format="megatron"``): ``recipe`` names a built-in recipe (``"llama"``, ``"mistral"``,
@@ -572,6 +577,9 @@ def convert(
         step=_step(tag, step),
         weights=weights,
         zero_stage=zero_stage,
+        tp=tp,
+        pp=pp,
+        ep=ep,
         config=None if config is None else _os.fspath(config),
         part=_part(part),
         staging=None if staging is None else _os.fspath(staging),

@@ -683,6 +683,10 @@ keyword_options! {
         step: Option<u64> = None,
         weights: Option<String> = None,
         zero_stage: Option<u8> = None,
+        /// The split of a megatron-legacy output.
+        tp: Option<u64> = None,
+        pp: Option<u64> = None,
+        ep: Option<u64> = None,
         config: Option<PathBuf> = None,
         /// `"env"` (from the launcher's environment) or `"K/N"`.
         part: Option<String> = None,
@@ -721,6 +725,9 @@ impl ConvertArgs {
             step,
             weights,
             zero_stage,
+            tp,
+            pp,
+            ep,
             config,
             part,
             staging,
@@ -744,6 +751,12 @@ impl ConvertArgs {
             }
             opts.write.zero_stage = Some(s);
         }
+        for (name, v) in [("tp", tp), ("pp", pp), ("ep", ep)] {
+            if v == Some(0) {
+                return Err(request(format!("{name} must be at least 1")));
+            }
+        }
+        (opts.write.tp, opts.write.pp, opts.write.ep) = (tp, pp, ep);
         if let Some(p) = config {
             let bytes = reshard::read_model_config(&p).map_err(py_err)?;
             opts.write.companions = vec![("config.json".into(), bytes)];

@@ -387,9 +387,7 @@ def test_hf_to_megatron_to_hf_is_byte_exact(case, tmp_path):
     assert hf_config_fields(tmp_path / "hf") == hf_config_fields(src)
 
 
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=GROUPED_LEGACY) if c == "mixtral_gg_ep2" else c for c in CASES]
-)
+@pytest.mark.parametrize("case", CASES)
 def test_legacy_to_hf(case, tmp_path):
     out = tmp_path / "hf"
     reshard_cli("convert", FIXTURES / case / "legacy", out, "--format", "hf")
@@ -401,7 +399,6 @@ def test_legacy_to_hf(case, tmp_path):
 LEGACY_TP1 = ["--format", "megatron-legacy", "--tp", "1"]
 
 
-@LEGACY_WRITER
 @pytest.mark.parametrize("case", ["llama_tp2", "qwen2_tp2"])
 def test_legacy_tp2_to_legacy_tp1_to_hf(case, tmp_path):
     reshard_cli("convert", FIXTURES / case / "legacy", tmp_path / "l1", *LEGACY_TP1)

@@ -231,8 +231,8 @@ impl ConvertFlags {
 #[derive(Args)]
 pub struct TargetArgs {
     /// Target world size M (default layout: Shard(0) over M ranks, as FSDP2; default M: 1 for
-    /// a one-rank format such as hf, for megatron (whose loader reads any split), and with
-    /// --recipe).
+    /// a one-rank format such as hf, for megatron (whose loader reads any split), for
+    /// megatron-legacy (split by --tp, --pp and --ep), and with --recipe).
     #[arg(long, value_name = "M")]
     to: Option<u64>,
     /// Target layout file (JSON: mesh and per-name-glob placements); see docs/guide.md,
@@ -275,6 +275,16 @@ pub struct TargetArgs {
     /// ZeRO stage of a deepspeed output (1, 2 or 3; default: the source's).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(1..=3))]
     zero_stage: Option<u8>,
+    /// Tensor-parallel size of a megatron-legacy output (default: the source's, from its
+    /// saved arguments).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    tp: Option<u64>,
+    /// Pipeline-parallel size of a megatron-legacy output (default: the source's).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pp: Option<u64>,
+    /// Expert-parallel size of a megatron-legacy output (default: the source's).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    ep: Option<u64>,
     /// The model config (`config.json`) an hf output carries, so that transformers'
     /// `from_pretrained` loads it (default: the source's own, when it has one).
     #[arg(long, value_name = "FILE")]
@@ -326,6 +336,9 @@ impl TargetArgs {
             write: WriteOptions {
                 max_shard_size: self.max_shard_size,
                 zero_stage: self.zero_stage,
+                tp: self.tp,
+                pp: self.pp,
+                ep: self.ep,
                 companions: match &self.config {
                     Some(p) => vec![("config.json".into(), crate::checkpoint::read_companion(p)?)],
                     None => vec![],
@@ -378,7 +391,9 @@ impl TargetArgs {
             (None, None)
                 if self.recipe.as_deref().is_some_and(|r| r != "none")
                     || self.format.is_some_and(|f| {
-                        f.capabilities().max_world == Some(1) || f == Format::MEGATRON
+                        f.capabilities().max_world == Some(1)
+                            || f == Format::MEGATRON
+                            || f == Format::MEGATRON_LEGACY
                     }) =>
             {
                 Ok(LayoutSpec::fsdp(1))

@@ -88,7 +88,15 @@ fn legacy_checkpoints_read_as_the_global_tensors() {
         convert(
             &legacy(case),
             &st,
-            &["--to", "1", "--format", "safetensors", "-q"],
+            &[
+                "--to",
+                "1",
+                "--format",
+                "safetensors",
+                "--recipe",
+                "none",
+                "-q",
+            ],
         );
         same(&format!("{case} → safetensors"), &read_st(&st).0, &want);
     }
@@ -134,19 +142,261 @@ fn legacy_to_torch_dist_carries_the_arguments_into_common_pt() {
     assert_eq!(args.origin, "common.pt");
     let hidden = args.pickle.as_ref().and_then(|a| a.get("hidden_size"));
     assert_eq!(hidden.and_then(|v| v.as_int()), Some(8));
-    // reshard does not write the legacy format
-    fails(
+}
+
+/// The files under `dir`, relative, sorted.
+fn files_under(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = common::snapshot(dir)
+        .into_keys()
+        .map(|p| {
+            p.strip_prefix(dir)
+                .unwrap_or(&p)
+                .to_string_lossy()
+                .replace('\\', "/")
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// A split: TP × PP × EP.
+type Split = (u64, u64, u64);
+
+/// Write `src` as a legacy checkpoint at TP × PP × EP into `out` and read it back.
+fn write_legacy(src: &Path, out: &Path, (tp, pp, ep): (u64, u64, u64)) -> Checkpoint {
+    let (t, p, e) = (tp.to_string(), pp.to_string(), ep.to_string());
+    convert(
+        src,
+        out,
         &[
-            "convert",
-            s(&legacy("tp2")),
-            s(&d.path().join("again")),
-            "--to",
-            "2",
             "--format",
             "megatron-legacy",
+            "--tp",
+            &t,
+            "--pp",
+            &p,
+            "--ep",
+            &e,
+            "-q",
         ],
-        "reshard reads Megatron-LM legacy checkpoints but does not write them",
     );
+    let ck = Checkpoint::open(out).unwrap();
+    assert_eq!(ck.format, Format::MEGATRON_LEGACY, "{}", out.display());
+    assert_eq!(ck.ranks as u64, tp * pp * ep, "{}", out.display());
+    assert_eq!(ck.tag.as_deref(), Some("iter_0000007"));
+    ck
+}
+
+/// The rank folders Megatron-LM's `get_checkpoint_name` names for TP × PP × EP.
+fn rank_files((tp, pp, ep): (u64, u64, u64)) -> Vec<String> {
+    let mut v = vec!["latest_checkpointed_iteration.txt".to_string()];
+    for p in 0..pp {
+        for e in 0..ep {
+            for t in 0..tp {
+                let mut n = format!("mp_rank_{t:02}");
+                if pp > 1 {
+                    n += &format!("_{p:03}");
+                }
+                if ep > 1 {
+                    n += &format!("_{e:03}");
+                }
+                v.push(format!("iter_0000007/{n}/model_optim_rng.pt"));
+            }
+        }
+    }
+    v.sort();
+    v
+}
+
+#[test]
+fn legacy_written_at_other_splits_reads_back_byte_for_byte() {
+    let splits: &[(&str, &[Split])] = &[
+        ("tp2", &[(1, 1, 1), (2, 4, 1), (1, 2, 1)]),
+        ("pp2", &[(2, 1, 1), (1, 4, 1)]),
+        ("tp2_pp2", &[(1, 1, 1), (2, 1, 1)]),
+        ("te_qkv_bias_tp2_pp2", &[(1, 1, 1), (2, 4, 1)]),
+        ("moe_tp2_ep2", &[(1, 1, 1), (2, 2, 4), (1, 1, 2)]),
+    ];
+    for (case, to) in splits {
+        let config = CASES.iter().find(|c| c.0 == *case).unwrap().1;
+        let want = expected(config);
+        for split in *to {
+            let d = tempfile::tempdir().unwrap();
+            let out = d.path().join("out");
+            let ck = write_legacy(&legacy(case), &out, *split);
+            assert_eq!(files_under(&out), rank_files(*split), "{case} → {split:?}");
+            assert_eq!(
+                std::fs::read_to_string(out.join("latest_checkpointed_iteration.txt")).unwrap(),
+                "7"
+            );
+            same(&format!("{case} → {split:?}"), &read_all(&ck), &want);
+            // the arguments say the new split; the counters are carried
+            let args = ck.extras.iter().find(|x| x.name == "args").unwrap();
+            let arg = |n: &str| args.pickle.as_ref().and_then(|a| a.get(n)?.as_int());
+            assert_eq!(
+                (
+                    arg("tensor_model_parallel_size"),
+                    arg("pipeline_model_parallel_size"),
+                    arg("expert_model_parallel_size")
+                ),
+                (
+                    Some(split.0 as i64),
+                    Some(split.1 as i64),
+                    Some(split.2 as i64)
+                ),
+                "{case} → {split:?}"
+            );
+            let names: Vec<&str> = ck.extras.iter().map(|x| x.name.as_str()).collect();
+            for n in [
+                "checkpoint_version",
+                "iteration",
+                "num_floating_point_operations_so_far",
+            ] {
+                assert!(names.contains(&n), "{case}: {n} not in {names:?}");
+            }
+        }
+    }
+    // legacy TP 2 → legacy TP 1 → legacy TP 2 × PP 2: the source's global tensors each time
+    let d = tempfile::tempdir().unwrap();
+    let one = d.path().join("tp1");
+    write_legacy(&legacy("tp2"), &one, (1, 1, 1));
+    let again = write_legacy(&one, &d.path().join("tp2_pp2"), (2, 2, 1));
+    same(
+        "tp2 → tp1 → tp2 × pp2",
+        &read_all(&again),
+        &expected("llama"),
+    );
+    // the split defaults to the source's
+    let out = d.path().join("same");
+    convert(
+        &legacy("tp2_pp2"),
+        &out,
+        &["--format", "megatron-legacy", "-q"],
+    );
+    assert_eq!(files_under(&out), rank_files((2, 2, 1)));
+}
+
+/// A torch_dist checkpoint's tensors under the legacy reader's names: each layer (and expert)
+/// of a stacked tensor as its own tensor, `experts.experts` as `local_experts`.
+fn unstacked(ck: &Checkpoint) -> Tensors {
+    let mut out = Tensors::new();
+    for (name, (dtype, shape, bytes)) in read_all(ck) {
+        let Some(rest) = name.strip_prefix("decoder.layers.") else {
+            out.insert(name, (dtype, shape, bytes));
+            continue;
+        };
+        let (expert, rest) = match rest.strip_prefix("mlp.experts.experts.") {
+            Some(r) => (true, r),
+            None => (false, rest),
+        };
+        let axes = if expert { 2 } else { 1 };
+        let count = shape[..axes].iter().product::<u64>() as usize;
+        let experts = shape.get(1).copied().unwrap_or(1) as usize;
+        let each = bytes.len() / count;
+        for k in 0..count {
+            let n = if expert {
+                format!(
+                    "decoder.layers.{}.mlp.experts.local_experts.{}.{rest}",
+                    k / experts,
+                    k % experts
+                )
+            } else {
+                format!("decoder.layers.{k}.{rest}")
+            };
+            out.insert(
+                n,
+                (
+                    dtype.clone(),
+                    shape[axes..].to_vec(),
+                    bytes[k * each..(k + 1) * each].to_vec(),
+                ),
+            );
+        }
+    }
+    out
+}
+
+#[test]
+fn torch_dist_and_grouped_gemm_experts_to_legacy_and_back() {
+    let frameworks = |case: &str, f: &str| fixture(&format!("frameworks/{case}/{f}"));
+    for (case, splits) in [
+        ("llama_tp2_pp2", &[(1u64, 1u64, 1u64), (2, 4, 1)][..]),
+        ("llama_tied_tp2", &[(2, 2, 1), (1, 4, 1)][..]),
+        ("mixtral_gg_ep2", &[(1, 1, 1), (2, 2, 4)][..]),
+        ("mixtral_ep2", &[(2, 1, 1)][..]),
+    ] {
+        let want = unstacked(&Checkpoint::open(frameworks(case, "torch_dist")).unwrap());
+        // the legacy files megatron-core wrote hold the torch_dist checkpoint's tensors; with
+        // grouped GEMM, weight1 / weight2 are each local expert's projections transposed
+        let ck = Checkpoint::open(frameworks(case, "legacy")).unwrap();
+        same(
+            &format!("{case}: legacy vs torch_dist"),
+            &read_all(&ck),
+            &want,
+        );
+        for split in splits {
+            let d = tempfile::tempdir().unwrap();
+            // from torch_dist (layers stacked), and from the legacy files
+            for (src, what) in [("torch_dist", "from torch_dist"), ("legacy", "from legacy")] {
+                let out = d.path().join(src);
+                let ck = write_legacy(&frameworks(case, src), &out, *split);
+                assert_eq!(files_under(&out), rank_files(*split), "{case} {what}");
+                same(&format!("{case} {what} → {split:?}"), &read_all(&ck), &want);
+            }
+        }
+    }
+}
+
+#[test]
+fn legacy_output_errors_write_nothing() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("out");
+    let go = |src: &Path, extra: &[&str], needle: &str| {
+        let mut args = vec!["convert", s(src), s(&out), "--format", "megatron-legacy"];
+        args.extend_from_slice(extra);
+        fails(&args, needle);
+        assert!(!out.exists(), "{needle}: something was written");
+    };
+    let src = legacy("tp2");
+    go(
+        &src,
+        &["--tp", "3"],
+        "--tp 3 does not divide args.padded_vocab_size 16",
+    );
+    go(
+        &src,
+        &["--tp", "4"],
+        "--tp 4 does not divide the 2 query groups (args.num_query_groups)",
+    );
+    go(
+        &src,
+        &["--pp", "3"],
+        "args say 4 layers over 3 pipeline stages, which reshard cannot place",
+    );
+    go(
+        &legacy("moe_tp2_ep2"),
+        &["--ep", "3"],
+        "--ep 3 does not divide args.num_experts 4",
+    );
+    go(
+        &src,
+        &["--to", "3"],
+        "--to 3: a megatron-legacy output is split by --tp, --pp and --ep (here TP 2 × PP 1 × EP 1 = 2 rank file(s))",
+    );
+    // a source without Megatron-LM's arguments
+    let st = d.path().join("m.safetensors");
+    convert(&src, &st, &["--to", "1", "-q"]);
+    go(
+        &st,
+        &["--tp", "1"],
+        "a megatron-legacy output needs Megatron-LM's arguments",
+    );
+    // the split options belong to a legacy output
+    fails(
+        &["convert", s(&src), s(&out), "--to", "1", "--tp", "1"],
+        "--tp splits a megatron-legacy output",
+    );
+    assert!(!out.exists());
 }
 
 #[test]
@@ -194,7 +444,11 @@ fn save_directories_open_the_tracked_iteration_and_step_chooses() {
     convert(&dir, &st, &["--to", "1", "-q"]);
     assert_eq!(read_all(&Checkpoint::open(&st).unwrap()), want);
     let st12 = d.path().join("m12.safetensors");
-    convert(&dir, &st12, &["--to", "1", "--step", "12", "-q"]);
+    convert(
+        &dir,
+        &st12,
+        &["--to", "1", "--step", "12", "--recipe", "none", "-q"],
+    );
     same("--step 12", &read_st(&st12).0, &expected("llama"));
     // the tracker moves on: the newest is read
     std::fs::write(dir.join("latest_checkpointed_iteration.txt"), "12").unwrap();

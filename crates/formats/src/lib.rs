@@ -17,7 +17,7 @@
 //! | `pt/` | one `torch.save` file (`.pt`) holding a state dict: codec, reader, writer |
 //! | `deepspeed/` | DeepSpeed ZeRO checkpoints (stages 1-3): file records, partitions, reader, writer |
 //! | `megatron` | megatron-core `dist_checkpointing` (`torch_dist`): its files around a DCP checkpoint |
-//! | `megatron_legacy` | Megatron-LM's per-rank checkpoints (`--ckpt-format torch`) as global tensors, and its save directories (`latest_checkpointed_iteration.txt`, `iter_NNNNNNN/`) |
+//! | `megatron_legacy` | Megatron-LM's per-rank checkpoints (`--ckpt-format torch`) read as global tensors and written at a chosen TP/PP/EP, and its save directories (`latest_checkpointed_iteration.txt`, `iter_NNNNNNN/`) |
 //! | `torch/` | the torch.save machinery DCP and `.pt` share: pickle, zip records, dtypes |
 //! | `index` | which bytes opening a checkpoint reads, for checkpoints read from object storage |
 //!
@@ -305,7 +305,8 @@ impl Format {
     /// `common.pt` and a DCP checkpoint).
     pub const MEGATRON: Format = Format(&megatron::Megatron);
     /// Megatron-LM's per-rank checkpoints (`--ckpt-format torch`: an `iter_NNNNNNN` folder of
-    /// `mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`), read as global tensors.
+    /// `mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`), read as global tensors and written at
+    /// the split [`WriteOptions::tp`], `pp` and `ep` ask for.
     pub const MEGATRON_LEGACY: Format = Format(&megatron_legacy::MegatronLegacy);
 
     /// The name used on the command line.
@@ -730,6 +731,13 @@ pub struct WriteOptions {
     /// folder's `config.json`): the source's [`Checkpoint::companions`], overridden by name
     /// by those given here.
     pub companions: Vec<(String, Vec<u8>)>,
+    /// The tensor-parallel size of a `megatron-legacy` output; `None`: the source's (its
+    /// saved arguments').
+    pub tp: Option<u64>,
+    /// The pipeline-parallel size of a `megatron-legacy` output; `None`: the source's.
+    pub pp: Option<u64>,
+    /// The expert-parallel size of a `megatron-legacy` output; `None`: the source's.
+    pub ep: Option<u64>,
 }
 
 impl Default for WriteOptions {
@@ -743,6 +751,9 @@ impl Default for WriteOptions {
             tag: None,
             zero_stage: None,
             companions: vec![],
+            tp: None,
+            pp: None,
+            ep: None,
         }
     }
 }
@@ -773,6 +784,17 @@ pub fn write(
         // a format reshard only reads: its writer says so
         return format.codec().write(target, world, opts);
     }
+    if format != Format::MEGATRON_LEGACY {
+        if let Some((flag, _)) = [("--tp", opts.tp), ("--pp", opts.pp), ("--ep", opts.ep)]
+            .into_iter()
+            .find(|(_, v)| v.is_some())
+        {
+            return Err(Error::usage(format!(
+                "{flag} splits a megatron-legacy output; {} is split by --to M or a --layout file",
+                format.capabilities().noun
+            )));
+        }
+    }
     if !format.holds(world as u64) {
         return Err(Error::TooManyRanks {
             format: format.name(),
@@ -782,9 +804,11 @@ pub fn write(
         });
     }
     if !format.capabilities().keeps_opaque {
+        // (a legacy output writes only the `common.pt` entries, in every rank file)
         if let Some((e, reason)) = opts
             .extras
             .iter()
+            .filter(|e| format != Format::MEGATRON_LEGACY || e.origin == megatron::COMMON_ORIGIN)
             .find_map(|e| Some((e, e.opaque_reason()?)))
         {
             return Err(Error::usage(format!(
@@ -801,7 +825,8 @@ pub fn write(
 
 /// Whether `rel` (a `/`-separated path inside a destination; `""` for a single-file one) is
 /// an object that makes a checkpoint loadable — `.metadata` (or `__<R>.metadata`), a
-/// Hugging Face `*.index.json`, DeepSpeed's `latest`, megatron's `metadata.json`, or the
+/// Hugging Face `*.index.json`, DeepSpeed's `latest`, megatron's `metadata.json`,
+/// Megatron-LM's `latest_checkpointed_iteration.txt`, or the
 /// one file — and so is written after every other object when uploading.
 pub fn loadable_last(rel: &str) -> bool {
     let name = rel.rsplit('/').next().unwrap_or(rel);
@@ -811,4 +836,5 @@ pub fn loadable_last(rel: &str) -> bool {
         || name.ends_with(".index.json")
         || name == "latest"
         || name == "metadata.json"
+        || name == megatron_legacy::TRACKER
 }

@@ -20,10 +20,16 @@
 //! The optimizer's state and the RNG states are each rank's own and are not read (the model's
 //! weights are); `args`, `iteration`, `checkpoint_version`, `opt_param_scheduler` and the
 //! other plain entries of rank 0's file are non-tensor entries of origin `common.pt`, so a
-//! `torch_dist` output carries them in its `common.pt`. Not read: virtual pipeline stages
-//! (`model0`, `model1`, …), Megatron-LM's pre-megatron-core models (`language_model.*`),
-//! grouped-GEMM experts, TransformerEngine's `_extra_state` (FP8 scaling state, which has no
-//! split rule). Reading only: the writer refuses.
+//! `torch_dist` output carries them in its `common.pt`. GroupedMLP's experts
+//! (`args.moe_grouped_gemm`: a layer's `mlp.experts.weight1` / `weight2`) are read as
+//! SequentialMLP's, each expert's projection a strided (transposed) view of its stretch of
+//! the record. Not read: virtual pipeline stages (`model0`, `model1`, …), Megatron-LM's
+//! pre-megatron-core models (`language_model.*`), TransformerEngine's `_extra_state` (FP8
+//! scaling state, which has no split rule).
+//!
+//! The writer (`write.rs`) lays global tensors out the other way, at the tensor-, pipeline-
+//! and expert-parallel sizes asked for: a save directory of per-rank files that Megatron-LM's
+//! `load_checkpoint` loads into a GPTModel of that split.
 
 use crate::error::{Error, IoContext, Result};
 use crate::layout::{Loc, Piece, Region, TensorLayout};
@@ -36,6 +42,8 @@ use crate::{
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
+
+mod write;
 
 /// Megatron-LM's tracker file in a save directory: the iteration (or `release`) saved last.
 pub const TRACKER: &str = "latest_checkpointed_iteration.txt";
@@ -149,14 +157,14 @@ static CAPS: Capabilities = Capabilities {
     aliases: &["megatron-torch"],
     summary:
         "Megatron-LM per-rank checkpoints (--ckpt-format torch: mp_rank_*/model_optim_rng.pt), \
-              read as global tensors (read only)",
+              read as global tensors, written at --tp/--pp/--ep",
     noun: "a Megatron-LM legacy checkpoint (mp_rank_* folders)",
     container: Container::Directory,
     extensions: &[],
-    // read only: never chosen as an output, and the writer refuses
-    max_world: Some(0),
+    // the split is --tp, --pp and --ep (M, when given, must be their product)
+    max_world: None,
     family: Family::Torch,
-    extras_kept: "not written",
+    extras_kept: "in every rank file (args, iteration, counters)",
     keeps_opaque: false,
     aliasing: Aliasing::StoresOnce,
 };
@@ -200,11 +208,8 @@ impl Codec for MegatronLegacy {
     fn read(&self, path: &Path) -> Result<Checkpoint> {
         read(path)
     }
-    fn write(&self, _target: &[TargetTensor], _world: u32, _opts: &WriteOptions) -> Result<Output> {
-        Err(Error::usage(
-            "reshard reads Megatron-LM legacy checkpoints but does not write them: \
-             choose another --format (megatron for torch_dist)",
-        ))
+    fn write(&self, target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
+        write::write(target, world, opts)
     }
 }
 
@@ -329,6 +334,9 @@ struct Config {
     /// Whether the layers use the local (non-TransformerEngine) spec, whose norms are
     /// modules of their own (`input_layernorm`, `pre_mlp_layernorm`).
     local_spec: Option<bool>,
+    /// Whether the experts are megatron-core's GroupedMLP (`args.moe_grouped_gemm`): each
+    /// layer's local experts in two tensors, `mlp.experts.weight1` and `weight2`.
+    grouped_gemm: bool,
 }
 
 /// An int argument, `None` when absent or `None`; refused when another type.
@@ -418,12 +426,6 @@ impl Config {
                 ));
             }
         }
-        if experts.is_some() && bool_arg(args, "moe_grouped_gemm") {
-            return Err(Error::format(
-                file,
-                "sets args.moe_grouped_gemm: reshard reads legacy checkpoints of sequential experts (local_experts) only",
-            ));
-        }
         let transformer_impl = args.get("transformer_impl").and_then(Value::as_str);
         Ok(Config {
             tp,
@@ -442,6 +444,7 @@ impl Config {
             tied: !bool_arg(args, "untie_embeddings_and_output_weights"),
             experts,
             local_spec: transformer_impl.map(|t| t == "local"),
+            grouped_gemm: experts.is_some() && bool_arg(args, "moe_grouped_gemm"),
         })
     }
 
@@ -843,10 +846,11 @@ fn global_tensors(cfg: &Config, files: &[RankFile]) -> Result<Vec<TensorLayout>>
     for (r, f) in files.iter().enumerate() {
         let r = r as u64;
         let (t, e, s) = (r % tp, (r / tp) % ep, r / (tp * ep));
-        let model = f.model()?;
+        let model = grouped_experts(cfg, f.model()?, &f.path)?;
         // every stage's file has its own layers: those the arguments give it
         let mut seen_layers = 0u64;
         for (key, local) in &model {
+            let (key, local) = (key.as_str(), local);
             if let Some(i) = key
                 .strip_prefix("decoder.layers.")
                 .and_then(|l| l.split('.').next())
@@ -939,6 +943,87 @@ fn global_tensors(cfg: &Config, files: &[RankFile]) -> Result<Vec<TensorLayout>>
             return Err(Error::layout(
                 &g.name,
                 format!("the rank files cover {covered} of its {volume} elements"),
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// The model's tensors with GroupedMLP's experts (`args.moe_grouped_gemm`) presented as
+/// SequentialMLP's: a layer's `mlp.experts.weight1`, shaped `[H, E_local·c]` but holding
+/// `[E_local, H, c]` (each local expert's first projection, `c` = 2F/TP with SwiGLU, stored
+/// transposed one after the other: a reshape, not experts side by side), becomes
+/// `mlp.experts.local_experts.{j}.linear_fc1.weight` `[c, H]` of strides `[1, c]`; `weight2`,
+/// `[E_local·r, H]` holding `[E_local, r, H]` (r = F/TP), becomes `….linear_fc2.weight`
+/// `[H, r]` of strides `[1, H]`. Nothing is copied: each is a strided view of its record.
+fn grouped_experts(
+    cfg: &Config,
+    model: Vec<(&str, &TensorLayout)>,
+    file: &Path,
+) -> Result<Vec<(String, TensorLayout)>> {
+    let mut out = Vec::with_capacity(model.len());
+    for (key, local) in model {
+        let which = key
+            .strip_suffix(".mlp.experts.weight1")
+            .map(|p| (p, 1))
+            .or_else(|| key.strip_suffix(".mlp.experts.weight2").map(|p| (p, 2)));
+        let Some((layer, which)) = which.filter(|_| key.starts_with("decoder.layers.")) else {
+            out.push((key.to_string(), local.clone()));
+            continue;
+        };
+        let bad = |why: String| Error::format(file, format!("`{}`: {why}", short(key)));
+        if !cfg.grouped_gemm {
+            return Err(bad(
+                "grouped-GEMM experts, but args.moe_grouped_gemm is not set".into(),
+            ));
+        }
+        let per = cfg.experts.unwrap_or(0) / cfg.ep;
+        let (Some(h), [rows, cols], [piece]) =
+            (cfg.hidden, local.shape.as_slice(), local.pieces.as_slice())
+        else {
+            return Err(bad(format!(
+                "a grouped-GEMM weight of shape {:?} (expected 2-d, in one piece)",
+                local.shape
+            )));
+        };
+        if piece.loc.strides.is_some() {
+            return Err(bad("a grouped-GEMM weight stored strided".into()));
+        }
+        // (the stored dimension holding the experts, the hidden size's)
+        let (stacked, hidden) = if which == 1 {
+            (*cols, *rows)
+        } else {
+            (*rows, *cols)
+        };
+        if per == 0 || hidden != h || stacked % per != 0 {
+            return Err(bad(format!(
+                "shape {:?} is not {per} local experts of hidden size {h}",
+                local.shape
+            )));
+        }
+        let c = stacked / per;
+        let elem = local.dtype.size() as u64;
+        for j in 0..per {
+            let (name, shape, strides) = if which == 1 {
+                ("linear_fc1.weight", vec![c, h], vec![1, c])
+            } else {
+                ("linear_fc2.weight", vec![h, c], vec![1, h])
+            };
+            let mut loc = piece.loc.clone();
+            loc.offset += j * c * h * elem;
+            loc.strides = Some(strides);
+            out.push((
+                format!("{layer}.mlp.experts.local_experts.{j}.{name}"),
+                TensorLayout {
+                    name: local.name.clone(),
+                    dtype: local.dtype,
+                    shape: shape.clone(),
+                    pieces: vec![Piece {
+                        rank: piece.rank,
+                        region: Region::full(&shape),
+                        loc,
+                    }],
+                },
             ));
         }
     }

@@ -9,4 +9,5 @@ pub mod read;
 mod write;
 
 pub use codec::Pt;
+pub(crate) use write::nested_values;
 pub use write::write;

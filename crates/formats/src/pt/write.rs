@@ -146,6 +146,31 @@ fn to_py(node: Node, target: &[TargetTensor], st: &mut Storages) -> Result<PyVal
     })
 }
 
+/// The non-tensor entries `extras` as the items of a dict, nested as `paths` says (names
+/// absent there are top-level keys), as [`write`] nests them.
+pub(crate) fn nested_values(
+    extras: &[&crate::Extra],
+    paths: &std::collections::BTreeMap<String, Vec<KeyPart>>,
+) -> Result<Vec<(PyValue, PyValue)>> {
+    let mut root = Node::Map(vec![], HashMap::new());
+    for e in extras {
+        let path = paths
+            .get(&e.name)
+            .cloned()
+            .unwrap_or_else(|| vec![KeyPart::Key(e.name.clone())]);
+        insert(&mut root, &path, Node::Value(extra_value(e)), &e.name)?;
+    }
+    let mut st = Storages {
+        order: vec![],
+        group: &[],
+        keys: vec![],
+    };
+    match to_py(root, &[], &mut st)? {
+        PyValue::Dict(items) => Ok(items),
+        _ => Err(Error::internal("nested values: not a dict")),
+    }
+}
+
 /// Lay out a consolidated target (and the non-tensor entries of `opts`) as one `.pt` file.
 pub fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
     let path_of = |name: &str| -> Vec<KeyPart> {

@@ -871,14 +871,15 @@ pub fn from_pickle(v: &Value) -> Option<PyValue> {
             }
             _ => return None,
         },
-        // megatron-core's enums in those arguments: `AttnBackend(5)`, called again by the
-        // unpickler that reads the file (megatron-core's own, not torch's weights-only one)
+        // megatron-core's enums in those arguments: `AttnBackend(5)`, and Megatron-LM's
+        // `exit_signal` (`signal.Signals(15)`), called again by the unpickler that reads the
+        // file (megatron-core's own, not torch's weights-only one)
         Value::Object {
             module,
             name,
             args,
             state: None,
-        } if is_megatron_enum(module)
+        } if (is_megatron_enum(module) || (module == "signal" && name == "Signals"))
             && matches!(args.as_slice(), [Value::Int(_) | Value::Str(_)]) =>
         {
             PyValue::Call {
