@@ -15,7 +15,7 @@ weights; and the layout a converter must implement (fused per-group QKV rows, ``
 the vocabulary's padding rows, the local spec's norms under TransformerEngine's names, layers
 stacked on a leading axis) maps the ``torch_dist`` tensors to mbridge's, bit for bit.
 
-Then the conversions by ``reshard convert`` (marked xfail until the recipes land): torch_dist ->
+Then the conversions by ``reshard convert`` and ``reshard.torch.load``: torch_dist ->
 hf (logits, bitwise equal to mbridge's tensors, config.json), hf -> megatron (loaded by
 megatron-core at TP 2 and at PP 2, same logits), and the round trips (hf -> megatron -> hf, legacy
 -> hf, legacy TP 2 -> legacy TP 1 -> hf: byte-exact).
@@ -53,12 +53,6 @@ pytestmark = pytest.mark.skipif(
     bool(MISSING) and os.environ.get("CI") != "true",
     reason=f"{', '.join(MISSING)} not installed (scripts/setup_venv.sh --frameworks)",
 )
-# what reshard does not do yet, each failing for the reason said (strict: a pass is news)
-LEGACY_WRITER = pytest.mark.xfail(reason="writing Megatron-LM's legacy format is not built yet", strict=True)
-GROUPED_LEGACY = pytest.mark.xfail(
-    reason="legacy files of grouped-GEMM experts are refused by the reader", strict=True
-)
-
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "case.json").is_file())
 TOL = 1e-5
 ITER = "iter_0000007"
