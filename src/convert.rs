@@ -149,7 +149,10 @@ pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions)
     let source = Checkpoint::open_with(src, None, &opts.open)?;
     let world = opts.layout.world();
     let (format, format_reason) = formats::output_format(dst, world, source.format, opts.format)?;
-    if let Some(applied) = crate::recipe::apply(&source, format, &opts.recipe)? {
+    // a legacy output's --tp is the split the recipe pads the vocabulary for
+    let mut recipe_opts = opts.recipe.clone();
+    recipe_opts.tp = recipe_opts.tp.or(opts.write.tp);
+    if let Some(applied) = crate::recipe::apply(&source, format, &recipe_opts)? {
         return prepare_recipe(source, format, format_reason, applied, opts);
     }
     let selected = opts.select.apply(&source)?;

@@ -27,6 +27,9 @@ pub struct RecipeOptions {
     pub recipe: Option<String>,
     /// Parameter values that override the source's configuration (`padded_vocab=256`).
     pub params: BTreeMap<String, Value>,
+    /// The output's tensor-parallel size where the output states one (a legacy output's
+    /// `--tp`): the value of a recipe's `tp` parameter unless `params` sets it.
+    pub tp: Option<u64>,
 }
 
 /// A recipe chosen and applied to a source.
@@ -241,6 +244,9 @@ pub fn apply(ck: &Checkpoint, format: Format, opts: &RecipeOptions) -> Result<Op
     let empty = Value::Object(Default::default());
     let config = config.unwrap_or(empty);
     let mut given = opts.params.clone();
+    if let Some(tp) = opts.tp.filter(|_| recipe.params.contains_key("tp")) {
+        given.entry("tp".into()).or_insert_with(|| tp.into());
+    }
     if recipe.params.contains_key("dtype") && !given.contains_key("dtype") {
         if let Some(name) = ck.tensors.iter().find_map(|t| torch_float_name(t.dtype)) {
             given.insert("dtype".into(), Value::from(name));

@@ -332,6 +332,7 @@ impl TargetArgs {
             recipe: crate::recipe::RecipeOptions {
                 recipe: self.recipe.clone(),
                 params: self.params.iter().cloned().collect(),
+                tp: None,
             },
             write: WriteOptions {
                 max_shard_size: self.max_shard_size,
