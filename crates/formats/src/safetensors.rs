@@ -513,9 +513,10 @@ pub fn extras_from_metadata(
                             format!("`{EXTRAS_PICKLE_KEY}` of `{name}` is not hex"),
                         )
                     })?;
-                    let v = pickle::parse(&bytes, &pickle::torch_save_globals()).map_err(|e| {
-                        Error::format(path, format!("`{EXTRAS_PICKLE_KEY}` of `{name}`: {e}"))
-                    })?;
+                    let v =
+                        pickle::parse(&bytes, &pickle::pickled_dict_globals()).map_err(|e| {
+                            Error::format(path, format!("`{EXTRAS_PICKLE_KEY}` of `{name}`: {e}"))
+                        })?;
                     Some(v)
                 }
             };
