@@ -438,17 +438,7 @@ fn buffer_pieces(lt: &LocalTensor, global: &[u64]) -> Result<Vec<Piece>> {
                     ),
                 ));
             }
-            let first: u64 = p.at.iter().zip(&strides).map(|(a, s)| a * s).sum();
-            Ok(Piece {
-                rank: 0,
-                region: p.region.clone(),
-                loc: Loc {
-                    file: 0,
-                    offset: first * lt.dtype.size() as u64,
-                    strides: Some(strides.to_vec()),
-                    pending: None,
-                },
-            })
+            Ok(buffer_piece(lt, p, &strides))
         })
         .collect()
 }
@@ -476,18 +466,22 @@ fn local_pieces<'a>(
                 ),
             ));
         }
-        let strides = row_major_strides(&lt.shape);
-        let first: u64 = p.at.iter().zip(&strides).map(|(a, s)| a * s).sum();
-        pieces.push(Piece {
-            rank: 0,
-            region: p.region.clone(),
-            loc: Loc {
-                file: 0,
-                offset: first * lt.dtype.size() as u64,
-                strides: Some(strides.to_vec()),
-                pending: None,
-            },
-        });
+        pieces.push(buffer_piece(lt, p, &row_major_strides(&lt.shape)));
     }
     Ok((src, pieces))
+}
+
+/// Part `p` of `lt` as a piece of its buffer (file 0), whose row-major `strides` are `lt`'s.
+fn buffer_piece(lt: &LocalTensor, p: &LocalPart, strides: &[u64]) -> Piece {
+    let first: u64 = p.at.iter().zip(strides).map(|(a, s)| a * s).sum();
+    Piece {
+        rank: 0,
+        region: p.region.clone(),
+        loc: Loc {
+            file: 0,
+            offset: first * lt.dtype.size() as u64,
+            strides: Some(strides.to_vec()),
+            pending: None,
+        },
+    }
 }
