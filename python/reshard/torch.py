@@ -256,13 +256,8 @@ def load(
             unexpected.append(target)
 
     missing = [n for n in by_name if n not in matched]
-    if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} key(s) of the state dict are not in it: {_few(missing)}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} of its entries have no place in the state dict: {_few(unexpected)}")
-        raise RequestError(f"{ck.path}: " + "; ".join(parts) + " (pass strict=False to load the rest)")
+    if strict:
+        _check_strict(ck, missing, unexpected, "in it", "of its entries")
 
     # The non-tensor values that replace the state dict's: only these are read (fetched from
     # object storage), and before any tensor is written.
@@ -325,15 +320,22 @@ def _load_through_recipe(
         _plan_tensor(fill, name, tuple(shape), leaf.value, f"tensor `{target}`")
         matched.add(target)
     missing = [n for n in by_name if n not in matched]
-    if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} key(s) of the state dict are not among the recipe's tensors: {_few(missing)}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} of the recipe's tensors have no place in the state dict: {_few(unexpected)}")
-        raise RequestError(f"{ck.path}: " + "; ".join(parts) + " (pass strict=False to load the rest)")
+    if strict:
+        _check_strict(ck, missing, unexpected, "among the recipe's tensors", "of the recipe's tensors")
     fill.run()
     return LoadResult(missing, unexpected)
+
+
+def _check_strict(ck: Checkpoint, missing: List[str], unexpected: List[str], among: str, entries: str) -> None:
+    """Raise what ``strict`` refuses: state-dict keys the checkpoint lacks (not ``among`` its
+    entries), and ``entries`` with no place in the state dict."""
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} key(s) of the state dict are not {among}: {_few(missing)}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} {entries} have no place in the state dict: {_few(unexpected)}")
+    if parts:
+        raise RequestError(f"{ck.path}: " + "; ".join(parts) + " (pass strict=False to load the rest)")
 
 
 def _os_fspath(p: Any) -> str:
