@@ -371,28 +371,15 @@ pub fn read_view_tensors_into(
         .collect::<Result<_>>()?;
     let (jobs, fills): (Vec<Vec<CopyOp>>, Vec<Vec<FillOp>>) = planned.into_iter().unzip();
     for (i, fs) in fills.iter().enumerate() {
-        let n = outs[i].len() as u64;
         for f in fs {
-            let (_, end) = f.dst_span();
-            if end > n || f.value.is_empty() || f.len % f.value.len() as u64 != 0 {
-                return Err(Error::internal(format!(
-                    "tensor `{}`: a fill outside its buffer",
-                    tensors[i].name
-                )));
-            }
+            f.check(outs[i].len() as u64)
+                .map_err(|m| Error::internal(format!("tensor `{}`: {m}", tensors[i].name)))?;
         }
     }
     read_many_into(&jobs, ck.sources(), outs)?;
-    // the padding: each fill's rows set to its value (disjoint from the copies)
+    // the padding (disjoint from the copies)
     for (out, fs) in outs.iter_mut().zip(&fills) {
-        for f in fs {
-            for r in 0..f.count {
-                let at = (f.dst_offset + r * f.dst_stride) as usize;
-                for chunk in out[at..at + f.len as usize].chunks_exact_mut(f.value.len()) {
-                    chunk.copy_from_slice(&f.value);
-                }
-            }
-        }
+        fs.iter().for_each(|f| f.write_into(out, 0));
     }
     Ok(())
 }

@@ -116,6 +116,51 @@ impl FillOp {
         let end = self.dst_offset + (self.count - 1) * self.dst_stride + self.len;
         (self.dst_offset, end)
     }
+
+    /// Check the op is well formed for a destination of `size` bytes: rows of whole elements
+    /// of its value, rows that do not overlap, none past the end. `Err` says what is wrong.
+    pub fn check(&self, size: u64) -> std::result::Result<(), String> {
+        let elem = self.value.len() as u64;
+        if elem == 0 || self.len % elem != 0 {
+            return Err(format!(
+                "a fill's rows of {} bytes are not whole elements of {elem} bytes",
+                self.len
+            ));
+        }
+        if self.count == 0 || self.len == 0 || (self.count > 1 && self.dst_stride < self.len) {
+            return Err(format!(
+                "malformed fill in plan ({} rows of {} bytes, {} apart)",
+                self.count, self.len, self.dst_stride
+            ));
+        }
+        let end = (self.count - 1)
+            .checked_mul(self.dst_stride)
+            .and_then(|x| x.checked_add(self.dst_offset))
+            .and_then(|x| x.checked_add(self.len));
+        if end.is_none_or(|e| e > size) {
+            return Err(format!(
+                "fill past the end of the output ({} rows of {} bytes from {}, {} apart; the output has {size})",
+                self.count, self.len, self.dst_offset, self.dst_stride
+            ));
+        }
+        Ok(())
+    }
+
+    /// Write the op's rows into `buf`, which holds destination bytes from `lo` on (its rows
+    /// whole elements of its value, and within `buf`: [`FillOp::check`]).
+    pub fn write_into(&self, buf: &mut [u8], lo: u64) {
+        let v = &self.value;
+        for r in 0..self.count {
+            let a = (self.dst_offset + r * self.dst_stride - lo) as usize;
+            let row = &mut buf[a..a + self.len as usize];
+            if v.iter().all(|&b| b == v[0]) {
+                row.fill(v[0]);
+            } else {
+                row.chunks_exact_mut(v.len())
+                    .for_each(|e| e.copy_from_slice(v));
+            }
+        }
+    }
 }
 
 /// What the plan does for one tensor.

@@ -658,30 +658,8 @@ fn check_ops(plan: &Plan, outputs: &[OutputFile]) -> Result<()> {
     }
     for f in &plan.fills {
         let d = output(f.dst)?;
-        let bad = |what: String| Err(Error::usage(format!("{}: {what}", d.path.display())));
-        let elem = f.value.len() as u64;
-        if elem == 0 || f.len % elem != 0 {
-            return bad(format!(
-                "a fill's rows of {} bytes are not whole elements of {elem} bytes",
-                f.len
-            ));
-        }
-        if f.count == 0 || f.len == 0 || (f.count > 1 && f.dst_stride < f.len) {
-            return bad(format!(
-                "malformed fill in plan ({} rows of {} bytes, {} apart)",
-                f.count, f.len, f.dst_stride
-            ));
-        }
-        let end = (f.count - 1)
-            .checked_mul(f.dst_stride)
-            .and_then(|x| x.checked_add(f.dst_offset))
-            .and_then(|x| x.checked_add(f.len));
-        if end.is_none_or(|e| e > d.size) {
-            return bad(format!(
-                "fill past the end of the output ({} rows of {} bytes from {}, {} apart; the output has {})",
-                f.count, f.len, f.dst_offset, f.dst_stride, d.size
-            ));
-        }
+        f.check(d.size)
+            .map_err(|m| Error::usage(format!("{}: {m}", d.path.display())))?;
     }
     Ok(())
 }

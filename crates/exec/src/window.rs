@@ -303,7 +303,7 @@ fn assemble(lo: u64, hi: u64, frags: &[&Frag], io: &WindowIo, shares: &mut Share
                         apply(o, io.srcs, &mut buf, lo);
                     }
                 }
-                Frag::Fill(o) => fill(o, &mut buf, lo),
+                Frag::Fill(o) => o.write_into(&mut buf, lo),
             }
         }
         for (ck, x, y) in shares.to_hash(lo, hi) {
@@ -314,22 +314,6 @@ fn assemble(lo: u64, hi: u64, frags: &[&Frag], io: &WindowIo, shares: &mut Share
         }
         io.write(&buf, lo)
     })
-}
-
-/// Write fill `o` (its rows whole elements of its value, [`super::schedule::clip_fill`]) into
-/// `buf`, which holds destination bytes from `lo` on.
-fn fill(o: &crate::plan::FillOp, buf: &mut [u8], lo: u64) {
-    let v = &o.value;
-    for r in 0..o.count {
-        let a = (o.dst_offset + r * o.dst_stride - lo) as usize;
-        let row = &mut buf[a..a + o.len as usize];
-        if v.iter().all(|&b| b == v[0]) {
-            row.fill(v[0]);
-        } else {
-            row.chunks_exact_mut(v.len())
-                .for_each(|e| e.copy_from_slice(v));
-        }
-    }
 }
 
 /// The destination bytes `lo..hi` that window `w`'s fragments and checksummed bytes `hits`
