@@ -436,27 +436,10 @@ impl Recipe {
         let mut targets: Vec<(String, View)> = vec![];
         let mut seen: HashSet<String> = HashSet::new();
         for rule in &map.tensors {
-            let ctx = |vars: &BTreeMap<String, u64>| {
-                let params = &params;
-                let vars = vars.clone();
-                move |n: &str| {
-                    vars.get(n)
-                        .map(|v| Value::from(*v))
-                        .or_else(|| params.get(n).cloned())
-                }
-            };
-            let none = BTreeMap::new();
-            if let Some(w) = &rule.when {
-                let on = expr::eval_bool(w, &ctx(&none)).map_err(|m| {
-                    Error::usage(format!("recipe {name}: {}: when: {m}", rule.name))
-                })?;
-                if !on {
-                    continue;
-                }
-            }
-            for vars in loops(&rule.each, &ctx(&none))
-                .map_err(|m| Error::usage(format!("recipe {name}: {}: for: {m}", rule.name)))?
-            {
+            let ctx = |vars: &BTreeMap<String, u64>| scope(&params, vars);
+            let runs = expansions(rule.when.as_deref(), &rule.each, &params)
+                .map_err(|m| Error::usage(format!("recipe {name}: {}: {m}", rule.name)))?;
+            for vars in runs {
                 let target = fill_in(&rule.name, &vars);
                 let view = rule
                     .view
@@ -532,22 +515,8 @@ impl Recipe {
         let mut objects = vec![];
         for rule in &map.objects {
             let bad = |m: String| Error::usage(format!("recipe {name}: object {}: {m}", rule.name));
-            let ctx = |vars: &BTreeMap<String, u64>| {
-                let (params, vars) = (&params, vars.clone());
-                move |n: &str| {
-                    vars.get(n)
-                        .map(|v| Value::from(*v))
-                        .or_else(|| params.get(n).cloned())
-                }
-            };
-            let none = BTreeMap::new();
-            if let Some(w) = &rule.when {
-                if !expr::eval_bool(w, &ctx(&none)).map_err(bad)? {
-                    continue;
-                }
-            }
-            for vars in loops(&rule.each, &ctx(&none)).map_err(bad)? {
-                let n = render_name(&rule.name, &ctx(&vars)).map_err(bad)?;
+            for vars in expansions(rule.when.as_deref(), &rule.each, &params).map_err(bad)? {
+                let n = render_name(&rule.name, &scope(&params, &vars)).map_err(bad)?;
                 objects.push((n, rule.value.clone()));
                 if objects.len() > MAX_TARGETS {
                     return Err(bad("too many".into()));
@@ -601,6 +570,35 @@ impl Ignore {
     fn matches(&self, name: &str) -> bool {
         self.0.is_match(Ignore::as_path(name))
     }
+}
+
+/// The names an expression of a rule sees: its loop variables, then the parameters.
+fn scope<'a>(
+    params: &'a BTreeMap<String, Value>,
+    vars: &BTreeMap<String, u64>,
+) -> impl Fn(&str) -> Option<Value> + 'a {
+    let vars = vars.clone();
+    move |n: &str| {
+        vars.get(n)
+            .map(|v| Value::from(*v))
+            .or_else(|| params.get(n).cloned())
+    }
+}
+
+/// The loop variables' values a rule runs for: none when its `when` is false, else every
+/// combination of its `for` loops ([`loops`]).
+fn expansions(
+    when: Option<&str>,
+    each: &BTreeMap<String, Num>,
+    params: &BTreeMap<String, Value>,
+) -> std::result::Result<Vec<BTreeMap<String, u64>>, String> {
+    let top = scope(params, &BTreeMap::new());
+    if let Some(w) = when {
+        if !expr::eval_bool(w, &top).map_err(|m| format!("when: {m}"))? {
+            return Ok(vec![]);
+        }
+    }
+    loops(each, &top).map_err(|m| format!("for: {m}"))
 }
 
 /// Every combination of the loop variables' values (variables in name order, the last
