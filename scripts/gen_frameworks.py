@@ -524,7 +524,60 @@ def worker_reload(args):
     dist.destroy_process_group()
 
 
-WORKERS = {"save": worker_save, "reload": worker_reload}
+def worker_mlm_load(args):
+    """Load a Megatron-LM save directory (--dir: the tracker file beside iter_ folders, either
+    format inside) into a GPTModel at (--tp, --pp, --ep) with Megatron-LM's own load_checkpoint
+    (--load, --no-load-optim, --no-load-rng, strict; every parameter zeroed before) and write
+    its logits and the iteration loaded to --json (a safetensors file). Needs Megatron-LM's
+    training sources (--megatron-lm), which are not on PyPI."""
+    torch, dist = _init()
+    if str(args.megatron_lm) not in sys.path:
+        sys.path.append(str(args.megatron_lm))  # after site-packages: megatron.core stays the venv's
+    from megatron.training import global_vars
+    from megatron.training.checkpointing import load_checkpoint
+    from safetensors.torch import save_file
+
+    d = Path(args.dir)
+    it = d / f"iter_{int((d / 'latest_checkpointed_iteration.txt').read_text().strip()):07d}"
+    legacy = not (it / "metadata.json").is_file()
+    tp, pp, ep = args.tp, args.pp, args.ep
+    m = dict(model_config(args.case), moe_grouped_gemm=False)
+    # the vocabulary as Megatron-LM pads it for this TP (what its GPTModel is built with)
+    step = m["make_vocab_size_divisible_by"] * tp
+    m["padded_vocab_size"] = -(-m["vocab_size"] // step) * step
+    ps = _parallel(tp, pp, ep)
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    model = build_model(m, tp, pp, ep, pp_rank)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    margs = megatron_lm_args(m, tp, pp, ep, "torch" if legacy else "torch_dist", Path(args.megatron_lm))
+    margs.load = str(d)
+    margs.no_load_optim = True
+    margs.no_load_rng = True
+    margs.exit_on_missing_checkpoint = True
+    global_vars.set_args(margs)
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+    dp = ps.get_data_parallel_world_size()
+    init_num_microbatches_calculator(dist.get_rank(), None, dp, 1, dp, False)
+    plain = torch.tensor  # (read_metadata all-reduces the tracked iteration as a CUDA tensor)
+
+    def on_cpu(*a, **k):
+        if str(k.get("device", "")).startswith("cuda"):
+            k["device"] = "cpu"
+        return plain(*a, **k)
+
+    torch.tensor = on_cpu
+    iteration, _ = load_checkpoint([model], None, None, strict=True)
+    logits = forward_logits(model, m, pp, pp_rank, ps.get_pipeline_model_parallel_group(), dist)
+    if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+        save_file({"logits": logits, "iteration": torch.tensor([iteration])}, args.json)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+WORKERS = {"save": worker_save, "reload": worker_reload, "mlm_load": worker_mlm_load}
 
 
 # --------------------------------------------------------------------------- driver

@@ -149,10 +149,20 @@ pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions)
     let source = Checkpoint::open_with(src, None, &opts.open)?;
     let world = opts.layout.world();
     let (format, format_reason) = formats::output_format(dst, world, source.format, opts.format)?;
+    if opts.write.save_dir && format != Format::MEGATRON && format != Format::MEGATRON_LEGACY {
+        return Err(Error::usage(format!(
+            "--save-dir writes a megatron output as a Megatron-LM save directory; this output is {format}"
+        )));
+    }
     // a legacy output's --tp is the split the recipe pads the vocabulary for
     let mut recipe_opts = opts.recipe.clone();
     recipe_opts.tp = recipe_opts.tp.or(opts.write.tp);
     if let Some(applied) = crate::recipe::apply(&source, format, &recipe_opts)? {
+        return prepare_recipe(source, format, format_reason, applied, opts);
+    }
+    // a legacy source's per-layer tensors, stacked under megatron-core's sharded keys
+    if source.format == Format::MEGATRON_LEGACY && format == Format::MEGATRON {
+        let applied = crate::recipe::legacy_torch_dist(&source)?;
         return prepare_recipe(source, format, format_reason, applied, opts);
     }
     let selected = opts.select.apply(&source)?;
@@ -303,6 +313,10 @@ fn prepare_recipe(
     }
     let target = opts.layout.compile(&wanted)?;
     let mut wopts = opts.write.clone();
+    if wopts.tag.is_none() {
+        // a Megatron-LM save directory's iteration folder, written as one again
+        wopts.tag = source.tag.clone();
+    }
     if let Some(config) = applied
         .instance
         .config
@@ -317,7 +331,19 @@ fn prepare_recipe(
             wopts.companions.push(("config.json".into(), text));
         }
     }
-    if applied.to == "megatron" {
+    if applied.to == "megatron" && applied.from == "megatron" {
+        // the source's own common.pt entries (Megatron-LM's args, the iteration, …)
+        wopts.extras = source
+            .extras
+            .iter()
+            .filter(|e| e.origin == "common.pt" && opts.select.keeps(&e.name))
+            .cloned()
+            .collect();
+        wopts.paths = source.paths.clone();
+        wopts
+            .extras
+            .extend(crate::recipe::objects(&applied.instance));
+    } else if applied.to == "megatron" {
         wopts.extras = crate::recipe::megatron_common(applied.instance.config.as_ref());
         wopts
             .extras

@@ -5,7 +5,7 @@
 
 use crate::error::{Error, IoContext, Result};
 use crate::formats::{Checkpoint, Format};
-use crate::layout::DType;
+use crate::layout::{DType, View};
 pub use reshard_core::recipe::{Instance, Recipe};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -404,4 +404,75 @@ pub fn objects(instance: &Instance) -> Vec<crate::Extra> {
         .iter()
         .map(|(name, value)| extra(name, python_value(value), "dcp"))
         .collect()
+}
+
+/// The linear layers whose `_extra_state` megatron-core's sharded state dict asks for, one
+/// `ShardedObject` per layer (and expert), beside their stacked weights.
+const LINEAR_LAYERS: [&str; 4] = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"];
+
+/// A legacy per-rank checkpoint's tensors (per layer, SequentialMLP's experts as
+/// `local_experts.{e}`) laid out as megatron-core's `torch_dist` saves the same model: layers
+/// and experts stacked on leading axes under its sharded keys (`mlp.experts.experts.*`), and
+/// the `_extra_state` object of each linear layer (`None`, as the local spec saves it). Every
+/// target is a view of the source's own tensors, so the bytes are the source's, vocabulary
+/// padding included.
+pub fn legacy_torch_dist(ck: &Checkpoint) -> Result<Applied> {
+    let targets: Vec<(String, View)> = ck
+        .tensors
+        .iter()
+        .map(|t| {
+            let name = t
+                .name
+                .replace(".mlp.experts.local_experts.", ".mlp.experts.experts.");
+            (name, View::source(&t.name))
+        })
+        .collect();
+    let mut objects = vec![];
+    let mut stacks: BTreeMap<String, Vec<Vec<u64>>> = BTreeMap::new();
+    for (name, _) in &targets {
+        let (stacked, idx) = reshard_core::recipe::stacked_name(name);
+        if !idx.is_empty() {
+            stacks.entry(stacked).or_default().push(idx);
+        }
+    }
+    let shape_of = |n: &str| ck.tensor(n).map(|t| t.shape.clone());
+    let targets = reshard_core::recipe::stack(targets, &shape_of)?;
+    for (stacked, members) in &stacks {
+        let Some(module) = stacked.strip_suffix(".weight").filter(|m| {
+            m.rsplit('.')
+                .next()
+                .is_some_and(|last| LINEAR_LAYERS.contains(&last))
+        }) else {
+            continue;
+        };
+        // the stack's extent along each index axis: the largest index + 1
+        let depth = members[0].len();
+        let dims: Vec<u64> = (0..depth)
+            .map(|k| members.iter().map(|m| m[k] + 1).max().unwrap_or(0))
+            .collect();
+        let join = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(".");
+        let mut sorted = members.clone();
+        sorted.sort();
+        for idx in sorted {
+            objects.push((
+                format!("{module}._extra_state/shard_{}_{}", join(&idx), join(&dims)),
+                Value::Array(vec![Value::Null]),
+            ));
+        }
+    }
+    Ok(Applied {
+        name: "torch_dist".into(),
+        reason: "a megatron-legacy source: layers and experts stacked as megatron-core saves them"
+            .into(),
+        from: "megatron",
+        to: "megatron",
+        instance: Instance {
+            params: BTreeMap::new(),
+            origins: BTreeMap::new(),
+            targets,
+            config: None,
+            objects,
+        },
+        notes: vec![],
+    })
 }

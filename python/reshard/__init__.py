@@ -512,6 +512,7 @@ def convert(
     tp: Optional[int] = None,
     pp: Optional[int] = None,
     ep: Optional[int] = None,
+    save_dir: bool = False,
     part: Any = None,
     staging: Optional[PathLike] = None,
     recipe: Optional[str] = None,
@@ -546,6 +547,9 @@ def convert(
     stage of a ``format="deepspeed"`` output (default: the source's); ``tp``, ``pp`` and ``ep``
     the tensor-, pipeline- and expert-parallel sizes of a ``format="megatron-legacy"`` output
     (Megatron-LM's ``mp_rank_*`` files; default: the source's, from its saved arguments).
+    ``save_dir=True`` writes a ``format="megatron"`` output as a Megatron-LM save directory
+    (``latest_checkpointed_iteration.txt`` beside ``iter_NNNNNNN/``, what Megatron-LM's
+    ``--load`` reads); a source opened from a save directory gives one without it.
 
     Between frameworks (a megatron-core checkpoint to ``format="hf"``, a Hugging Face folder to
     ``format="megatron"``): ``recipe`` names a built-in recipe (``"llama"``, ``"mistral"``,
@@ -580,6 +584,7 @@ def convert(
         tp=tp,
         pp=pp,
         ep=ep,
+        save_dir=save_dir,
         config=None if config is None else _os.fspath(config),
         part=_part(part),
         staging=None if staging is None else _os.fspath(staging),

@@ -130,6 +130,7 @@ class _ConvertOptions(TypedDict, total=False):
     tp: Optional[int]
     pp: Optional[int]
     ep: Optional[int]
+    save_dir: bool
     config: Optional[str]
     part: Optional[str]
     staging: Optional[str]

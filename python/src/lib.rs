@@ -687,6 +687,8 @@ keyword_options! {
         tp: Option<u64> = None,
         pp: Option<u64> = None,
         ep: Option<u64> = None,
+        /// A megatron output as a Megatron-LM save directory.
+        save_dir: bool = false,
         config: Option<PathBuf> = None,
         /// `"env"` (from the launcher's environment) or `"K/N"`.
         part: Option<String> = None,
@@ -728,6 +730,7 @@ impl ConvertArgs {
             tp,
             pp,
             ep,
+            save_dir,
             config,
             part,
             staging,
@@ -757,6 +760,7 @@ impl ConvertArgs {
             }
         }
         (opts.write.tp, opts.write.pp, opts.write.ep) = (tp, pp, ep);
+        opts.write.save_dir = save_dir;
         if let Some(p) = config {
             let bytes = reshard::read_model_config(&p).map_err(py_err)?;
             opts.write.companions = vec![("config.json".into(), bytes)];

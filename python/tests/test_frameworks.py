@@ -402,6 +402,51 @@ def test_legacy_tp2_to_legacy_tp1_to_hf(case, tmp_path):
     assert_bitwise(hf_tensors(tmp_path / "hf"), hf_tensors(FIXTURES / case / "hf_mbridge"), "legacy tp1 -> hf")
 
 
+# legacy -> torch_dist: a Megatron-LM save directory again (the same iteration), its layers and
+# experts stacked under megatron-core's keys, which megatron-core loads (the Rust tests compare
+# the bytes with megatron-core's own torch_dist save of each case)
+@pytest.mark.parametrize("case,tp,pp,ep", [("llama_tp2_pp2", 2, 1, 1), ("mixtral_gg_ep2", 1, 1, 2)])
+def test_legacy_to_torch_dist_loads_in_megatron_core(case, tp, pp, ep, tmp_path):
+    out = tmp_path / "mc"
+    reshard_cli("convert", FIXTURES / case / "legacy", out, "--format", "megatron")
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "7"
+    assert (out / ITER / "metadata.json").is_file()
+    assert close(megatron_logits(out, case, tp, pp, tmp_path, ep=ep), want_logits(case)) <= TOL
+
+
+def megatron_lm() -> Path:
+    """Megatron-LM's training sources (tag core_v0.16.1), as scripts/gen_frameworks.py finds them."""
+    return Path(os.environ.get("RESHARD_MEGATRON_LM", Path.home() / ".cache/reshard/megatron-lm-core_v0.16.1"))
+
+
+# Megatron-LM's own load_checkpoint (--load DIR: the tracker file, then the iteration folder in
+# either format) on reshard's save directories. Its training code is not on PyPI (megatron-core
+# is megatron.core only), so this runs where the sources are (RESHARD_MEGATRON_LM), CI included
+# when it has them; dist_checkpointing.load judges the same outputs above without them.
+@pytest.mark.skipif(not (megatron_lm() / "megatron" / "training" / "checkpointing.py").is_file(),
+                    reason="Megatron-LM's training sources (not on PyPI) are not here: set RESHARD_MEGATRON_LM")
+@pytest.mark.parametrize("case,src,args,split", [
+    ("llama_tp2", "hf_mbridge", ["--format", "megatron", "--save-dir", "--param", "tp=2"], (2, 1, 1)),
+    ("mixtral_ep2", "legacy", ["--format", "megatron"], (1, 1, 2)),
+    ("llama_tp2_pp2", "legacy", ["--format", "megatron-legacy", "--tp", "2", "--pp", "1"], (2, 1, 1)),
+])
+def test_megatron_lm_loads_the_save_directories(case, src, args, split, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "save"
+    reshard_cli("convert", FIXTURES / case / src, out, *args)
+    tp, pp, ep = split
+    res = tmp_path / "mlm.safetensors"
+    argv = ["--worker", "mlm_load", "--case", case, "--dir", str(out), "--tp", str(tp), "--pp", str(pp),
+            "--ep", str(ep), "--json", str(res), "--megatron-lm", str(megatron_lm())]
+    rc, log = _torchrun.run(GEN, tp * pp * ep, argv, cwd=tmp_path, timeout=300,
+                            env={"PYTHONWARNINGS": "ignore", "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert rc == 0, log[-6000:]
+    got = load_file(str(res))
+    assert int(got["iteration"][0]) == (0 if src == "hf_mbridge" else 7)
+    assert close(got["logits"], want_logits(case)) <= TOL
+
+
 # --------------------------------------------------------------------------- loading across frameworks
 
 # (transformers 5 keeps Mixtral's experts fused in memory, gate_up_proj [E, 2F, H], under other

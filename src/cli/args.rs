@@ -285,6 +285,12 @@ pub struct TargetArgs {
     /// Expert-parallel size of a megatron-legacy output (default: the source's).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     ep: Option<u64>,
+    /// Write a megatron output as a Megatron-LM save directory
+    /// (`latest_checkpointed_iteration.txt` beside `iter_NNNNNNN/`, which Megatron-LM's
+    /// `--load` reads), at the iteration the source's common.pt holds (else `release`). A
+    /// source read from a save directory gives one without this flag.
+    #[arg(long)]
+    save_dir: bool,
     /// The model config (`config.json`) an hf output carries, so that transformers'
     /// `from_pretrained` loads it (default: the source's own, when it has one).
     #[arg(long, value_name = "FILE")]
@@ -340,6 +346,7 @@ impl TargetArgs {
                 tp: self.tp,
                 pp: self.pp,
                 ep: self.ep,
+                save_dir: self.save_dir,
                 companions: match &self.config {
                     Some(p) => vec![("config.json".into(), crate::checkpoint::read_companion(p)?)],
                     None => vec![],

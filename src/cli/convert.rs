@@ -221,14 +221,11 @@ pub fn recipe_line(job: &Job) -> Option<String> {
             format!("{k}={v} ({from})")
         })
         .collect();
-    let mut line = format!(
-        "recipe {} ({}): {} -> {}; {}",
-        a.name,
-        a.reason,
-        a.from,
-        a.to,
-        params.join(", ")
-    );
+    let mut line = format!("recipe {} ({}): {} -> {}", a.name, a.reason, a.from, a.to);
+    if !params.is_empty() {
+        line.push_str("; ");
+        line.push_str(&params.join(", "));
+    }
     for n in &a.notes {
         line.push_str("\nnote: ");
         line.push_str(n);

@@ -135,13 +135,72 @@ fn legacy_to_torch_dist_carries_the_arguments_into_common_pt() {
         &out,
         &["--to", "2", "--format", "megatron", "-q"],
     );
+    // a save directory read from gives a save directory: the tracker, the same iteration
+    assert_eq!(
+        std::fs::read_to_string(out.join("latest_checkpointed_iteration.txt")).unwrap(),
+        "7"
+    );
+    assert!(out.join("iter_0000007").join("metadata.json").is_file());
     let ck = Checkpoint::open(&out).unwrap();
-    assert_eq!(ck.format, Format::MEGATRON);
-    same("legacy → torch_dist", &read_all(&ck), &expected("llama"));
+    assert_eq!(
+        (ck.format, ck.tag.as_deref()),
+        (Format::MEGATRON, Some("iter_0000007"))
+    );
+    // layers stacked as megatron-core saves them, the bytes the legacy files hold
+    assert!(ck
+        .tensor("decoder.layers.self_attention.linear_qkv.weight")
+        .is_some());
+    same("legacy → torch_dist", &unstacked(&ck), &expected("llama"));
     let args = ck.extras.iter().find(|x| x.name == "args").unwrap();
     assert_eq!(args.origin, "common.pt");
     let hidden = args.pickle.as_ref().and_then(|a| a.get("hidden_size"));
     assert_eq!(hidden.and_then(|v| v.as_int()), Some(8));
+}
+
+#[test]
+fn legacy_to_torch_dist_is_megatron_cores_own_save() {
+    // megatron-core saved each model both ways: reshard's torch_dist from the legacy files
+    // holds the same keys, shapes and bytes as megatron-core's own, and the same
+    // `_extra_state` objects
+    let frameworks = |case: &str, f: &str| fixture(&format!("frameworks/{case}/{f}"));
+    let objects = |ck: &Checkpoint| {
+        let mut v: Vec<String> = ck
+            .extras
+            .iter()
+            .filter(|e| e.name.contains("._extra_state/"))
+            .map(|e| e.name.clone())
+            .collect();
+        v.sort();
+        v
+    };
+    for case in [
+        "llama_tp2_pp2",
+        "llama_tied_tp2",
+        "qwen2_tp2",
+        "mixtral_ep2",
+        "mixtral_gg_ep2",
+    ] {
+        let d = tempfile::tempdir().unwrap();
+        let out = d.path().join("dist");
+        convert(
+            &frameworks(case, "legacy"),
+            &out,
+            &["--format", "megatron", "-q"],
+        );
+        let got = Checkpoint::open(&out).unwrap();
+        let want = Checkpoint::open(frameworks(case, "torch_dist")).unwrap();
+        same(
+            &format!("{case}: legacy → torch_dist"),
+            &read_all(&got),
+            &read_all(&want),
+        );
+        assert_eq!(
+            objects(&got),
+            objects(&want),
+            "{case}: _extra_state objects"
+        );
+        assert!(!objects(&got).is_empty(), "{case}");
+    }
 }
 
 /// The files under `dir`, relative, sorted.
@@ -604,4 +663,45 @@ fn legacy_errors_name_the_file() {
         e.contains("args say 5 layers over 2 pipeline stages, which reshard cannot place"),
         "{e}"
     );
+}
+
+#[test]
+fn save_dir_writes_a_megatron_output_as_a_save_directory() {
+    let d = tempfile::tempdir().unwrap();
+    let hf = fixture("frameworks/llama_tp2/hf_mbridge");
+    // from Hugging Face: the iteration the recipe's common.pt holds (0)
+    let out = d.path().join("mc");
+    convert(&hf, &out, &["--format", "megatron", "--save-dir", "-q"]);
+    assert_eq!(
+        files_under(&out)
+            .into_iter()
+            .filter(|f| !f.ends_with(".distcp"))
+            .collect::<Vec<_>>(),
+        [
+            "iter_0000000/.metadata",
+            "iter_0000000/common.pt",
+            "iter_0000000/metadata.json",
+            "latest_checkpointed_iteration.txt"
+        ]
+    );
+    assert_eq!(
+        std::fs::read_to_string(out.join("latest_checkpointed_iteration.txt")).unwrap(),
+        "0"
+    );
+    let ck = Checkpoint::open(&out).unwrap();
+    let plain = d.path().join("plain");
+    convert(&hf, &plain, &["--format", "megatron", "-q"]);
+    assert!(plain.join("metadata.json").is_file());
+    assert_eq!(
+        read_all(&ck),
+        read_all(&Checkpoint::open(&plain).unwrap()),
+        "the same tensors either way"
+    );
+    // a save directory for a format that has none is refused, nothing written
+    let bad = d.path().join("bad");
+    fails(
+        &["convert", s(&hf), s(&bad), "--format", "hf", "--save-dir"],
+        "--save-dir writes a megatron output as a Megatron-LM save directory; this output is hf",
+    );
+    assert!(!bad.exists());
 }

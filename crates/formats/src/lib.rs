@@ -738,6 +738,10 @@ pub struct WriteOptions {
     pub pp: Option<u64>,
     /// The expert-parallel size of a `megatron-legacy` output; `None`: the source's.
     pub ep: Option<u64>,
+    /// Write a `megatron` output as a Megatron-LM save directory (the tracker file beside an
+    /// `iter_{N:07}` folder) even when the source is not one; a source read from a save
+    /// directory ([`WriteOptions::tag`] `iter_{N:07}` or `release`) gives one anyway.
+    pub save_dir: bool,
 }
 
 impl Default for WriteOptions {
@@ -754,6 +758,7 @@ impl Default for WriteOptions {
             tp: None,
             pp: None,
             ep: None,
+            save_dir: false,
         }
     }
 }

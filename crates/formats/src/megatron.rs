@@ -15,7 +15,9 @@
 //!
 //! megatron-core's loader reads any chunking of a global tensor, so an output of any number
 //! of ranks loads at any tensor- and data-parallel split whose sharded state dict names the
-//! same keys and global shapes.
+//! same keys and global shapes. An output is written inside a Megatron-LM save directory
+//! (the tracker file beside `iter_{N:07}/`) when [`WriteOptions::save_dir`] or the source's
+//! tag asks for one.
 
 use crate::error::{Error, IoContext, Result};
 use crate::{
@@ -147,7 +149,8 @@ fn check_metadata_json(path: &Path) -> Result<()> {
 
 /// The DCP part as [`dcp::write`] lays it out (every non-tensor entry but those of
 /// `common.pt` as a `BYTE_IO` item), `common.pt` from the `common.pt` entries (an empty dict
-/// when the source had none), and `metadata.json`.
+/// when the source had none), and `metadata.json`; all of it in an iteration folder beside
+/// Megatron-LM's tracker file when [`save_dir_folder`] names one.
 fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
     let common: Vec<&Extra> = opts
         .extras
@@ -163,5 +166,51 @@ fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Out
         METADATA_JSON,
         METADATA_JSON_CONTENT.as_bytes().to_vec(),
     ));
+    if let Some(folder) = save_dir_folder(opts, &common) {
+        for f in &mut out.files {
+            f.path = Path::new(&folder).join(&f.path);
+        }
+        let tracker = match folder.strip_prefix("iter_") {
+            Some(n) => n
+                .trim_start_matches('0')
+                .parse::<u64>()
+                .unwrap_or(0)
+                .to_string(),
+            None => folder.clone(),
+        };
+        out.files.push(dcp::write::literal_file(
+            crate::megatron_legacy::TRACKER,
+            tracker.into_bytes(),
+        ));
+    }
     Ok(out)
+}
+
+/// The iteration folder of a Megatron-LM save directory an output is written as: the
+/// source's own (`iter_{N:07}` or `release`, its [`WriteOptions::tag`]) when it was read
+/// from one; with [`WriteOptions::save_dir`], that of the `iteration` entry of `common.pt`,
+/// else `release`; otherwise none (a plain megatron-core folder).
+fn save_dir_folder(opts: &WriteOptions, common: &[&Extra]) -> Option<String> {
+    let tag = opts.tag.as_deref().filter(|t| {
+        *t == crate::megatron_legacy::RELEASE
+            || t.strip_prefix("iter_")
+                .is_some_and(|n| n.len() >= 7 && n.bytes().all(|b| b.is_ascii_digit()))
+    });
+    if let Some(t) = tag {
+        return Some(t.to_string());
+    }
+    if !opts.save_dir {
+        return None;
+    }
+    let iteration = common
+        .iter()
+        .find(|e| e.name == "iteration")
+        .and_then(|e| e.pickle.as_ref())
+        .and_then(crate::torch::pickle::Value::as_int)
+        .filter(|n| *n >= 0);
+    Some(
+        iteration.map_or(crate::megatron_legacy::RELEASE.to_string(), |n| {
+            crate::megatron_legacy::iteration_folder(n as u64)
+        }),
+    )
 }

@@ -763,8 +763,8 @@ fn unstack(view: View, sources: &SourceShapes<'_>) -> std::result::Result<View, 
 
 /// Group targets whose names hold index segments into stacked tensors: each stack is the
 /// `Concat` of its members along new leading axes (one per index segment, outermost first);
-/// the indices of each stack must run densely from 0.
-fn stack(
+/// the indices of each stack must run densely from 0. `shape_of` gives the sources' shapes.
+pub fn stack(
     targets: Vec<(String, View)>,
     shape_of: &dyn Fn(&str) -> Option<Vec<u64>>,
 ) -> Result<Vec<(String, View)>> {
