@@ -11,7 +11,9 @@ padding rows exist; and Mixtral-like mixture-of-experts cases (4 experts, top 2,
 over 2 processes) with megatron-core's SequentialMLP experts and with its GroupedMLP experts
 (`moe_grouped_gemm`; built with the grouped_gemm package's availability check stubbed and its
 weights loaded from the SequentialMLP model, whose logits and export it shares: GroupedMLP runs
-only on CUDA in bf16). Every parameter is then overwritten with seeded values (norms around 1, biases
+only on CUDA in bf16); and a Qwen2-MoE-like case (q/k/v biases, 4 experts top 2 with the softmax
+before the top-k, a shared expert with its sigmoid gate; TP 2 x EP 2, the experts split over TP
+too). Every parameter is then overwritten with seeded values (norms around 1, biases
 non-zero, the padding rows of the vocabulary random as in a trained model), the model computes its
 logits on fixed tokens, and it is saved. Output, per case, under <out>/<case>/:
 
