@@ -530,7 +530,7 @@ fn qwen2_moe_fixture_converts_to_mbridges_export_and_back_byte_exact() {
     );
     let ck = Checkpoint::open(&mc).unwrap();
     let mut got = read_all(&ck);
-    let mut saved = read_all(&Checkpoint::open(&case.join("torch_dist")).unwrap());
+    let mut saved = read_all(&Checkpoint::open(case.join("torch_dist")).unwrap());
     for name in ["embedding.word_embeddings.weight", "output_layer.weight"] {
         // the first 96 rows are the vocabulary; megatron-core's padding rows were random
         let (g, w) = (
