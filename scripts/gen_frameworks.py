@@ -11,7 +11,9 @@ padding rows exist; and Mixtral-like mixture-of-experts cases (4 experts, top 2,
 over 2 processes) with megatron-core's SequentialMLP experts and with its GroupedMLP experts
 (`moe_grouped_gemm`; built with the grouped_gemm package's availability check stubbed and its
 weights loaded from the SequentialMLP model, whose logits and export it shares: GroupedMLP runs
-only on CUDA in bf16). Every parameter is then overwritten with seeded values (norms around 1, biases
+only on CUDA in bf16); and a Qwen2-MoE-like case (q/k/v biases, 4 experts top 2 with the softmax
+before the top-k, a shared expert with its sigmoid gate; TP 2 x EP 2, the experts split over TP
+too). Every parameter is then overwritten with seeded values (norms around 1, biases
 non-zero, the padding rows of the vocabulary random as in a trained model), the model computes its
 logits on fixed tokens, and it is saved. Output, per case, under <out>/<case>/:
 
@@ -102,6 +104,14 @@ CASES: dict[str, dict] = {
     # Hugging Face export come from the SequentialMLP model the weights are loaded from
     "mixtral_gg_ep2": dict(tp=1, pp=1, ep=2, model=dict(num_experts=4, moe_ffn_hidden_size=24, ffn_hidden_size=24,
                                                         moe_grouped_gemm=True, hf="mixtral")),
+    # Qwen2-MoE-like: q/k/v biases, 4 routed experts (top 2, softmax before the top-k and no
+    # renormalisation: megatron-core's moe_router_pre_softmax, transformers' norm_topk_prob=False)
+    # and a shared expert with its sigmoid gate, at TP 2 x EP 2 (the experts split over TP too);
+    # a dense FFN size of its own (Hugging Face's intermediate_size, unused by all-MoE layers); 2 layers
+    "qwen2moe_tp2_ep2": dict(tp=2, pp=1, ep=2, model=dict(num_layers=2, num_experts=4, moe_ffn_hidden_size=24,
+                                                          moe_shared_expert_intermediate_size=32,
+                                                          moe_shared_expert_gate=True, moe_router_pre_softmax=True,
+                                                          add_qkv_bias=True, hf="qwen2_moe")),
 }
 
 
@@ -192,6 +202,12 @@ def megatron_lm_args(m: dict, tp: int, pp: int, ep: int, ckpt_format: str, mlm: 
                  "--moe-router-load-balancing-type", "aux_loss"]
         if m["moe_grouped_gemm"]:
             argv.append("--moe-grouped-gemm")
+        if m.get("moe_shared_expert_intermediate_size"):
+            argv += ["--moe-shared-expert-intermediate-size", str(m["moe_shared_expert_intermediate_size"])]
+        if m.get("moe_shared_expert_gate"):
+            argv.append("--moe-shared-expert-gate")
+        if m.get("moe_router_pre_softmax"):
+            argv.append("--moe-router-pre-softmax")
     old = sys.argv
     sys.argv = argv
     arguments.get_device_arch_version = lambda: 9  # validate_args asks CUDA; a Hopper's answers
@@ -229,7 +245,10 @@ def build_model(m: dict, tp: int, pp: int, ep: int, pp_rank: int):
         moe = dict(num_moe_experts=m["num_experts"], moe_ffn_hidden_size=m["moe_ffn_hidden_size"],
                    moe_router_topk=m["moe_router_topk"], moe_grouped_gemm=m["moe_grouped_gemm"],
                    moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="aux_loss",
-                   moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep)
+                   moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep,
+                   moe_shared_expert_intermediate_size=m.get("moe_shared_expert_intermediate_size"),
+                   moe_shared_expert_gate=bool(m.get("moe_shared_expert_gate")),
+                   moe_router_pre_softmax=bool(m.get("moe_router_pre_softmax")))
     cfg = TransformerConfig(
         num_layers=m["num_layers"], hidden_size=m["hidden_size"], ffn_hidden_size=m["ffn_hidden_size"],
         num_attention_heads=m["num_attention_heads"], num_query_groups=m["num_query_groups"],
@@ -261,7 +280,7 @@ def seed_parameters(model, tp_rank: int, pp_rank: int, ep_rank: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             split = bool(getattr(p, "tensor_model_parallel", False))
-            key = f"{name}|pp{pp_rank}|tp{tp_rank if split else '-'}|ep{ep_rank if 'experts' in name else '-'}"
+            key = f"{name}|pp{pp_rank}|tp{tp_rank if split else '-'}|ep{ep_rank if 'mlp.experts.' in name else '-'}"
             g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
             v = torch.randn(p.shape, generator=g, dtype=torch.float32) * 0.1
             if "norm" in name:
@@ -301,6 +320,8 @@ def mbridge_export(model, m: dict, out: Path) -> None:
     cfg = hf_config(m)
     if m["hf"] == "qwen2":
         from mbridge.models.qwen2 import Qwen2Bridge as B
+    elif m["hf"] == "qwen2_moe":
+        from mbridge.models.qwen2moe import Qwen2MoEBridge as B
     elif m["hf"] == "mixtral":
         from mbridge.models.mixtral import MixtralBridge as B
     else:
@@ -349,7 +370,7 @@ class _GroupedExpertNames:
 def hf_config(m: dict):
     """The transformers configuration of the model."""
     import torch
-    from transformers import LlamaConfig, MixtralConfig, Qwen2Config
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig
 
     common = dict(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"], intermediate_size=m["ffn_hidden_size"],
                   num_hidden_layers=m["num_layers"], num_attention_heads=m["num_attention_heads"],
@@ -363,6 +384,12 @@ def hf_config(m: dict):
         common["intermediate_size"] = m["moe_ffn_hidden_size"]
         return MixtralConfig(**common, num_local_experts=m["num_experts"], num_experts_per_tok=m["moe_router_topk"],
                              router_aux_loss_coef=0.0, sliding_window=None)
+    if m["hf"] == "qwen2_moe":
+        return Qwen2MoeConfig(**common, use_sliding_window=False, num_experts=m["num_experts"],
+                              num_experts_per_tok=m["moe_router_topk"], moe_intermediate_size=m["moe_ffn_hidden_size"],
+                              shared_expert_intermediate_size=m["moe_shared_expert_intermediate_size"],
+                              norm_topk_prob=not m["moe_router_pre_softmax"], decoder_sparse_step=1,
+                              mlp_only_layers=[], qkv_bias=True, router_aux_loss_coef=0.0)
     return LlamaConfig(**common, attention_bias=m["add_qkv_bias"], mlp_bias=False)
 
 

@@ -17,6 +17,7 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ("mistral", include_str!("../recipes/mistral.json")),
     ("qwen2", include_str!("../recipes/qwen2.json")),
     ("mixtral", include_str!("../recipes/mixtral.json")),
+    ("qwen2_moe", include_str!("../recipes/qwen2_moe.json")),
 ];
 
 /// How a conversion between frameworks is asked for.
@@ -171,7 +172,14 @@ fn lookup(config: &Value, key: &str) -> Option<Value> {
 fn choose(framework: &str, config: &Value) -> Option<(&'static str, String)> {
     match framework {
         "megatron" => {
-            if lookup(config, "num_experts").is_some_and(|v| !v.is_null()) {
+            let set = |k: &str| lookup(config, k).is_some_and(|v| !v.is_null());
+            if set("num_experts") && set("moe_shared_expert_intermediate_size") {
+                return Some((
+                    "qwen2_moe",
+                    "common.pt args: num_experts and moe_shared_expert_intermediate_size are set (mixture of experts with a shared expert)".into(),
+                ));
+            }
+            if set("num_experts") {
                 return Some((
                     "mixtral",
                     "common.pt args: num_experts is set (mixture of experts)".into(),

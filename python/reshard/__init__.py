@@ -553,7 +553,7 @@ def convert(
 
     Between frameworks (a megatron-core checkpoint to ``format="hf"``, a Hugging Face folder to
     ``format="megatron"``): ``recipe`` names a built-in recipe (``"llama"``, ``"mistral"``,
-    ``"qwen2"``) or a recipe file (default: the one the source's configuration calls for;
+    ``"qwen2"``, ``"mixtral"``, ``"qwen2_moe"``) or a recipe file (default: the one the source's configuration calls for;
     ``"none"`` keeps the names), ``params`` sets its parameters over the source's
     configuration (``{"padded_vocab": 256}``, ``{"tp": 2}``); see docs/recipes.md.
     Returns a summary: the format chosen (and why), files and bytes written, entries

@@ -3,7 +3,8 @@ Megatron-LM's legacy per-rank checkpoints <-> Hugging Face folders.
 
 The fixtures (tests/fixtures/frameworks/<case>/, made by scripts/gen_frameworks.py) are tiny real
 megatron-core GPTModels (local Llama-style spec: RMSNorm, SwiGLU, grouped-query attention, RoPE,
-fp32, a padded vocabulary; Qwen2-style q/k/v biases; tied embeddings) saved at TP 2, PP 2 and
+fp32, a padded vocabulary; Qwen2-style q/k/v biases; tied embeddings; Mixtral-style experts at EP 2;
+Qwen2-MoE-style experts with a gated shared expert at TP 2 x EP 2) saved at TP 2, PP 2 and
 TP 2 x PP 2 as Megatron-LM save directories in both formats (``torch_dist/``, ``legacy/``), with
 mbridge's Hugging Face export of the same weights (``hf_mbridge/``) and the megatron model's
 logits on fixed tokens (``inputs.json``, ``logits.safetensors``).
@@ -111,12 +112,13 @@ def close(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).abs().max())
 
 
-# The configuration fields transformers' Llama / Qwen2 / Mixtral models read.
+# The configuration fields transformers' Llama / Qwen2 / Mixtral / Qwen2-MoE models read.
 HF_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
              "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias",
              "use_sliding_window", "sliding_window", "rope_parameters", "num_local_experts",
-             "num_experts_per_tok")
+             "num_experts_per_tok", "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
+             "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "qkv_bias")
 
 
 def hf_config_fields(folder: Path) -> dict:
@@ -177,7 +179,8 @@ def legacy_to_torch_dist_names(case: str) -> dict:
     """The global (torch_dist-named, layer-stacked) tensors of the legacy save, put together from
     its per-rank files the way Megatron-LM splits them: embeddings, output layer, linear_qkv and
     linear_fc1 along dim 0 (linear_fc1 as each rank's [gate_r; up_r]), linear_proj and
-    linear_fc2 along dim 1, norms and the router replicated; layers numbered from 0 on every PP
+    linear_fc2 along dim 1 (the shared expert's too), norms, the router and the shared expert's
+    gate replicated; layers numbered from 0 on every PP
     stage; SequentialMLP's experts numbered from 0 on every EP rank, stacked on a second axis."""
     import re
 
@@ -231,7 +234,7 @@ def legacy_to_torch_dist_names(case: str) -> dict:
     stacked: dict = {}
     for (k, layer, expert), by_tp in parts.items():
         shards = [by_tp[t] for t in range(tp)]
-        if "layer_norm" in k or "layernorm" in k or k.endswith("router.weight"):
+        if "layer_norm" in k or "layernorm" in k or k.endswith(("router.weight", "shared_experts.gate_weight")):
             assert all(torch.equal(s, shards[0]) for s in shards), k
             g = shards[0]
         elif k.endswith("linear_fc1.weight"):
@@ -270,7 +273,18 @@ def hf_from_torch_dist(g: dict, m: dict) -> dict:
             out[p + f"self_attn.k_proj.{suffix}"] = qkv[:, q_rows:q_rows + hd].reshape(-1, *qkv.shape[2:])
             out[p + f"self_attn.v_proj.{suffix}"] = qkv[:, q_rows + hd:].reshape(-1, *qkv.shape[2:])
         out[p + "self_attn.o_proj.weight"] = g["decoder.layers.self_attention.linear_proj.weight"][i]
-        if m["num_experts"]:  # Mixtral: per-expert w1 (gate), w3 (up), w2 (down) and the router
+        if m["hf"] == "qwen2_moe":  # per-expert gate/up/down, the router, the gated shared expert
+            moe = p + "mlp."
+            out[moe + "gate.weight"] = g["decoder.layers.mlp.router.weight"][i]
+            for e in range(m["num_experts"]):
+                gate, up = g["decoder.layers.mlp.experts.experts.linear_fc1.weight"][i, e].chunk(2)
+                out[moe + f"experts.{e}.gate_proj.weight"], out[moe + f"experts.{e}.up_proj.weight"] = gate, up
+                out[moe + f"experts.{e}.down_proj.weight"] = g["decoder.layers.mlp.experts.experts.linear_fc2.weight"][i, e]
+            gate, up = g["decoder.layers.mlp.shared_experts.linear_fc1.weight"][i].chunk(2)
+            out[moe + "shared_expert.gate_proj.weight"], out[moe + "shared_expert.up_proj.weight"] = gate, up
+            out[moe + "shared_expert.down_proj.weight"] = g["decoder.layers.mlp.shared_experts.linear_fc2.weight"][i]
+            out[moe + "shared_expert_gate.weight"] = g["decoder.layers.mlp.shared_experts.gate_weight"][i]
+        elif m["num_experts"]:  # Mixtral: per-expert w1 (gate), w3 (up), w2 (down) and the router
             moe = p + "block_sparse_moe."
             out[moe + "gate.weight"] = g["decoder.layers.mlp.router.weight"][i]
             for e in range(m["num_experts"]):
@@ -290,7 +304,7 @@ def hf_from_torch_dist(g: dict, m: dict) -> dict:
 
 def test_the_fixtures_are_there():
     assert {"llama_tp2", "llama_pp2", "llama_tp2_pp2", "qwen2_tp2", "llama_tied_tp2", "mixtral_ep2",
-            "mixtral_gg_ep2"} <= set(CASES), CASES
+            "mixtral_gg_ep2", "qwen2moe_tp2_ep2"} <= set(CASES), CASES
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -331,9 +345,11 @@ def test_common_pt_holds_megatron_lm_args():
 
 
 # (case, tp, pp, ep): torch_dist fixtures loaded at splits they were not saved at (TP -> PP,
-# TP x PP -> 1, q/k/v biases, GroupedMLP's experts into SequentialMLP's at EP 1); the other cases'
-# tensors are tied to these by the layout check above, and each load costs a torchrun (~13 s)
-RELOADS = [("llama_tp2", 1, 2, 1), ("llama_tp2_pp2", 1, 1, 1), ("qwen2_tp2", 1, 1, 1), ("mixtral_gg_ep2", 1, 1, 1)]
+# TP x PP -> 1, q/k/v biases, GroupedMLP's experts into SequentialMLP's at EP 1, TP 2 x EP 2's experts
+# and shared expert into one process); the other cases' tensors are tied to these by the layout check
+# above, and each load costs a torchrun (~13 s)
+RELOADS = [("llama_tp2", 1, 2, 1), ("llama_tp2_pp2", 1, 1, 1), ("qwen2_tp2", 1, 1, 1), ("mixtral_gg_ep2", 1, 1, 1),
+           ("qwen2moe_tp2_ep2", 1, 1, 1)]
 
 
 @pytest.mark.parametrize("case,tp,pp,ep", RELOADS)
@@ -353,14 +369,17 @@ def test_torch_dist_to_hf(case, tmp_path):
     assert hf_config_fields(out) == hf_config_fields(FIXTURES / case / "hf_mbridge")
 
 
-# HF -> megatron: the cases whose Hugging Face model differs in kind (plain, q/k/v biases, tied, MoE)
-HF_SOURCES = ["llama_tp2", "qwen2_tp2", "llama_tied_tp2", "mixtral_ep2"]
+# HF -> megatron: the cases whose Hugging Face model differs in kind (plain, q/k/v biases, tied, MoE,
+# MoE with a shared expert)
+HF_SOURCES = ["llama_tp2", "qwen2_tp2", "llama_tied_tp2", "mixtral_ep2", "qwen2moe_tp2_ep2"]
 
 
 # the (TP, PP, EP) splits megatron-core loads reshard's output at: TP 2 and PP 2 apart for the
 # plain model, together (4 processes, one torchrun) for the others (tied embeddings then span
-# stages), and the MoE model's experts over 2 expert ranks too
-HF_SPLITS = {"llama_tp2": [(2, 1, 1), (1, 2, 1)], "mixtral_ep2": [(2, 2, 1), (1, 1, 2)]}
+# stages), and the MoE models' experts over 2 expert ranks too (Qwen2-MoE's with PP 2, and its
+# experts and shared expert split over TP 2 apart)
+HF_SPLITS = {"llama_tp2": [(2, 1, 1), (1, 2, 1)], "mixtral_ep2": [(2, 2, 1), (1, 1, 2)],
+             "qwen2moe_tp2_ep2": [(1, 2, 2), (2, 1, 1)]}
 
 
 @pytest.mark.parametrize("case", HF_SOURCES)
@@ -393,11 +412,13 @@ def test_legacy_to_hf(case, tmp_path):
 LEGACY_TP1 = ["--format", "megatron-legacy", "--tp", "1"]
 
 
-@pytest.mark.parametrize("case", ["llama_tp2", "qwen2_tp2"])
+@pytest.mark.parametrize("case", ["llama_tp2", "qwen2_tp2", "qwen2moe_tp2_ep2"])
 def test_legacy_tp2_to_legacy_tp1_to_hf(case, tmp_path):
     reshard_cli("convert", FIXTURES / case / "legacy", tmp_path / "l1", *LEGACY_TP1)
     files = sorted(p.relative_to(tmp_path / "l1").as_posix() for p in (tmp_path / "l1").rglob("*.pt"))
-    assert files == [f"{ITER}/mp_rank_00/model_optim_rng.pt"], files
+    ep = case_info(case)["ep"]  # (the expert ranks' files stay: --tp changes TP only)
+    want = [f"{ITER}/mp_rank_00" + (f"_{e:03d}" if ep > 1 else "") + "/model_optim_rng.pt" for e in range(ep)]
+    assert files == want, files
     reshard_cli("convert", tmp_path / "l1", tmp_path / "hf", "--format", "hf")
     assert_bitwise(hf_tensors(tmp_path / "hf"), hf_tensors(FIXTURES / case / "hf_mbridge"), "legacy tp1 -> hf")
 
@@ -449,8 +470,8 @@ def test_megatron_lm_loads_the_save_directories(case, src, args, split, tmp_path
 
 # --------------------------------------------------------------------------- loading across frameworks
 
-# (transformers 5 keeps Mixtral's experts fused in memory, gate_up_proj [E, 2F, H], under other
-# names than its files' per-expert w1/w2/w3, which the mixtral recipe maps: not covered here)
+# (transformers 5 keeps Mixtral's and Qwen2-MoE's experts fused in memory, gate_up_proj [E, 2F, H],
+# under other names than their files' per-expert tensors, which the recipes map: not covered here)
 @pytest.mark.parametrize("case,form", [("llama_tp2", "torch_dist"), ("qwen2_tp2", "legacy"), ("llama_tp2_pp2", "torch_dist")])
 def test_torch_load_fills_a_hugging_face_model_from_a_megatron_checkpoint(case, form):
     """``reshard.torch.load(hf_model.state_dict(), megatron_ckpt, recipe=...)``: no file

@@ -392,7 +392,7 @@ fn bad_recipes_and_configurations_are_one_line_errors_and_write_nothing() {
     );
     case(
         &["--recipe", "gpt-17"],
-        "no recipe `gpt-17`: not a built-in (llama, mistral, qwen2, mixtral)",
+        "no recipe `gpt-17`: not a built-in (llama, mistral, qwen2, mixtral, qwen2_moe)",
     );
     // a target defined twice
     let twice = tmp.path().join("twice.json");
@@ -477,4 +477,90 @@ fn a_recipe_file_may_extend_a_builtin() {
     let ck = Checkpoint::open(&mc).unwrap();
     let emb = ck.tensor("embedding.word_embeddings.weight").unwrap();
     assert_eq!(emb.shape, vec![12, 8]); // 10 rounded up to a multiple of 4
+}
+
+/// The Qwen2-MoE fixture (`tests/fixtures/frameworks/qwen2moe_tp2_ep2`: a real megatron-core
+/// model at TP 2 × EP 2 with q/k/v biases, 4 routed experts and a gated shared expert, saved
+/// by `scripts/gen_frameworks.py`): its `torch_dist` and legacy saves convert to mbridge's
+/// export byte for byte, with the configuration transformers' Qwen2MoeForCausalLM reads, and
+/// mbridge's export converts to megatron-core's own tensors (the vocabulary's padding rows
+/// zeros) and back byte-exact.
+#[test]
+fn qwen2_moe_fixture_converts_to_mbridges_export_and_back_byte_exact() {
+    let case = crate::common::fixture("frameworks/qwen2moe_tp2_ep2");
+    let mbridge = case.join("hf_mbridge");
+    let want = read_all(&Checkpoint::open(&mbridge).unwrap());
+    assert!(want.contains_key("model.layers.1.mlp.shared_expert_gate.weight"));
+    assert!(want.contains_key("model.layers.1.mlp.experts.3.up_proj.weight"));
+    let tmp = tempfile::tempdir().unwrap();
+    for form in ["torch_dist", "legacy"] {
+        let out = tmp.path().join(form);
+        let said = convert(&case.join(form), &out, &["--format", "hf"]);
+        assert!(
+            said.contains("recipe qwen2_moe (common.pt args: num_experts and moe_shared_expert_intermediate_size are set"),
+            "{said}"
+        );
+        let got = read_all(&Checkpoint::open(&out).unwrap());
+        crate::common::assert_same("qwen2moe_tp2_ep2", form, &got, &want);
+        let config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+        for (k, v) in [
+            ("model_type", serde_json::json!("qwen2_moe")),
+            ("architectures", serde_json::json!(["Qwen2MoeForCausalLM"])),
+            ("intermediate_size", 40.into()),
+            ("moe_intermediate_size", 24.into()),
+            ("shared_expert_intermediate_size", 32.into()),
+            ("num_experts", 4.into()),
+            ("num_experts_per_tok", 2.into()),
+            ("norm_topk_prob", false.into()),
+            ("decoder_sparse_step", 1.into()),
+            ("mlp_only_layers", serde_json::json!([])),
+            ("qkv_bias", true.into()),
+            ("vocab_size", 96.into()),
+        ] {
+            assert_eq!(config[k], v, "{form}: config.json {k}");
+        }
+    }
+    // Hugging Face -> megatron (padded for TP 2, as the fixture) -> Hugging Face
+    let (mc, back) = (tmp.path().join("mc"), tmp.path().join("back"));
+    let said = convert(&mbridge, &mc, &["--format", "megatron", "--param", "tp=2"]);
+    assert!(
+        said.contains("recipe qwen2_moe (config.json: model_type=qwen2_moe): hf -> megatron"),
+        "{said}"
+    );
+    let ck = Checkpoint::open(&mc).unwrap();
+    let mut got = read_all(&ck);
+    let mut saved = read_all(&Checkpoint::open(case.join("torch_dist")).unwrap());
+    for name in ["embedding.word_embeddings.weight", "output_layer.weight"] {
+        // the first 96 rows are the vocabulary; megatron-core's padding rows were random
+        let (g, w) = (
+            &mut got.get_mut(name).unwrap().2,
+            &mut saved.get_mut(name).unwrap().2,
+        );
+        let rows = 96 * 16 * 4;
+        assert!(
+            g[rows..].iter().all(|&b| b == 0),
+            "{name}: padding not zeros"
+        );
+        g.truncate(rows);
+        w.truncate(rows);
+    }
+    crate::common::assert_same("qwen2moe_tp2_ep2", "hf -> megatron", &got, &saved);
+    let args = reshard::recipe::source_config(&ck, "megatron")
+        .unwrap()
+        .expect("args in common.pt");
+    assert_eq!(args["num_experts"], 4);
+    assert_eq!(args["moe_ffn_hidden_size"], 24);
+    assert_eq!(args["ffn_hidden_size"], 40);
+    assert_eq!(args["moe_shared_expert_intermediate_size"], 32);
+    assert_eq!(args["moe_shared_expert_gate"], true);
+    assert_eq!(args["moe_router_pre_softmax"], true);
+    assert_eq!(args["add_qkv_bias"], true);
+    convert(&mc, &back, &["--format", "hf"]);
+    crate::common::assert_same(
+        "qwen2moe_tp2_ep2",
+        "round trip",
+        &read_all(&Checkpoint::open(&back).unwrap()),
+        &want,
+    );
 }
