@@ -179,6 +179,7 @@ fn legacy_to_torch_dist_is_megatron_cores_own_save() {
         "qwen2_tp2",
         "mixtral_ep2",
         "mixtral_gg_ep2",
+        "qwen2moe_tp2_ep2",
     ] {
         let d = tempfile::tempdir().unwrap();
         let out = d.path().join("dist");
@@ -383,6 +384,7 @@ fn torch_dist_and_grouped_gemm_experts_to_legacy_and_back() {
         ("llama_tied_tp2", &[(2, 2, 1), (1, 4, 1)][..]),
         ("mixtral_gg_ep2", &[(1, 1, 1), (2, 2, 4)][..]),
         ("mixtral_ep2", &[(2, 1, 1)][..]),
+        ("qwen2moe_tp2_ep2", &[(1, 1, 1), (2, 2, 4)][..]),
     ] {
         let want = unstacked(&Checkpoint::open(frameworks(case, "torch_dist")).unwrap());
         // the legacy files megatron-core wrote hold the torch_dist checkpoint's tensors; with
