@@ -31,6 +31,9 @@ pub struct RecipeOptions {
     /// The output's tensor-parallel size where the output states one (a legacy output's
     /// `--tp`): the value of a recipe's `tp` parameter unless `params` sets it.
     pub tp: Option<u64>,
+    /// Target the names a model holds in memory where they differ from its files'
+    /// ([`Recipe::for_memory`]): for a loader that fills a model, not for an output.
+    pub memory: bool,
 }
 
 /// A recipe chosen and applied to a source.
@@ -249,6 +252,11 @@ pub fn apply(ck: &Checkpoint, format: Format, opts: &RecipeOptions) -> Result<Op
         },
     };
     let recipe = load(&name)?;
+    let recipe = if opts.memory {
+        recipe.for_memory()
+    } else {
+        recipe
+    };
     let empty = Value::Object(Default::default());
     let config = config.unwrap_or(empty);
     let mut given = opts.params.clone();

@@ -294,14 +294,19 @@ def _load_through_recipe(
     """:func:`load` of the tensors a recipe reads ``ck`` as (the other framework's)."""
     import json
 
-    _name, _why, targets = ck._ck.recipe_targets(
-        None if recipe in (None, "auto") else _os_fspath(recipe),
-        None if params is None else json.dumps(dict(params)),
-    )
+    name = None if recipe in (None, "auto") else _os_fspath(recipe)
+    given = None if params is None else json.dumps(dict(params))
+    _name, _why, targets = ck._ck.recipe_targets(name, given)
     leaves: List[_Leaf] = []
     nodes: Dict[str, Tuple[Any, Any, Tuple[Any, ...]]] = {}
     _walk(dict(state_dict), (), leaves, nodes, None, None)
     by_name = {_flat(l.path): l for l in leaves}
+    # a model whose modules hold other names than its files (transformers 5's fused experts,
+    # `mlp.experts.gate_up_proj`): the recipe's in-memory names, where the state dict has them
+    _n, _w, in_memory = ck._ck.recipe_targets(name, given, True)
+    files = {t[0] for t in targets}
+    if any(t[0] not in files and t[0] in by_name for t in in_memory):
+        targets = in_memory
     names = [t[0] for t in targets]
     keep = ck._keeps(names, include, exclude)
     ren = _rename_fn(rename)

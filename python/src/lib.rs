@@ -385,15 +385,18 @@ impl PyCheckpoint {
     /// checkpoint as Hugging Face's, and the reverse): the recipe's name and why it applies,
     /// and each target as `(name, dtype, shape, view JSON)`. `recipe`: a built-in's name or a
     /// file (default: the one the checkpoint's configuration calls for); `params`: a JSON
-    /// object of parameters.
-    #[pyo3(signature = (recipe=None, params=None))]
+    /// object of parameters; `memory`: the names a model holds in memory where the recipe
+    /// says they differ from its files'.
+    #[pyo3(signature = (recipe=None, params=None, memory=false))]
     fn recipe_targets(
         &self,
         recipe: Option<String>,
         params: Option<String>,
+        memory: bool,
     ) -> PyResult<RecipeTargets> {
         let mut opts = reshard::recipe::RecipeOptions {
             recipe,
+            memory,
             ..Default::default()
         };
         if let Some(p) = params {

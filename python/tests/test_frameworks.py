@@ -471,11 +471,14 @@ def test_megatron_lm_loads_the_save_directories(case, src, args, split, tmp_path
 # --------------------------------------------------------------------------- loading across frameworks
 
 # (transformers 5 keeps Mixtral's and Qwen2-MoE's experts fused in memory, gate_up_proj [E, 2F, H],
-# under other names than their files' per-expert tensors, which the recipes map: not covered here)
-@pytest.mark.parametrize("case,form", [("llama_tp2", "torch_dist"), ("qwen2_tp2", "legacy"), ("llama_tp2_pp2", "torch_dist")])
+# under other names than their files' per-expert tensors: the recipes' in-memory names)
+@pytest.mark.parametrize("case,form", [("llama_tp2", "torch_dist"), ("qwen2_tp2", "legacy"), ("llama_tp2_pp2", "torch_dist"),
+                                       ("mixtral_ep2", "torch_dist"), ("mixtral_gg_ep2", "legacy"),
+                                       ("qwen2moe_tp2_ep2", "torch_dist")])
 def test_torch_load_fills_a_hugging_face_model_from_a_megatron_checkpoint(case, form):
     """``reshard.torch.load(hf_model.state_dict(), megatron_ckpt, recipe=...)``: no file
-    written, every tensor equal to mbridge's, the same logits."""
+    written, every tensor equal to what transformers' from_pretrained makes of mbridge's
+    export, the same logits."""
     import reshard.torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -486,9 +489,8 @@ def test_torch_load_fills_a_hugging_face_model_from_a_megatron_checkpoint(case, 
     res = reshard.torch.load(sd, FIXTURES / case / form, recipe="auto")
     assert (res.missing_keys, res.unexpected_keys) == ([], [])
     model.load_state_dict(sd)
-    want = hf_tensors(FIXTURES / case / "hf_mbridge")
-    got = {k: v for k, v in model.state_dict().items() if k in want}
-    assert_bitwise(got, want, "reshard.torch.load vs mbridge")
+    ref = AutoModelForCausalLM.from_pretrained(str(FIXTURES / case / "hf_mbridge"), dtype=torch.float32)
+    assert_bitwise(model.state_dict(), ref.state_dict(), "reshard.torch.load vs from_pretrained(mbridge)")
     with torch.no_grad():
         logits = model(input_ids(case)).logits
     assert close(logits, want_logits(case)) <= TOL

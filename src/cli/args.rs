@@ -339,6 +339,7 @@ impl TargetArgs {
                 recipe: self.recipe.clone(),
                 params: self.params.iter().cloned().collect(),
                 tp: None,
+                memory: false,
             },
             write: WriteOptions {
                 max_shard_size: self.max_shard_size,

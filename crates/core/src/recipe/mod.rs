@@ -80,6 +80,9 @@ pub struct Param {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Map {
+    /// What the map is for, in words (shown to nobody; for the recipe's readers).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub about: String,
     /// The source framework (`megatron`, `hf`).
     pub from: String,
     /// The target framework.
@@ -111,6 +114,13 @@ pub struct Map {
     /// With `extend`: the names (templates, as written) of the base's rules and objects to drop.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub remove: Vec<String>,
+    /// A map for loading into a model in memory rather than writing files: it amends the
+    /// map of the same direction (as `extend` does: `remove`, then its rules added) when a
+    /// loader asks for the names the model's modules hold, where they differ from its files'
+    /// (transformers 5 keeps a layer's experts fused in memory, `mlp.experts.gate_up_proj`,
+    /// and per expert in its files). See [`Recipe::for_memory`].
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub memory: bool,
 }
 
 /// A non-tensor entry of the target (or a family over loop indices) and its value.
@@ -211,6 +221,16 @@ pub enum ViewTemplate {
         /// The operands.
         parts: Vec<ViewTemplate>,
     },
+    /// `of` for each value of one loop variable (`for`, as a rule's: `{"e": "experts"}`),
+    /// stacked on a new leading axis: a fused tensor of per-index sources (transformers'
+    /// in-memory `gate_up_proj` `[E, 2F, H]` from each expert's projection).
+    Stack {
+        /// The loop: one variable and its count.
+        #[serde(rename = "for")]
+        each: BTreeMap<String, Num>,
+        /// The operand, rendered for each value of the variable.
+        of: Box<ViewTemplate>,
+    },
     /// [`View::Pad`].
     Pad {
         /// The operand.
@@ -263,27 +283,20 @@ impl Recipe {
     pub fn over(mut self, base: &Recipe) -> Recipe {
         let mut params = base.params.clone();
         params.append(&mut self.params);
+        let same = |a: &Map, b: &Map| a.from == b.from && a.to == b.to && a.memory == b.memory;
         let mut maps: Vec<Map> = base
             .maps
             .iter()
-            .filter(|b| !self.maps.iter().any(|m| m.from == b.from && m.to == b.to))
+            .filter(|b| !self.maps.iter().any(|m| same(m, b)))
             .cloned()
             .collect();
         for m in std::mem::take(&mut self.maps) {
-            let amended = base.map(&m.from, &m.to).filter(|_| m.extend).map(|b| {
-                let mut b = b.clone();
-                b.tensors.retain(|r| !m.remove.contains(&r.name));
-                b.objects.retain(|o| !m.remove.contains(&o.name));
-                b.tensors.extend(m.tensors.iter().cloned());
-                b.objects.extend(m.objects.iter().cloned());
-                b.ignore.extend(m.ignore.iter().cloned());
-                if let Some(patch) = &m.config {
-                    let mut c = b.config.take().unwrap_or(Value::Object(Default::default()));
-                    merge_patch(&mut c, patch);
-                    b.config = Some(c);
-                }
-                b
-            });
+            let amended = base
+                .maps
+                .iter()
+                .find(|b| same(b, &m))
+                .filter(|_| m.extend)
+                .map(|b| amend(b, &m));
             maps.push(amended.unwrap_or(m));
         }
         Recipe {
@@ -299,9 +312,29 @@ impl Recipe {
         }
     }
 
-    /// The map from framework `from` to `to`, if the recipe has one.
+    /// The map from framework `from` to `to` (for files), if the recipe has one.
     pub fn map(&self, from: &str, to: &str) -> Option<&Map> {
-        self.maps.iter().find(|m| m.from == from && m.to == to)
+        self.maps
+            .iter()
+            .find(|m| m.from == from && m.to == to && !m.memory)
+    }
+
+    /// This recipe for loading into models in memory: each map amended by its direction's
+    /// [`Map::memory`] map, where there is one (its removals, then its rules).
+    pub fn for_memory(&self) -> Recipe {
+        let mut out = self.clone();
+        let memory: Vec<Map> = self.maps.iter().filter(|m| m.memory).cloned().collect();
+        out.maps.retain(|m| !m.memory);
+        for mem in &memory {
+            if let Some(f) = out
+                .maps
+                .iter_mut()
+                .find(|f| f.from == mem.from && f.to == mem.to)
+            {
+                *f = amend(f, mem);
+            }
+        }
+        out
     }
 
     /// Resolve every parameter: `given` first (on the command line), then the `from`
@@ -424,6 +457,7 @@ impl Recipe {
             let have: Vec<String> = self
                 .maps
                 .iter()
+                .filter(|m| !m.memory)
                 .map(|m| format!("{} → {}", m.from, m.to))
                 .collect();
             Error::usage(format!(
@@ -699,6 +733,32 @@ impl ViewTemplate {
                 *dim,
                 parts.iter().map(r).collect::<std::result::Result<_, _>>()?,
             ),
+            ViewTemplate::Stack { each, of } => {
+                let [(var, count)] = each.iter().collect::<Vec<_>>()[..] else {
+                    return Err(format!(
+                        "a stack loops over one variable, not {}",
+                        each.len()
+                    ));
+                };
+                let count = n(count)?;
+                if count == 0 {
+                    return Err(format!("a stack over `{var}` of 0 operands"));
+                }
+                let mut parts = Vec::with_capacity(count as usize);
+                for k in 0..count {
+                    let mut inner = vars.clone();
+                    inner.insert(var.clone(), k);
+                    let scoped = |name: &str| {
+                        if name == var {
+                            Some(Value::from(k))
+                        } else {
+                            ctx(name)
+                        }
+                    };
+                    parts.push(of.render(&inner, &scoped)?.merge(0, 0));
+                }
+                View::concat(0, parts)
+            }
             ViewTemplate::Pad {
                 of,
                 dim,
@@ -759,6 +819,23 @@ fn unstack(view: View, sources: &SourceShapes<'_>) -> std::result::Result<View, 
         Some(m) => Err(m),
         None => Ok(out),
     }
+}
+
+/// `base` amended by `m`: the rules and objects `m.remove` names dropped, `m`'s rules,
+/// objects and `ignore` patterns added, and its `config` a merge patch of the base's.
+fn amend(base: &Map, m: &Map) -> Map {
+    let mut b = base.clone();
+    b.tensors.retain(|r| !m.remove.contains(&r.name));
+    b.objects.retain(|o| !m.remove.contains(&o.name));
+    b.tensors.extend(m.tensors.iter().cloned());
+    b.objects.extend(m.objects.iter().cloned());
+    b.ignore.extend(m.ignore.iter().cloned());
+    if let Some(patch) = &m.config {
+        let mut c = b.config.take().unwrap_or(Value::Object(Default::default()));
+        merge_patch(&mut c, patch);
+        b.config = Some(c);
+    }
+    b
 }
 
 /// Group targets whose names hold index segments into stacked tensors: each stack is the
