@@ -604,7 +604,48 @@ def worker_mlm_load(args):
     dist.destroy_process_group()
 
 
-WORKERS = {"save": worker_save, "reload": worker_reload, "mlm_load": worker_mlm_load}
+def worker_reshard_load(args):
+    """Fill a GPTModel at (--tp, --pp, --ep) from the checkpoint --dir with reshard.torch.load
+    of its sharded_state_dict() (every parameter zeroed before): a Hugging Face folder through
+    --recipe (with the recipe's tp set to --tp, for the vocabulary's padding), or a torch_dist
+    checkpoint as it is; write its logits to --json."""
+    torch, dist = _init()
+    import reshard.torch
+    from safetensors.torch import save_file
+
+    tp, pp, ep = args.tp, args.pp, args.ep
+    m = dict(model_config(args.case), moe_grouped_gemm=False)
+    if args.recipe:
+        step = m["make_vocab_size_divisible_by"] * tp
+        m["padded_vocab_size"] = -(-m["vocab_size"] // step) * step
+    else:
+        d = Path(args.dir)
+        tracker = d / "latest_checkpointed_iteration.txt"
+        if tracker.is_file():  # a save directory: its tracked iteration
+            d = d / f"iter_{int(tracker.read_text().strip()):07d}"
+        m["padded_vocab_size"] = padded_vocab_of(d)
+    ps = _parallel(tp, pp, ep)
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    model = build_model(m, tp, pp, ep, pp_rank)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    meta = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    sd = model.sharded_state_dict(metadata=meta)
+    if args.recipe:
+        res = reshard.torch.load(sd, args.dir, recipe=args.recipe, params={"tp": tp})
+    else:
+        res = reshard.torch.load(sd, args.dir)
+    assert (res.missing_keys, res.unexpected_keys) == ([], []), res
+    logits = forward_logits(model, m, pp, pp_rank, ps.get_pipeline_model_parallel_group(), dist)
+    if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+        save_file({"logits": logits}, args.json)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+WORKERS = {"save": worker_save, "reload": worker_reload, "mlm_load": worker_mlm_load,
+           "reshard_load": worker_reshard_load}
 
 
 # --------------------------------------------------------------------------- driver
@@ -664,6 +705,7 @@ def main():
     ap.add_argument("--pp", type=int, default=1, help=argparse_suppress())
     ap.add_argument("--ep", type=int, default=1, help=argparse_suppress())
     ap.add_argument("--json", help=argparse_suppress())
+    ap.add_argument("--recipe", help=argparse_suppress())
     args = ap.parse_args()
     if args.mode:
         WORKERS[args.mode](args)

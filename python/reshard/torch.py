@@ -136,6 +136,67 @@ def _plan_tensor(fill: Fill, src: str, shape: Tuple[int, ...], t: torch.Tensor, 
         _add(fill, src, t, [([0] * len(shape), list(shape), [0] * len(shape))], what)
 
 
+# megatron-core's sharded state dict (`model.sharded_state_dict()`): each entry a
+# `ShardedTensor` whose `key` is the checkpoint's name and whose `data` (a parameter, or a view
+# of one) is the block at `global_offset` of the global tensor, behind `prepend_axis_num`
+# stacked axes of size 1; a `ShardedTensorFactory` builds such entries over views of its
+# parameter (SwiGLU's `[gate_r; up_r]` as two blocks); `ShardedObject`s hold no tensor.
+_MegatronParts = Dict[str, List[Tuple[torch.Tensor, List[int], List[int], Tuple[int, ...]]]]
+
+
+def _megatron_kind(v: Any) -> Optional[str]:
+    """The class name of a megatron-core dist_checkpointing entry, else None."""
+    if type(v).__module__.startswith("megatron.core.dist_checkpointing"):
+        return type(v).__name__
+    return None
+
+
+def _split_megatron(sd: Dict[str, Any]) -> Tuple[Dict[str, Any], _MegatronParts]:
+    """``sd`` without its megatron-core sharded entries (dicts holding none are kept as
+    they are), and those entries' blocks by checkpoint key."""
+    parts: _MegatronParts = {}
+
+    def add(st: Any) -> None:
+        kind = _megatron_kind(st)
+        if kind == "ShardedTensorFactory":
+            built = st.build()
+            for x in (built.values() if isinstance(built, Mapping) else built if isinstance(built, (list, tuple)) else [built]):
+                add(x)
+            return
+        if kind != "ShardedTensor":
+            return  # ShardedObject (TransformerEngine's _extra_state, RNG state): no tensor to fill
+        if getattr(st, "flattened_range", None) is not None:
+            raise RequestError(f"tensor `{st.key}`: a flattened range (the distributed optimizer's layout) is not loaded; load the model's parameters")
+        n = int(st.prepend_axis_num)
+        data = st.data[(None,) * n] if n else st.data
+        parts.setdefault(st.key, []).append((data, list(st.global_offset), list(data.shape), tuple(st.global_shape)))
+
+    def visit(d: Mapping) -> Tuple[Dict[str, Any], bool]:
+        out: Dict[str, Any] = {}
+        found = False
+        for k, v in d.items():
+            if _megatron_kind(v) is not None:
+                add(v)
+                found = True
+            elif isinstance(v, Mapping):
+                inner, f = visit(v)
+                out[k] = inner if f else v
+                found = found or f
+            else:
+                out[k] = v
+        return out, found
+
+    rest, _found = visit(sd)
+    return rest, parts
+
+
+def _plan_megatron(fill: Fill, src: str, shape: Tuple[int, ...], blocks: List[Any], what: str) -> None:
+    """Add the blocks of a megatron-core sharded entry of checkpoint tensor ``src``."""
+    for data, offs, sizes, global_shape in blocks:
+        _check_shape(what, global_shape, shape)
+        _add(fill, src, data, [(offs, sizes, [0] * len(sizes))], what)
+
+
 def _rename_fn(rename: Any) -> Callable[[str], Optional[str]]:
     if rename is None:
         return lambda n: n
@@ -179,6 +240,13 @@ def load(
     with ``state_dict``/``load_state_dict`` are loaded through them; non-tensor entries
     replace the state dict's values.
 
+    A megatron-core model's ``sharded_state_dict()`` loads too: each ``ShardedTensor``
+    its block of the checkpoint tensor its ``key`` names (a ``ShardedTensorFactory``'s
+    blocks, SwiGLU's ``[gate_r; up_r]``, through views of the parameter), filled in place;
+    ``ShardedObject`` entries are left as they are. With a recipe, a Hugging Face folder
+    fills a megatron-core model at any TP, PP and EP (``params={"tp": TP}`` for the
+    vocabulary's padding).
+
     ``include``/``exclude``: globs of checkpoint names to consider. ``rename``: a dict or a
     callable mapping a checkpoint name to its state-dict name (``None``: skip it).
     ``strict``: raise :class:`reshard.RequestError` when a state-dict key is missing from
@@ -191,10 +259,11 @@ def load(
         raise RequestError(f"state_dict must be a dict, not {type(state_dict).__name__}")
     if recipe is not None or params is not None:
         return _load_through_recipe(state_dict, ck, recipe, params, strict, include, exclude, rename)
+    plain, mc = _split_megatron(state_dict)
     # Stateful objects are loaded through their own state dicts.
     stateful: List[Tuple[Any, Any]] = []
     view: Dict[str, Any] = {}
-    for k, v in state_dict.items():
+    for k, v in plain.items():
         if _is_stateful(v):
             sd = v.state_dict()
             stateful.append((v, sd))
@@ -226,6 +295,10 @@ def load(
         target = ren(name)
         if target is None:
             continue
+        if target in mc and name in infos:
+            _plan_megatron(fill, name, infos[name].shape, mc[target], f"tensor `{target}`")
+            matched.add(target)
+            continue
         leaf = by_name.get(target)
         if name in infos:
             info = infos[name]
@@ -255,7 +328,7 @@ def load(
         if target.split(".", 1)[0] in tops:
             unexpected.append(target)
 
-    missing = [n for n in by_name if n not in matched]
+    missing = [n for n in list(by_name) + list(mc) if n not in matched]
     if strict:
         _check_strict(ck, missing, unexpected, "in it", "of its entries")
 
@@ -297,9 +370,10 @@ def _load_through_recipe(
     name = None if recipe in (None, "auto") else _os_fspath(recipe)
     given = None if params is None else json.dumps(dict(params))
     _name, _why, targets = ck._ck.recipe_targets(name, given)
+    plain, mc = _split_megatron(state_dict)
     leaves: List[_Leaf] = []
     nodes: Dict[str, Tuple[Any, Any, Tuple[Any, ...]]] = {}
-    _walk(dict(state_dict), (), leaves, nodes, None, None)
+    _walk(dict(plain), (), leaves, nodes, None, None)
     by_name = {_flat(l.path): l for l in leaves}
     # a model whose modules hold other names than its files (transformers 5's fused experts,
     # `mlp.experts.gate_up_proj`): the recipe's in-memory names, where the state dict has them
@@ -317,6 +391,11 @@ def _load_through_recipe(
         target = ren(name) if kept else None
         if target is None:
             continue
+        if target in mc:
+            fill.views[name] = view
+            _plan_megatron(fill, name, tuple(shape), mc[target], f"tensor `{target}`")
+            matched.add(target)
+            continue
         leaf = by_name.get(target)
         if leaf is None or not isinstance(leaf.value, torch.Tensor):
             unexpected.append(target)
@@ -324,7 +403,7 @@ def _load_through_recipe(
         fill.views[name] = view
         _plan_tensor(fill, name, tuple(shape), leaf.value, f"tensor `{target}`")
         matched.add(target)
-    missing = [n for n in by_name if n not in matched]
+    missing = [n for n in list(by_name) + list(mc) if n not in matched]
     if strict:
         _check_strict(ck, missing, unexpected, "among the recipe's tensors", "of the recipe's tensors")
     fill.run()

@@ -496,6 +496,26 @@ def test_torch_load_fills_a_hugging_face_model_from_a_megatron_checkpoint(case, 
     assert close(logits, want_logits(case)) <= TOL
 
 
+# the reverse: megatron-core's own model (its sharded_state_dict(): each parameter's block of the
+# global tensor, SwiGLU's [gate_r; up_r] as two) filled from a Hugging Face folder through the
+# recipe, or from a torch_dist checkpoint saved at another split, in tp x pp x ep processes
+@pytest.mark.parametrize("case,src,recipe,split", [
+    ("llama_tp2", "hf_mbridge", "llama", (2, 1, 1)),
+    ("mixtral_ep2", "hf_mbridge", "mixtral", (1, 1, 2)),
+    ("llama_tp2_pp2", "torch_dist", None, (2, 1, 1)),
+])
+def test_torch_load_fills_a_megatron_core_model(case, src, recipe, split, tmp_path):
+    from safetensors.torch import load_file
+
+    tp, pp, ep = split
+    res = tmp_path / "logits.safetensors"
+    argv = ["--worker", "reshard_load", "--case", case, "--dir", str(FIXTURES / case / src), "--tp", str(tp),
+            "--pp", str(pp), "--ep", str(ep), "--json", str(res)] + (["--recipe", recipe] if recipe else [])
+    rc, log = _torchrun.run(GEN, tp * pp * ep, argv, env={"PYTHONWARNINGS": "ignore"}, cwd=tmp_path, timeout=300)
+    assert rc == 0, log[-6000:]
+    assert close(load_file(str(res))["logits"], want_logits(case)) <= TOL
+
+
 def test_torch_load_through_a_recipe_says_what_is_missing():
     import reshard
     import reshard.torch
