@@ -959,3 +959,76 @@ fn merge_patch(target: &mut Value, patch: &Value) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A recipe with a files map (per-expert targets) and a memory map (the experts fused).
+    fn experts_recipe() -> Recipe {
+        Recipe::from_json(
+            r#"{"recipe": "t", "params": {"experts": {"default": 3}},
+                "maps": [
+                  {"from": "a", "to": "b", "tensors": [
+                    {"name": "x.{e}", "for": {"e": "experts"}, "view": {"op": "source", "name": "w.{e}"}},
+                    {"name": "keep", "view": {"op": "source", "name": "k"}}]},
+                  {"from": "a", "to": "b", "memory": true, "remove": ["x.{e}"], "tensors": [
+                    {"name": "fused", "view": {"op": "stack", "for": {"e": "experts"},
+                                               "of": {"op": "source", "name": "w.{e}"}}}]}]}"#,
+            "test",
+        )
+        .unwrap()
+    }
+
+    fn targets(r: &Recipe) -> Vec<(String, Vec<u64>)> {
+        let shapes: Vec<(String, Vec<u64>)> = ["w.0", "w.1", "w.2", "k"]
+            .iter()
+            .map(|n| (n.to_string(), vec![4, 2]))
+            .collect();
+        let sources: SourceShapes<'_> = shapes
+            .iter()
+            .map(|(n, s)| (n.as_str(), s.as_slice()))
+            .collect();
+        let (params, origins) = r.resolve("a", &|_| None, &BTreeMap::new()).unwrap();
+        let inst = r.instantiate("a", "b", params, origins, &sources).unwrap();
+        let shape_of = |n: &str| shapes.iter().find(|(m, _)| m == n).map(|(_, s)| s.clone());
+        inst.targets
+            .iter()
+            .map(|(n, v)| (n.clone(), v.shape(n, &shape_of).unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn a_memory_map_amends_its_direction_only_for_loaders() {
+        let r = experts_recipe();
+        // files: the memory map is not a second map of the direction
+        let files = targets(&r);
+        let names: Vec<&str> = files.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["x.0", "x.1", "x.2", "keep"]);
+        // in memory: the per-expert rule removed, the stack added (3 experts of [4, 2])
+        let memory = targets(&r.for_memory());
+        assert_eq!(
+            memory,
+            [
+                ("keep".to_string(), vec![4, 2]),
+                ("fused".to_string(), vec![3, 4, 2])
+            ]
+        );
+    }
+
+    #[test]
+    fn a_stack_loops_over_exactly_one_variable() {
+        let t: ViewTemplate = serde_json::from_str(
+            r#"{"op": "stack", "for": {"a": 2, "b": 2}, "of": {"op": "source", "name": "w"}}"#,
+        )
+        .unwrap();
+        let err = t.render(&BTreeMap::new(), &|_| None).unwrap_err();
+        assert!(err.contains("one variable, not 2"), "{err}");
+        let t: ViewTemplate = serde_json::from_str(
+            r#"{"op": "stack", "for": {"e": 2}, "of": {"op": "source", "name": "w.{e}"}}"#,
+        )
+        .unwrap();
+        let v = t.render(&BTreeMap::new(), &|_| None).unwrap();
+        assert_eq!(v.sources(), ["w.0", "w.1"]);
+    }
+}
