@@ -55,7 +55,7 @@ def test_convert_dequantizes_as_weight_dequant(tmp_path, dtype, name):
     src = load_file(FIXTURE / "model.safetensors")
     want = torch_dequantized(src, dtype)
     dst = tmp_path / "out"
-    reshard.convert(str(FIXTURE), str(dst), to=1, dtype=name)
+    reshard.convert(str(FIXTURE), str(dst), world_size=1, dtype=name)
     got = read_folder(dst)
     assert sorted(got) == sorted(want)
     for k in want:
@@ -78,7 +78,7 @@ def test_every_fp8_byte_and_partial_blocks(tmp_path):
     save_file({"w.weight": q, "w.weight_scale_inv": s}, str(src / "model.safetensors"))
     for dtype, name in [(torch.bfloat16, "bf16"), (torch.float16, "f16"), (torch.float32, "f32")]:
         dst = tmp_path / name
-        reshard.convert(str(src), str(dst), to=1, dtype=name)
+        reshard.convert(str(src), str(dst), world_size=1, dtype=name)
         got = read_folder(dst)
         assert list(got) == ["w.weight"]
         assert bits_equal(got["w.weight"], weight_dequant(q, s, dtype)), name
@@ -86,7 +86,7 @@ def test_every_fp8_byte_and_partial_blocks(tmp_path):
 
 def test_without_dtype_fp8_is_kept(tmp_path):
     dst = tmp_path / "out"
-    reshard.convert(str(FIXTURE), str(dst), to=1)
+    reshard.convert(str(FIXTURE), str(dst), world_size=1)
     src = load_file(FIXTURE / "model.safetensors")
     got = read_folder(dst)
     assert sorted(got) == sorted(src)
@@ -97,11 +97,16 @@ def test_without_dtype_fp8_is_kept(tmp_path):
 def test_logits_of_the_dequantized_model(tmp_path):
     transformers = pytest.importorskip("transformers")
     dst = tmp_path / "out"
-    reshard.convert(str(FIXTURE), str(dst), to=1, dtype="bfloat16")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(dst), torch_dtype=torch.bfloat16)
-    cfg = transformers.AutoConfig.from_pretrained(str(dst))
-    ref = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
-    ref.load_state_dict(torch_dequantized(load_file(FIXTURE / "model.safetensors"), torch.bfloat16))
+    reshard.convert(str(FIXTURE), str(dst), world_size=1, dtype="bfloat16")
+    # the reference: torch's dequantized weights, saved beside the same config
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    (ref_dir / "config.json").write_text((dst / "config.json").read_text())
+    want = torch_dequantized(load_file(FIXTURE / "model.safetensors"), torch.bfloat16)
+    save_file(want, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    model, ref = load(str(dst), dtype=torch.bfloat16), load(str(ref_dir), dtype=torch.bfloat16)
+    cfg = model.config
     ids = torch.arange(12).reshape(2, 6) % cfg.vocab_size
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
@@ -113,4 +118,4 @@ def test_malformed_scale_is_an_error_naming_the_file(tmp_path):
     q = torch.zeros(200, 300).to(torch.float8_e4m3fn)
     save_file({"w.weight": q, "w.weight_scale_inv": torch.ones(2, 2)}, str(src / "model.safetensors"))
     with pytest.raises(reshard.ReshardError, match=r"model\.safetensors.*w\.weight_scale_inv has shape \[2, 2\]"):
-        reshard.convert(str(src), str(tmp_path / "out"), to=1, dtype="bf16")
+        reshard.convert(str(src), str(tmp_path / "out"), world_size=1, dtype="bf16")

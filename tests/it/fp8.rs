@@ -23,7 +23,12 @@ fn expected(dtype: &str) -> BTreeMap<String, u32> {
         .as_object()
         .unwrap()
         .iter()
-        .map(|(k, t)| (k.clone(), t[format!("{dtype}_crc32")].as_u64().unwrap() as u32))
+        .map(|(k, t)| {
+            (
+                k.clone(),
+                t[format!("{dtype}_crc32")].as_u64().unwrap() as u32,
+            )
+        })
         .collect()
 }
 
@@ -43,7 +48,11 @@ fn assert_dequantized(got: &Tensors, dtype: &str, st_name: &str) {
     for (name, crc) in &want {
         let (dt, _, bytes) = &got[name];
         assert_eq!(dt, st_name, "{name}");
-        assert_eq!(crc32fast::hash(bytes), *crc, "{name}: bytes differ from torch's");
+        assert_eq!(
+            crc32fast::hash(bytes),
+            *crc,
+            "{name}: bytes differ from torch's"
+        );
     }
 }
 
@@ -95,8 +104,7 @@ fn without_dtype_fp8_is_copied_with_its_scales() {
     convert(&src(), &sharded, &["--to", "2"]);
     assert_same("fp8", "sharded copy", &tensors_of(&sharded), &want);
     assert_eq!(
-        want["model.layers.0.mlp.up_proj.weight"].0,
-        "F8_E4M3",
+        want["model.layers.0.mlp.up_proj.weight"].0, "F8_E4M3",
         "the fixture's weights are FP8"
     );
     let config = json_object(&dst.join("config.json"));
@@ -106,8 +114,12 @@ fn without_dtype_fp8_is_copied_with_its_scales() {
 #[test]
 fn inspect_shows_the_quantization() {
     let out = ok(&["inspect", s(&src())]);
-    assert!(out.contains("quantized: FP8 block 128×128, 7 tensors"), "{out}");
-    let v: serde_json::Value = serde_json::from_str(&ok(&["inspect", "--json", s(&src())])).unwrap();
+    assert!(
+        out.contains("quantized: FP8 block 128×128, 7 tensors"),
+        "{out}"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&ok(&["inspect", "--json", s(&src())])).unwrap();
     assert_eq!(v["quantization"]["weights"].as_array().unwrap().len(), 7);
     assert_eq!(v["quantization"]["weight_block_size"][1], 128);
 }

@@ -970,6 +970,57 @@ mod tests {
     }
 
     #[test]
+    fn block_scales_are_found_and_name_the_rows_an_op_needs() {
+        let whole = |name: &str, dtype: DType, shape: &[u64], offset: u64| TensorLayout {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            pieces: vec![Piece {
+                rank: 0,
+                region: Region::full(shape),
+                loc: Loc {
+                    file: 0,
+                    offset,
+                    strides: None,
+                    pending: None,
+                },
+            }],
+        };
+        let w = whole("w", DType::F8E4M3, &[300, 200], 1000);
+        let s = whole("w_scale_inv", DType::F32, &[3, 2], 64);
+        let bs = BlockScale::of(&w, &s, [128, 128]).unwrap();
+        assert_eq!(
+            (bs.base, bs.offset, bs.cols, bs.block_cols()),
+            (1000, 64, 200, 2)
+        );
+        // rows 127..=128 of the weight: block rows 0 and 1, two scales each
+        let o = CopyOp {
+            src: 0,
+            src_offset: 1000 + 127 * 200,
+            dst: 0,
+            dst_offset: 0,
+            len: 400,
+            count: 1,
+            src_stride: 0,
+            dst_stride: 0,
+            cast: Some(Cast {
+                from: DType::F8E4M3,
+                to: DType::BF16,
+                scale: Some(bs),
+            }),
+        };
+        assert_eq!(bs.span(&o), (64, 64 + 16));
+        assert_eq!(bs.block_rows(1, 1000 + 299 * 200, 1000 + 300 * 200), (2, 3));
+        let bad = whole("w_scale_inv", DType::F32, &[2, 2], 64);
+        let e = BlockScale::of(&w, &bad, [128, 128]).unwrap_err();
+        assert!(e.contains("[3, 2]"), "{e}");
+        let f16 = whole("w_scale_inv", DType::F16, &[3, 2], 64);
+        assert!(BlockScale::of(&w, &f16, [128, 128])
+            .unwrap_err()
+            .contains("not F32"));
+    }
+
+    #[test]
     fn missing_source_tensor_is_an_error() {
         let dst = sharded("x", DType::F32, &[2], &Sharding::fsdp(1));
         assert!(plan(&[], &[dst]).is_err());
