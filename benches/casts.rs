@@ -61,7 +61,11 @@ fn whole(from: DType, to: DType) -> CopyOp {
         count: 1,
         src_stride: 0,
         dst_stride: 0,
-        cast: (from != to).then_some(Cast { from, to }),
+        cast: (from != to).then_some(Cast {
+            from,
+            to,
+            scale: None,
+        }),
     }
 }
 

@@ -11,7 +11,7 @@ use crate::formats::{self, Aliasing, Checkpoint, Format, Output, WriteOptions};
 use crate::layout::{DType, TensorLayout};
 use crate::parts::{split, Part, Span};
 use crate::per_rank::{classify, Policy};
-use crate::plan::{plan_named, plan_views, Plan};
+use crate::plan::{plan_named_scaled, plan_views, Plan};
 use crate::recipe::{Applied, RecipeOptions};
 pub use crate::select::Selection;
 use crate::target::LayoutSpec;
@@ -165,7 +165,11 @@ pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions)
         let applied = crate::recipe::legacy_torch_dist(&source)?;
         return prepare_recipe(source, format, format_reason, applied, opts);
     }
-    let selected = opts.select.apply(&source)?;
+    let mut selected = opts.select.apply(&source)?;
+    if opts.dtype.is_some() {
+        // dequantized weights need no scales
+        selected.retain(|t| !crate::fp8::is_scale(&source, &t.name));
+    }
     let kept_extras: Vec<_> = source
         .extras
         .iter()
@@ -195,7 +199,7 @@ pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions)
         .zip(tensor_names)
         .map(|(t, name)| {
             let dtype = match opts.dtype {
-                Some(d) if t.dtype.is_castable_float() => d,
+                Some(d) if t.dtype.is_castable_float() || t.dtype == DType::F8E4M3 => d,
                 _ => t.dtype,
             };
             (name.clone(), dtype, t.shape.clone())
@@ -208,8 +212,19 @@ pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions)
             )));
         }
     }
+    // FP8 weights dequantized with their block scales ([`crate::fp8`])
+    let scales = match opts.dtype {
+        Some(_) => crate::fp8::scales(
+            &source,
+            selected
+                .iter()
+                .copied()
+                .zip(tensor_names.iter().map(String::as_str)),
+        )?,
+        None => Default::default(),
+    };
     let target = opts.layout.compile(&wanted)?;
-    let wopts = write_options(
+    let mut wopts = write_options(
         opts,
         &source,
         format,
@@ -218,6 +233,13 @@ pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions)
         &kept_extras,
         extra_names,
     )?;
+    if !scales.is_empty() {
+        for (name, bytes) in &mut wopts.companions {
+            if name == "config.json" {
+                *bytes = crate::fp8::strip_config(bytes);
+            }
+        }
+    }
     let output = formats::write(format, &target, world as u32, &wopts)?;
     // second copies a format keeps (DeepSpeed's model-dtype weights) read what their
     // target tensor reads
@@ -236,13 +258,14 @@ pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions)
                 .ok_or_else(|| Error::layout(of, "is copied by the output but not in the target"))
         })
         .collect::<Result<Vec<_>>>()?;
-    let plan = plan_named(
+    let plan = plan_named_scaled(
         tensor_names
             .iter()
             .map(String::as_str)
             .zip(selected.iter().copied())
             .chain(copies),
         &output.tensors,
+        &scales.iter().map(|(n, s)| (n.as_str(), *s)).collect(),
     )?;
     Ok(Job {
         source,

@@ -44,6 +44,7 @@
 pub mod cli;
 pub mod convert;
 pub mod diff;
+pub mod fp8;
 pub mod load;
 pub mod recipe;
 mod select;

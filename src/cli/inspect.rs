@@ -19,6 +19,8 @@ struct Findings<'a> {
     siblings: Vec<String>,
     /// The recipe that converts it to the other framework, or why none does.
     recipe: Option<String>,
+    /// Its block-quantized FP8 weights ([`crate::fp8`]).
+    quantization: Option<crate::fp8::Quantization>,
 }
 
 /// Open `path` and print what it holds to `out`.
@@ -34,6 +36,7 @@ pub fn run(
         per_rank: per_rank_entries(&ck),
         siblings: crate::formats::checkpoints_in(path),
         recipe: crate::recipe::describe(&ck),
+        quantization: crate::fp8::quantization(&ck)?,
     };
     if as_json {
         let mut v = serde_json::to_value(&ck).map_err(|e| Error::usage(e.to_string()))?;
@@ -47,6 +50,15 @@ pub fn run(
         v["tied"] = serde_json::json!(found.ties);
         v["checkpoints_in_folder"] = serde_json::json!(found.siblings);
         v["recipe"] = serde_json::json!(found.recipe);
+        v["quantization"] = match &found.quantization {
+            Some(q) => serde_json::json!({
+                "method": "fp8",
+                "summary": q.to_string(),
+                "weight_block_size": q.block,
+                "weights": q.weights,
+            }),
+            None => serde_json::Value::Null,
+        };
         shown(json(out, &v))?;
     } else {
         shown(print_table(out, &ck, &found))?;
@@ -105,6 +117,12 @@ fn print_table(out: &mut dyn Write, ck: &Checkpoint, found: &Findings) -> io::Re
     }
     if let Some(r) = &found.recipe {
         writeln!(out, "  {r}")?;
+    }
+    if let Some(q) = &found.quantization {
+        writeln!(
+            out,
+            "  quantized: {q} (--dtype bf16 or f32 dequantizes them)"
+        )?;
     }
     print_tensors(out, ck)?;
     if !ck.extras.is_empty() {

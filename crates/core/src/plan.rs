@@ -26,6 +26,124 @@ pub struct Cast {
     pub from: DType,
     /// Destination element type.
     pub to: DType,
+    /// The block scales each element is multiplied by (dequantizing a block-quantized
+    /// tensor, `from` being `F8_E4M3`); `None` for a plain conversion.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale: Option<BlockScale>,
+}
+
+/// Where the scales of a block-quantized tensor are, for a [`Cast`] that dequantizes it: an
+/// `f32` tensor `[⌈rows/block[0]⌉, ⌈cols/block[1]⌉]`, row-major from `offset` of source file
+/// `src`, one scale per block of `block[0] × block[1]` elements of the quantized tensor,
+/// itself row-major from `base` of the op's source file (so any byte an op reads names its
+/// element, and its block, whatever the op's shape or cut). An element becomes
+/// `f32(x) · scale`, rounded once to the target dtype, as DeepSeek-V3's `weight_dequant`
+/// computes it (block edges need not fall on the tensor's: edge blocks are partial).
+///
+/// The plan stays pure: it names the scales' bytes, and the executor reads the scale rows
+/// an op needs alongside its source bytes (a block row of scales per `block[0]` rows).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockScale {
+    /// Source file holding the scales.
+    pub src: u32,
+    /// First byte of the scale tensor.
+    pub offset: u64,
+    /// First byte of the quantized tensor in the op's source file.
+    pub base: u64,
+    /// Elements per row of the quantized tensor.
+    pub cols: u64,
+    /// Rows and columns of a block.
+    pub block: [u64; 2],
+}
+
+impl BlockScale {
+    /// Scales per row of the scale tensor (blocks across a row of the quantized tensor).
+    pub fn block_cols(&self) -> u64 {
+        self.cols.div_ceil(self.block[1].max(1))
+    }
+
+    /// Bytes of one row of the scale tensor.
+    pub fn row_bytes(&self) -> u64 {
+        self.block_cols() * 4
+    }
+
+    /// The block rows (first, past the last) holding the scales of the elements at source
+    /// bytes `a..b` (`elem` bytes each) of the quantized tensor.
+    pub fn block_rows(&self, elem: u64, a: u64, b: u64) -> (u64, u64) {
+        let row = |p: u64| (p.saturating_sub(self.base) / elem.max(1)) / self.cols.max(1);
+        let bm = self.block[0].max(1);
+        (row(a) / bm, row(b.max(a + 1) - 1) / bm + 1)
+    }
+
+    /// The bytes of the scale tensor (first, past the last, in file [`BlockScale::src`])
+    /// that op `o` needs: whole block rows.
+    pub fn span(&self, o: &CopyOp) -> (u64, u64) {
+        let elem = o.cast.map_or(1, |c| c.from.size() as u64);
+        let (a, b) = o.src_span();
+        let (r0, r1) = self.block_rows(elem, a, b);
+        (
+            self.offset + r0 * self.row_bytes(),
+            self.offset + r1 * self.row_bytes(),
+        )
+    }
+
+    /// The scales of quantized tensor `weight` (2-D, stored whole and row-major in one piece)
+    /// in tensor `scale` (f32 `[⌈rows/block[0]⌉, ⌈cols/block[1]⌉]`, whole in one piece);
+    /// `Err` says what is wrong, in words that follow the scale's name.
+    pub fn of(
+        weight: &TensorLayout,
+        scale: &TensorLayout,
+        block: [u64; 2],
+    ) -> std::result::Result<BlockScale, String> {
+        let whole = |t: &TensorLayout| -> Option<Loc> {
+            let mut ps = t.pieces.iter().filter(|p| !p.region.is_empty());
+            let p = ps.next()?;
+            let contiguous = p.loc.strides.is_none()
+                || p.loc.strides.as_deref()
+                    == Some(&crate::layout::row_major_strides(&t.shape)[..]);
+            (ps.all(|q| q.region == p.region && q.loc == p.loc)
+                && p.region.offsets.iter().all(|&o| o == 0)
+                && p.region.sizes[..] == t.shape[..]
+                && contiguous
+                && p.loc.pending.is_none())
+            .then(|| p.loc.clone())
+        };
+        if weight.shape.len() != 2 {
+            return Err(format!(
+                "scales {} of {:?}, which is not 2-D; only 2-D weights are block-quantized",
+                weight.name, weight.shape
+            ));
+        }
+        if block[0] == 0 || block[1] == 0 {
+            return Err(format!("has a block size of {block:?}"));
+        }
+        if scale.dtype != DType::F32 {
+            return Err(format!("is {}, not F32", scale.dtype));
+        }
+        let want = [
+            weight.shape[0].div_ceil(block[0]),
+            weight.shape[1].div_ceil(block[1]),
+        ];
+        if scale.shape != want {
+            return Err(format!(
+                "has shape {:?}; {} {:?} in blocks of {}×{} needs {:?}",
+                scale.shape, weight.name, weight.shape, block[0], block[1], want
+            ));
+        }
+        let (Some(w), Some(s)) = (whole(weight), whole(scale)) else {
+            return Err(format!(
+                "or {} is not stored whole in one piece; block-quantized tensors are dequantized from one",
+                weight.name
+            ));
+        };
+        Ok(BlockScale {
+            src: s.file,
+            offset: s.offset,
+            base: w.offset,
+            cols: weight.shape[1],
+            block,
+        })
+    }
 }
 
 /// One copy: `count` rows of `len` source bytes; row `i` is read at
@@ -238,6 +356,63 @@ pub fn plan_named<'a>(
             .get(d.name.as_str())
             .ok_or_else(|| Error::layout(&d.name, "is in the target but not in the source"))?;
         plan_tensor(s, d, ops)?;
+        Ok(TensorPlan {
+            name: d.name.clone(),
+            dtype: (s.dtype, d.dtype),
+            shape: d.shape.clone(),
+            pieces: (s.pieces.len(), d.pieces.len()),
+            ops: ops.len(),
+            bytes: (0, 0),
+            view: None,
+        })
+    })
+}
+
+/// [`plan_named`] where some sources are block-quantized: a target named in `scales` is
+/// dequantized from its source (`F8_E4M3`) into its own floating dtype by a [`Cast`] with
+/// those [`BlockScale`]s (a target of the source's dtype is copied as it is).
+pub fn plan_named_scaled<'a>(
+    src: impl IntoIterator<Item = (&'a str, &'a TensorLayout)>,
+    dst: &[TensorLayout],
+    scales: &HashMap<&str, BlockScale>,
+) -> Result<Plan> {
+    let by_name: HashMap<&str, &TensorLayout> = src.into_iter().collect();
+    plan_each(dst, |d, ops, _| {
+        let s = by_name
+            .get(d.name.as_str())
+            .ok_or_else(|| Error::layout(&d.name, "is in the target but not in the source"))?;
+        match scales.get(d.name.as_str()).filter(|_| s.dtype != d.dtype) {
+            None => plan_tensor(s, d, ops)?,
+            Some(bs) => {
+                if s.dtype != DType::F8E4M3 || !d.dtype.is_castable_float() {
+                    return Err(Error::layout(
+                        &d.name,
+                        format!(
+                            "cannot dequantize {} to {} (only F8_E4M3 to f16, bf16, f32, f64)",
+                            s.dtype, d.dtype
+                        ),
+                    ));
+                }
+                if s.shape != d.shape {
+                    return Err(Error::layout(
+                        &d.name,
+                        format!(
+                            "source shape {:?} differs from target shape {:?}",
+                            s.shape, d.shape
+                        ),
+                    ));
+                }
+                s.validate()?;
+                d.validate()?;
+                let first = ops.len();
+                fill(s, &d.pieces, d.dtype, ops);
+                for o in &mut ops[first..] {
+                    if let Some(c) = &mut o.cast {
+                        c.scale = Some(*bs);
+                    }
+                }
+            }
+        }
         Ok(TensorPlan {
             name: d.name.clone(),
             dtype: (s.dtype, d.dtype),
@@ -546,6 +721,7 @@ pub fn fill(src: &TensorLayout, pieces: &[Piece], dtype: DType, ops: &mut Vec<Co
     let cast = (src.dtype != dtype).then_some(Cast {
         from: src.dtype,
         to: dtype,
+        scale: None,
     });
     let (es, ed) = (src.dtype.size() as u64, dtype.size() as u64);
     debug_assert!(
@@ -791,6 +967,57 @@ mod tests {
             2 * 3 * 2
         );
         assert!(cast.iter().all(|o| o.cast.is_some()));
+    }
+
+    #[test]
+    fn block_scales_are_found_and_name_the_rows_an_op_needs() {
+        let whole = |name: &str, dtype: DType, shape: &[u64], offset: u64| TensorLayout {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            pieces: vec![Piece {
+                rank: 0,
+                region: Region::full(shape),
+                loc: Loc {
+                    file: 0,
+                    offset,
+                    strides: None,
+                    pending: None,
+                },
+            }],
+        };
+        let w = whole("w", DType::F8E4M3, &[300, 200], 1000);
+        let s = whole("w_scale_inv", DType::F32, &[3, 2], 64);
+        let bs = BlockScale::of(&w, &s, [128, 128]).unwrap();
+        assert_eq!(
+            (bs.base, bs.offset, bs.cols, bs.block_cols()),
+            (1000, 64, 200, 2)
+        );
+        // rows 127..=128 of the weight: block rows 0 and 1, two scales each
+        let o = CopyOp {
+            src: 0,
+            src_offset: 1000 + 127 * 200,
+            dst: 0,
+            dst_offset: 0,
+            len: 400,
+            count: 1,
+            src_stride: 0,
+            dst_stride: 0,
+            cast: Some(Cast {
+                from: DType::F8E4M3,
+                to: DType::BF16,
+                scale: Some(bs),
+            }),
+        };
+        assert_eq!(bs.span(&o), (64, 64 + 16));
+        assert_eq!(bs.block_rows(1, 1000 + 299 * 200, 1000 + 300 * 200), (2, 3));
+        let bad = whole("w_scale_inv", DType::F32, &[2, 2], 64);
+        let e = BlockScale::of(&w, &bad, [128, 128]).unwrap_err();
+        assert!(e.contains("[3, 2]"), "{e}");
+        let f16 = whole("w_scale_inv", DType::F16, &[3, 2], 64);
+        assert!(BlockScale::of(&w, &f16, [128, 128])
+            .unwrap_err()
+            .contains("not F32"));
     }
 
     #[test]

@@ -629,6 +629,7 @@ fn check_sources(plan: &Plan, sources: &[PathBuf], maps: &[Mmap]) -> Result<()> 
                 format!("is shorter than its metadata says: bytes up to {b} are needed, the file has {}", s.len()),
             ));
         }
+        read::check_scales(o, sources, maps)?;
     }
     Ok(())
 }

@@ -5,7 +5,7 @@
 use crate::error::{Error, IoContext, Result};
 use crate::layout::cast;
 use crate::layout::{DType, Region, TensorLayout};
-use crate::plan::{region_ops, CopyOp};
+use crate::plan::{region_ops, BlockScale, CopyOp};
 use crate::sys::{map_readonly, release};
 use crate::Sources;
 use memmap2::Mmap;
@@ -25,21 +25,46 @@ fn map_sources_with(sources: &[PathBuf], advice: memmap2::Advice) -> Result<Vec<
 
 /// Perform `o` into `buf`, which holds destination bytes from offset `lo` on.
 pub fn apply(o: &CopyOp, srcs: &[Mmap], buf: &mut [u8], lo: u64) {
-    apply_from(o, &srcs[o.src as usize], 0, buf, lo)
+    // a dequantizing cast reads its scales from their own mapping (checked to hold them)
+    let scales = o.cast.and_then(|c| c.scale).map(|bs| {
+        let (_, b) = bs.span(o);
+        let map = &srcs[bs.src as usize];
+        (bs, &map[bs.offset as usize..b as usize], 0)
+    });
+    apply_from(o, &srcs[o.src as usize], 0, scales, buf, lo)
 }
 
 /// Perform `o` reading `src`, which holds its source's bytes from offset `base` on, into
-/// `buf`, which holds destination bytes from offset `lo` on.
-fn apply_from(o: &CopyOp, src: &[u8], base: u64, buf: &mut [u8], lo: u64) {
+/// `buf`, which holds destination bytes from offset `lo` on; a dequantizing cast multiplies by
+/// `scales`: its [`BlockScale`], and the scale rows from the given block row on.
+fn apply_from(
+    o: &CopyOp,
+    src: &[u8],
+    base: u64,
+    scales: Option<(BlockScale, &[u8], u64)>,
+    buf: &mut [u8],
+    lo: u64,
+) {
     let dl = o.dst_len() as usize;
     for r in 0..o.count {
-        let s = (o.src_offset + r * o.src_stride - base) as usize;
+        let at = o.src_offset + r * o.src_stride;
+        let s = (at - base) as usize;
         let src = &src[s..s + o.len as usize];
         let a = (o.dst_offset + r * o.dst_stride - lo) as usize;
         let out = &mut buf[a..a + dl];
-        match o.cast {
-            None => out.copy_from_slice(src),
-            Some(c) => cast::convert(c.from, c.to, src, out),
+        match (o.cast, scales) {
+            (None, _) => out.copy_from_slice(src),
+            (Some(c), Some((bs, rows, row0))) => {
+                let s = cast::Scales {
+                    scales: rows,
+                    row0,
+                    cols: bs.cols,
+                    block: bs.block,
+                };
+                let first = (at - bs.base) / c.from.size() as u64;
+                cast::dequantize(c.from, c.to, src, first, &s, out)
+            }
+            (Some(c), None) => cast::convert(c.from, c.to, src, out),
         }
     }
 }
@@ -126,7 +151,18 @@ pub fn apply_small(
     let bytes = &mut small[..(b - a) as usize];
     let i = o.src as usize;
     files[i].read_exact_at(bytes, a).at(&paths[i])?;
-    apply_from(o, bytes, a, buf, lo);
+    let mut rows = vec![];
+    let scales = match o.cast.and_then(|c| c.scale) {
+        Some(bs) => {
+            let (sa, sb) = bs.span(o);
+            rows.resize((sb - sa) as usize, 0);
+            let j = bs.src as usize;
+            files[j].read_exact_at(&mut rows, sa).at(&paths[j])?;
+            Some((bs, &rows[..], (sa - bs.offset) / bs.row_bytes().max(1)))
+        }
+        None => None,
+    };
+    apply_from(o, bytes, a, scales, buf, lo);
     Ok(true)
 }
 
@@ -249,6 +285,37 @@ fn check_ops(ops: &[CopyOp], sources: &[PathBuf], maps: &[Mmap], out_len: u64) -
         if o.count == 0 || o.dst_span().1 > out_len {
             return Err(Error::usage("copy op past the end of the buffer"));
         }
+        check_scales(o, sources, maps)?;
+    }
+    Ok(())
+}
+
+/// Check the scales a dequantizing copy `o` reads are well described and within their
+/// source's mapping (`maps`, of the files `sources`).
+pub fn check_scales(o: &CopyOp, sources: &[PathBuf], maps: &[Mmap]) -> Result<()> {
+    let Some((c, bs)) = o.cast.and_then(|c| c.scale.map(|s| (c, s))) else {
+        return Ok(());
+    };
+    if c.from != DType::F8E4M3
+        || bs.cols == 0
+        || bs.block.contains(&0)
+        || o.src_offset < bs.base
+        || !c.to.is_castable_float()
+    {
+        return Err(Error::usage("malformed dequantizing copy op in plan"));
+    }
+    let m = maps
+        .get(bs.src as usize)
+        .ok_or_else(|| Error::usage("copy op names an unknown source of scales"))?;
+    let (_, b) = bs.span(o);
+    if b > m.len() as u64 {
+        return Err(Error::format(
+            &sources[bs.src as usize],
+            format!(
+                "is truncated: scale bytes up to {b} are needed, the file has {}",
+                m.len()
+            ),
+        ));
     }
     Ok(())
 }

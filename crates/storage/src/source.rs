@@ -124,6 +124,12 @@ impl<'a> Sources<'a> {
         }
         let mut spans: Vec<Vec<(u64, u64)>> = vec![vec![]; self.paths.len()];
         for o in ops {
+            // a dequantizing copy reads its block rows of scales too
+            if let Some(bs) = o.cast.and_then(|c| c.scale) {
+                if let Some(s) = spans.get_mut(bs.src as usize) {
+                    s.push(bs.span(o));
+                }
+            }
             let Some(s) = spans.get_mut(o.src as usize) else {
                 continue;
             };

@@ -73,9 +73,163 @@ pub fn convert(from: DType, to: DType, src: &[u8], dst: &mut [u8]) {
     }
 }
 
+/// The f32 bits of a `float8_e4m3fn` byte (sign, 4 exponent bits of bias 7, 3 mantissa
+/// bits; no infinities, `S.1111.111` is NaN): exact, as torch widens it.
+const fn e4m3_bits(b: u8) -> u32 {
+    let s = ((b as u32) & 0x80) << 24;
+    let e = ((b >> 3) & 0xf) as u32;
+    let m = (b & 7) as u32;
+    if e == 15 && m == 7 {
+        return s | 0x7fc0_0000;
+    }
+    if e == 0 {
+        if m == 0 {
+            return s;
+        }
+        // subnormal: m · 2^-9, normalised
+        let k = 31 - m.leading_zeros();
+        return s | ((127 + k - 9) << 23) | ((m - (1 << k)) << (23 - k));
+    }
+    s | ((e + 120) << 23) | (m << 20)
+}
+
+/// [`e4m3_bits`] of every byte.
+const E4M3: [u32; 256] = {
+    let mut t = [0u32; 256];
+    let mut i = 0;
+    while i < 256 {
+        t[i] = e4m3_bits(i as u8);
+        i += 1;
+    }
+    t
+};
+
+/// The f32 value of a `float8_e4m3fn` byte (exact).
+pub fn e4m3_to_f32(b: u8) -> f32 {
+    f32::from_bits(E4M3[b as usize])
+}
+
+/// Where a block-quantized tensor's scales are, for [`dequantize`]: `block` rows × columns
+/// per scale, `cols` elements per row of the quantized tensor, and `scales` the scale
+/// tensor's f32 rows (`⌈cols/block[1]⌉` scales each, little-endian) from block row `row0` on.
+#[derive(Clone, Copy, Debug)]
+pub struct Scales<'a> {
+    /// The scale rows.
+    pub scales: &'a [u8],
+    /// Block row of `scales`' first row.
+    pub row0: u64,
+    /// Elements per row of the quantized tensor.
+    pub cols: u64,
+    /// Rows and columns of a block.
+    pub block: [u64; 2],
+}
+
+/// Dequantize `src` (`F8_E4M3` bytes whose first is element `first` of a row-major tensor of
+/// `s.cols` columns) into `dst` (elements of `to`, f16, bf16, f32 or f64): each element
+/// widened to f32 and multiplied by its block's scale in f32, then rounded once to `to`
+/// (to nearest even) — DeepSeek-V3's `weight_dequant`. Another `from` copies the bytes.
+pub fn dequantize(from: DType, to: DType, src: &[u8], first: u64, s: &Scales, dst: &mut [u8]) {
+    if from != DType::F8E4M3 || s.cols == 0 || s.block[0] == 0 || s.block[1] == 0 {
+        let n = src.len().min(dst.len());
+        dst[..n].copy_from_slice(&src[..n]);
+        return;
+    }
+    let [bm, bn] = s.block;
+    let bc = s.cols.div_ceil(bn);
+    let size = to.size();
+    let mut i = 0usize;
+    while i < src.len() {
+        let e = first + i as u64;
+        let (r, c) = (e / s.cols, e % s.cols);
+        let run = ((src.len() - i) as u64).min(bn - c % bn).min(s.cols - c) as usize;
+        let at = ((r / bm - s.row0) * bc + c / bn) as usize * 4;
+        let scale = f32::from_le_bytes(s.scales[at..at + 4].try_into().expect("4 bytes"));
+        let xs = src[i..i + run].iter().map(|&b| e4m3_to_f32(b) * scale);
+        let out = &mut dst[i * size..(i + run) * size];
+        match to {
+            DType::BF16 => out
+                .chunks_exact_mut(2)
+                .zip(xs)
+                .for_each(|(d, y)| d.copy_from_slice(&bf16::from_f32(y).to_bits().to_le_bytes())),
+            DType::F16 => out
+                .chunks_exact_mut(2)
+                .zip(xs)
+                .for_each(|(d, y)| d.copy_from_slice(&f16::from_f32(y).to_bits().to_le_bytes())),
+            DType::F32 => out
+                .chunks_exact_mut(4)
+                .zip(xs)
+                .for_each(|(d, y)| d.copy_from_slice(&y.to_le_bytes())),
+            DType::F64 => out
+                .chunks_exact_mut(8)
+                .zip(xs)
+                .for_each(|(d, y)| d.copy_from_slice(&(y as f64).to_le_bytes())),
+            // the planner dequantizes only into floating dtypes
+            _ => {}
+        }
+        i += run;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn e4m3_bytes_widen_exactly() {
+        for b in 0..=255u8 {
+            let (sign, e, m) = (b >> 7, (b >> 3) & 0xf, b & 7);
+            let x = e4m3_to_f32(b);
+            if e == 15 && m == 7 {
+                assert!(x.is_nan());
+                continue;
+            }
+            let mag = if e == 0 {
+                m as f64 / 8.0 * 2f64.powi(-6)
+            } else {
+                (1.0 + m as f64 / 8.0) * 2f64.powi(e as i32 - 7)
+            };
+            let want = if sign == 1 { -mag } else { mag };
+            assert_eq!(x as f64, want, "{b:#04x}");
+            assert_eq!(x.is_sign_negative(), sign == 1, "{b:#04x}");
+        }
+        assert_eq!(e4m3_to_f32(0x7e), 448.0);
+    }
+
+    #[test]
+    fn dequantize_uses_each_elements_block_across_cuts() {
+        // a 3×5 tensor in blocks of 2×2: scale grid 2×3, partial edge blocks
+        let scales: Vec<f32> = vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0];
+        let sb: Vec<u8> = scales.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let src: Vec<u8> = vec![0x38; 15]; // 1.0 each
+        let s = Scales {
+            scales: &sb,
+            row0: 0,
+            cols: 5,
+            block: [2, 2],
+        };
+        let mut whole = vec![0u8; 15 * 4];
+        dequantize(DType::F8E4M3, DType::F32, &src, 0, &s, &mut whole);
+        let got: Vec<f32> = whole
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let want = [
+            1., 1., 2., 2., 4., 1., 1., 2., 2., 4., 8., 8., 16., 16., 32.,
+        ];
+        assert_eq!(got, want);
+        // elements 7.. read from block row 0 on, and from row 1 on with only that row
+        let mut part = vec![0u8; 8 * 4];
+        dequantize(DType::F8E4M3, DType::F32, &src[7..], 7, &s, &mut part);
+        assert_eq!(part, whole[7 * 4..]);
+        let tail = Scales {
+            scales: &sb[12..],
+            row0: 1,
+            ..s
+        };
+        let mut part = vec![0u8; 5 * 4];
+        dequantize(DType::F8E4M3, DType::F32, &src[10..], 10, &tail, &mut part);
+        assert_eq!(part, whole[10 * 4..]);
+    }
 
     #[test]
     fn casts_agree_with_half_for_every_16_bit_pattern() {
