@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Generate a Megatron-LM legacy checkpoint WITH the distributed optimizer's state
+(``--use-distributed-optimizer``, ``distrib_optim.pt``) and, as the oracle, the same state saved
+by megatron-core as ``torch_dist`` in the reshardable optimizer format (``fully_reshardable``).
+
+A tiny Llama-style megatron-core GPTModel (local layer spec, the model of
+``scripts/gen_frameworks.py``: its ``build_model`` / ``seed_parameters`` / ``megatron_lm_args`` are
+imported, not copied) is trained two steps with Adam by megatron-core's own
+DistributedDataParallel and DistributedOptimizer at TP 2 x DP 2 on gloo (4 CPU processes), then
+saved the two ways Megatron-LM's ``save_checkpoint`` saves it:
+
+  legacy/        ``--ckpt-format torch``: latest_checkpointed_iteration.txt ("7") and
+                 iter_0000007/mp_rank_TT/model_optim_rng.pt (written by DP rank 0: args with
+                 use_distributed_optimizer, the module's state_dict_for_save_checkpoint(),
+                 ``optimizer``: DistributedOptimizer.state_dict(), opt_param_scheduler, rng_state)
+                 and iter_0000007/mp_rank_TT/distrib_optim.pt, DistributedOptimizer.
+                 save_parameter_state (get_parameter_state_dp_zero: the DP ranks' shards gathered
+                 on DP rank 0)
+  torch_dist/    iter_0000007/: dist_checkpointing.save of {model: sharded_state_dict, optimizer:
+                 optimizer.sharded_state_dict(model_sd, metadata={distrib_optim_sharding_type:
+                 fully_reshardable, distrib_optim_fully_reshardable_mem_efficient: True})} with
+                 the same args / iteration entries
+  case.json      the model, the split, the optimizer's settings
+
+Usage: .venv/bin/python scripts/gen_megatron_distopt.py [--out tests/fixtures/megatron_distopt]
+       [--megatron-lm DIR]   (Megatron-LM's training sources, as scripts/gen_frameworks.py)
+
+What it took on CPU, beyond gen_frameworks.py's patches: DistributedDataParallel with
+``overlap_grad_reduce=False`` (one bucket per buffer), the optimizer's main parameters kept fp32.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(SCRIPTS))
+
+import gen_frameworks as gf  # noqa: E402
+from _torchrun import job  # noqa: E402
+
+ITERATION = 7
+TP, DP = 2, 2
+# tiny Llama-like (GQA, SwiGLU, RMSNorm, untied): 2 layers, hidden 16, vocabulary 96
+# (make_vocab_size_divisible_by 8 x TP 2 divides it: no padding rows)
+MODEL = dict(gf.BASE, num_layers=2, ffn_hidden_size=24, make_vocab_size_divisible_by=8)
+MODEL["padded_vocab_size"] = -(-MODEL["vocab_size"] // (8 * TP)) * (8 * TP)
+LR = 1e-2
+STEPS = 2
+
+
+def batch(dp_rank: int, step: int):
+    import torch
+
+    g = torch.Generator().manual_seed(100 * step + dp_rank)
+    ids = torch.randint(0, MODEL["vocab_size"], (2, 8), generator=g)
+    labels = torch.randint(0, MODEL["vocab_size"], (2, 8), generator=g)
+    return ids, labels
+
+
+def _cuda_to_cpu(torch):
+    """Tensor factories asked for device 'cuda' (the optimizer's overflow buffer, ...) make CPU
+    tensors."""
+    import functools
+
+    def wrap(f):
+        @functools.wraps(f)
+        def g(*a, **k):
+            d = k.get("device")
+            if d is not None and str(d).startswith("cuda"):
+                k["device"] = "cpu"
+            return f(*a, **k)
+        return g
+
+    orig_type = torch.Tensor.type
+
+    def type_(self, *a, **k):  # the optimizer asks for torch.cuda.FloatTensor parameters
+        if a or k:
+            return orig_type(self, *a, **k)
+        t = orig_type(self)
+        return t.replace("torch.", "torch.cuda.", 1) if ".cuda." not in t else t
+
+    torch.Tensor.type = type_
+    for n in ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "empty_like", "arange"):
+        setattr(torch, n, wrap(getattr(torch, n)))
+
+
+def worker(args):
+    torch, dist = gf._init()
+    _cuda_to_cpu(torch)
+    from megatron.core import dist_checkpointing
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ps = gf._parallel(TP, 1, 1)
+    tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
+    rank = dist.get_rank()
+    torch.manual_seed(1234)
+    m = MODEL
+    model = gf.build_model(m, TP, 1, 1, 0)
+    gf.seed_parameters(model, tp_rank, 0, 0)
+    model.train()
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False,
+                                               grad_reduce_in_fp32=True)
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    opt_config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95,
+                                 adam_eps=1e-8, use_distributed_optimizer=True, params_dtype=torch.float32,
+                                 clip_grad=0.0)
+    opt = get_megatron_optimizer(opt_config, [ddp])
+    for step in range(STEPS):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        ids, labels = batch(dp_rank, step)
+        b, s = ids.shape
+        pos = torch.arange(s).unsqueeze(0).expand(b, s)
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s).expand(b, 1, s, s)
+        loss = ddp(ids, pos, mask, labels=labels).float().mean()
+        loss.backward()
+        ddp.finish_grad_sync()
+        ok, _, _ = opt.step()
+        assert ok
+
+    out = Path(args.dir)
+    it = f"iter_{ITERATION:07d}"
+    flops = 123456789
+    sched = {"max_lr": LR, "min_lr": 0.0, "num_steps": STEPS, "decay_style": "constant"}
+
+    # --- legacy: what Megatron-LM's save_checkpoint writes with --ckpt-format torch
+    largs = gf.megatron_lm_args(m, TP, 1, 1, "torch", Path(args.megatron_lm))
+    largs.use_distributed_optimizer = True
+    largs.overlap_grad_reduce = False
+    largs.data_parallel_size = DP
+    largs.world_size = TP * DP
+    folder = out / "legacy" / it / f"mp_rank_{tp_rank:02d}"
+    if dp_rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save({"args": largs, "checkpoint_version": 3.0, "iteration": ITERATION,
+                    "model": model.state_dict_for_save_checkpoint(), "optimizer": opt.state_dict(),
+                    "opt_param_scheduler": sched, "num_floating_point_operations_so_far": flops},
+                   str(folder / "model_optim_rng.pt"))
+    dist.barrier()
+    opt.save_parameter_state(str(folder / "distrib_optim.pt"))  # every DP rank takes part
+    dist.barrier()
+    if rank == 0:
+        (out / "legacy" / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+
+    # --- torch_dist, the optimizer in the fully reshardable format (--dist-ckpt-optim-fully-reshardable)
+    dargs = gf.megatron_lm_args(m, TP, 1, 1, "torch_dist", Path(args.megatron_lm))
+    dargs.use_distributed_optimizer = True
+    dargs.overlap_grad_reduce = False
+    dargs.data_parallel_size = DP
+    dargs.world_size = TP * DP
+    dargs.dist_ckpt_optim_fully_reshardable = True
+    dargs.distrib_optim_fully_reshardable_mem_efficient = True
+    meta = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+            "distrib_optim_sharding_type": "fully_reshardable",
+            "distrib_optim_fully_reshardable_mem_efficient": True}
+    model_sd = model.sharded_state_dict(metadata=meta)
+    sd = {"args": dargs, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model_sd,
+          "optimizer": opt.sharded_state_dict(model_sd, metadata=meta), "opt_param_scheduler": sched,
+          "num_floating_point_operations_so_far": flops}
+    td = out / "torch_dist"
+    if rank == 0:
+        (td / it).mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(sd, str(td / it), content_metadata=meta)
+    dist.barrier()
+    if rank == 0:
+        (td / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def generate(out: Path, megatron_lm: Path) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    secs = job("gen_megatron_distopt", Path(__file__), TP * DP,
+               ["--worker", "--dir", str(out), "--megatron-lm", str(megatron_lm)],
+               env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    (out / "case.json").write_text(json.dumps({
+        "tp": TP, "dp": DP, "iteration": ITERATION, "model": MODEL, "optimizer": {
+            "optimizer": "adam", "lr": LR, "weight_decay": 0.01, "betas": [0.9, 0.95], "eps": 1e-8,
+            "steps": STEPS, "use_distributed_optimizer": True, "overlap_grad_reduce": False},
+        "torch_dist_optimizer_format": "fully_reshardable", "seconds": secs}, indent=1) + "\n")
+    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    print(f"{out}: {total} bytes, {secs} s")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=gf.REPO / "tests" / "fixtures" / "megatron_distopt")
+    ap.add_argument("--megatron-lm", type=Path, default=gf.default_megatron_lm())
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--dir")
+    a = ap.parse_args()
+    if a.worker:
+        worker(a)
+    else:
+        generate(a.out, a.megatron_lm)
+
+
+if __name__ == "__main__":
+    main()
