@@ -92,24 +92,11 @@ def worker(args):
     torch, dist = gf._init()
     _cuda_to_cpu(torch)
     from megatron.core import dist_checkpointing
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    ps = gf._parallel(TP, 1, 1)
+    ps, model, ddp, opt = build_trainer(torch, TP)
     tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
     rank = dist.get_rank()
-    torch.manual_seed(1234)
     m = MODEL
-    model = gf.build_model(m, TP, 1, 1, 0)
-    gf.seed_parameters(model, tp_rank, 0, 0)
-    model.train()
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False,
-                                               grad_reduce_in_fp32=True)
-    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-    opt_config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95,
-                                 adam_eps=1e-8, use_distributed_optimizer=True, params_dtype=torch.float32,
-                                 clip_grad=0.0)
-    opt = get_megatron_optimizer(opt_config, [ddp])
     for step in range(STEPS):
         ddp.zero_grad_buffer()
         opt.zero_grad()
@@ -155,9 +142,7 @@ def worker(args):
     dargs.world_size = TP * DP
     dargs.dist_ckpt_optim_fully_reshardable = True
     dargs.distrib_optim_fully_reshardable_mem_efficient = True
-    meta = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
-            "distrib_optim_sharding_type": "fully_reshardable",
-            "distrib_optim_fully_reshardable_mem_efficient": True}
+    meta = META
     model_sd = model.sharded_state_dict(metadata=meta)
     sd = {"args": dargs, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model_sd,
           "optimizer": opt.sharded_state_dict(model_sd, metadata=meta), "opt_param_scheduler": sched,
@@ -170,6 +155,81 @@ def worker(args):
     dist.barrier()
     if rank == 0:
         (td / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def build_trainer(torch, tp: int):
+    """This rank's GPTModel (seeded), wrapped in DistributedDataParallel, and its
+    DistributedOptimizer, at TP ``tp`` (the rest data-parallel)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ps = gf._parallel(tp, 1, 1)
+    torch.manual_seed(1234)
+    model = gf.build_model(MODEL, tp, 1, 1, 0)
+    gf.seed_parameters(model, ps.get_tensor_model_parallel_rank(), 0, 0)
+    model.train()
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False,
+                                               grad_reduce_in_fp32=True)
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    opt_config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95,
+                                 adam_eps=1e-8, use_distributed_optimizer=True, params_dtype=torch.float32,
+                                 clip_grad=0.0)
+    return ps, model, ddp, get_megatron_optimizer(opt_config, [ddp])
+
+
+# the content metadata Megatron-LM saves and loads with --dist-ckpt-optim-fully-reshardable
+META = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+        "distrib_optim_sharding_type": "fully_reshardable",
+        "distrib_optim_fully_reshardable_mem_efficient": True}
+
+
+def worker_load(args):
+    """Load the torch_dist checkpoint ``args.ckpt`` into a GPTModel and its DistributedOptimizer
+    at TP ``args.tp`` as Megatron-LM's load_checkpoint does (dist_checkpointing.load of the
+    model's and the optimizer's sharded state dicts, then load_state_dict of each), and write
+    what they hold (one process: every parameter whole) to ``args.out``: the weights, each
+    parameter's optimizer state (``<key>.<parameter name>``) and the param_groups (JSON)."""
+    torch, dist = gf._init()
+    _cuda_to_cpu(torch)
+    from megatron.core import dist_checkpointing
+    from safetensors.torch import save_file
+
+    assert dist.get_world_size() == args.tp, "one process per tensor rank: every parameter whole"
+    ps, model, ddp, opt = build_trainer(torch, args.tp)
+    inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+    # torch's Adam (no apex / TransformerEngine here) has no state before its first step, and
+    # DistributedOptimizer.state_dict wants each state's step: megatron-core's own dummy step
+    inner._init_optimizer_states_with_dummy_values()
+    # ... whose per-parameter "step" the fully_reshardable load does not carry (the step is the
+    # param_groups'): DistributedOptimizer._set_main_param_and_optimizer_states would look it up
+    set_states = type(inner)._set_main_param_and_optimizer_states
+
+    def keep_step(self, model_param, tensors):
+        if "step" not in tensors:
+            gi, go = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[gi]["params"][go]]
+            if "step" in state:
+                tensors = dict(tensors, step=state["step"])
+        return set_states(self, model_param, tensors)
+
+    type(inner)._set_main_param_and_optimizer_states = keep_step
+    model_sd = model.sharded_state_dict(metadata=META)
+    sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=META)}
+    loaded = dist_checkpointing.load(sd, args.ckpt)
+    model.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+    out = {}
+    for name, p in model.named_parameters():
+        out[f"weight.{name}"] = p.detach().clone()
+        for k, v in inner._get_main_param_and_optimizer_states(p).items():
+            if k != "step":
+                out[f"{k}.{name}"] = v.detach().reshape(p.shape).clone()
+    rank = dist.get_rank()
+    save_file(out, f"{args.out}.{rank}.safetensors")
+    groups = opt.state_dict()["optimizer"]["param_groups"]
+    Path(f"{args.out}.{rank}.json").write_text(json.dumps(groups, default=str))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -196,8 +256,14 @@ def main():
     ap.add_argument("--megatron-lm", type=Path, default=gf.default_megatron_lm())
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--dir")
+    ap.add_argument("--load", action="store_true", help="(worker) load --ckpt at --tp, write --out.*")
+    ap.add_argument("--ckpt")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--out-prefix", dest="out")
     a = ap.parse_args()
-    if a.worker:
+    if a.load:
+        worker_load(a)
+    elif a.worker:
         worker(a)
     else:
         generate(a.out, a.megatron_lm)
