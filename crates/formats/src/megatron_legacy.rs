@@ -17,10 +17,13 @@
 //!   [`SPLITS`]; the saved arguments (`args`, an `argparse.Namespace`) give the parallel
 //!   sizes, the pipeline split and the shapes each local tensor is checked against.
 //!
-//! The optimizer's state and the RNG states are each rank's own and are not read (the model's
-//! weights are); `args`, `iteration`, `checkpoint_version`, `opt_param_scheduler` and the
-//! other plain entries of rank 0's file are non-tensor entries of origin `common.pt`, so a
-//! `torch_dist` output carries them in its `common.pt`. GroupedMLP's experts
+//! The distributed optimizer's state (`--use-distributed-optimizer`: each rank folder's
+//! `distrib_optim.pt`) is read as megatron-core's `fully_reshardable` `torch_dist` tensors
+//! (`optimizer.state.<key>.<parameter>`, the `distopt` module); other optimizers' state and
+//! the RNG states are each rank's own and are not read. `args`, `iteration`,
+//! `checkpoint_version`, `opt_param_scheduler` and the other plain entries of rank 0's file
+//! (with the distributed optimizer's state, its `optimizer` param_groups too) are non-tensor
+//! entries of origin `common.pt`, so a `torch_dist` output carries them in its `common.pt`. GroupedMLP's experts
 //! (`args.moe_grouped_gemm`: a layer's `mlp.experts.weight1` / `weight2`) are read as
 //! SequentialMLP's, each expert's projection a strided (transposed) view of its stretch of
 //! the record. Not read: virtual pipeline stages (`model0`, `model1`, …), Megatron-LM's
