@@ -454,6 +454,9 @@ pub fn legacy_torch_dist(ck: &Checkpoint) -> Result<Applied> {
     let shape_of = |n: &str| ck.tensor(n).map(|t| t.shape.clone());
     let targets = reshard_core::recipe::stack(targets, &shape_of)?;
     for (stacked, members) in &stacks {
+        if stacked.starts_with("optimizer.") {
+            continue; // the optimizer's state of a weight: its layer has the object
+        }
         let Some(module) = stacked.strip_suffix(".weight").filter(|m| {
             m.rsplit('.')
                 .next()

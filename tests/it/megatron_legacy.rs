@@ -706,4 +706,217 @@ fn save_dir_writes_a_megatron_output_as_a_save_directory() {
         "--save-dir writes a megatron output as a Megatron-LM save directory; this output is hf",
     );
     assert!(!bad.exists());
+
+// ------------------------------------------------------------------ the distributed optimizer
+
+/// `tests/fixtures/megatron_distopt` (`scripts/gen_megatron_distopt.py`): a GPT trained two
+/// Adam steps by megatron-core's DistributedOptimizer at TP 2 × DP 2, saved as legacy files
+/// with `distrib_optim.pt` and by megatron-core as `torch_dist` (`fully_reshardable`).
+fn distopt(form: &str) -> PathBuf {
+    fixture(&format!("megatron_distopt/{form}"))
+}
+
+/// A `torch_dist` checkpoint's tensors with the layers unstacked: `…decoder.layers.X` of
+/// shape `[L, …]` becomes `…decoder.layers.{i}.X` (also after `optimizer.state.<key>.`).
+fn layers_unstacked(ck: &Checkpoint) -> Tensors {
+    let mut out = Tensors::new();
+    for (name, (dtype, shape, bytes)) in read_all(ck) {
+        let Some(at) = name.find("decoder.layers.") else {
+            out.insert(name, (dtype, shape, bytes));
+            continue;
+        };
+        let (head, rest) = name.split_at(at + "decoder.layers.".len());
+        let each = bytes.len() / shape[0] as usize;
+        for i in 0..shape[0] as usize {
+            out.insert(
+                format!("{head}{i}.{rest}"),
+                (
+                    dtype.clone(),
+                    shape[1..].to_vec(),
+                    bytes[i * each..(i + 1) * each].to_vec(),
+                ),
+            );
+        }
+    }
+    out
+}
+
+#[test]
+fn distributed_optimizer_state_reads_as_megatron_core_saved_it() {
+    let ck = Checkpoint::open(distopt("legacy")).unwrap();
+    let oracle = Checkpoint::open(distopt("torch_dist")).unwrap();
+    let got = read_all(&ck);
+    let want = layers_unstacked(&oracle);
+    // 15 weights and, for each, megatron-core's param / exp_avg / exp_avg_sq
+    assert_eq!(got.len(), 60);
+    assert_eq!(
+        got.keys()
+            .filter(|k| k.starts_with("optimizer.state.exp_avg_sq."))
+            .count(),
+        15
+    );
+    same(
+        "legacy with distrib_optim.pt vs megatron-core's torch_dist",
+        &got,
+        &want,
+    );
+    // each state piece is a stretch of a distrib_optim.pt record: files 2 and 3
+    assert_eq!(ck.files.len(), 4);
+    for (i, f) in ck.files.iter().enumerate() {
+        let name = if i < 2 {
+            "model_optim_rng.pt"
+        } else {
+            "distrib_optim.pt"
+        };
+        assert!(f.ends_with(name), "{}", f.display());
+    }
+    for t in ck
+        .tensors
+        .iter()
+        .filter(|t| t.name.starts_with("optimizer."))
+    {
+        assert!(t.pieces.iter().all(|p| p.loc.file >= 2), "{}", t.name);
+    }
+    // the optimizer's non-tensor state, for common.pt: param_groups (each with its step) and
+    // megatron-core's sharding type
+    let extra = |n: &str| {
+        ck.extras
+            .iter()
+            .find(|x| x.name == n)
+            .unwrap_or_else(|| panic!("no extra {n}"))
+    };
+    assert_eq!(
+        extra("optimizer.optimizer.param_groups.0.step").value,
+        serde_json::json!(2.0)
+    );
+    assert_eq!(
+        extra("optimizer.param_state_sharding_type").value,
+        serde_json::json!("fully_reshardable")
+    );
+    assert_eq!(
+        extra("optimizer.param_state_sharding_type").origin,
+        "common.pt"
+    );
+}
+
+#[test]
+fn distributed_optimizer_state_converts_to_torch_dist_and_keeps_through_it() {
+    let d = tempfile::tempdir().unwrap();
+    // legacy -> torch_dist at 3 ranks: every tensor (optimizer state included) kept
+    let out = d.path().join("dist3");
+    convert(
+        &distopt("legacy"),
+        &out,
+        &["--to", "3", "--format", "megatron", "-q"],
+    );
+    let src = read_all(&Checkpoint::open(distopt("legacy")).unwrap());
+    let ck = Checkpoint::open(&out).unwrap();
+    same("legacy -> torch_dist", &read_all(&ck), &src);
+    let sharding = ck
+        .extras
+        .iter()
+        .find(|x| x.name == "optimizer")
+        .and_then(|x| x.pickle.as_ref())
+        .and_then(|v| v.get("param_state_sharding_type"))
+        .and_then(|v| v.as_str());
+    assert_eq!(sharding, Some("fully_reshardable"));
+    // torch_dist -> torch_dist at 3 ranks: megatron-core's own save, optimizer state kept
+    let out = d.path().join("td3");
+    convert(
+        &distopt("torch_dist"),
+        &out,
+        &["--to", "3", "--format", "megatron", "-q"],
+    );
+    let oracle = Checkpoint::open(distopt("torch_dist")).unwrap();
+    let want = read_all(&oracle);
+    assert_eq!(
+        want.keys()
+            .filter(|k| k.starts_with("optimizer.state."))
+            .count(),
+        27
+    );
+    same(
+        "torch_dist -> torch_dist",
+        &read_all(&Checkpoint::open(&out).unwrap()),
+        &want,
+    );
+}
+
+#[test]
+fn distributed_optimizer_errors_name_the_file() {
+    let copy = || {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("save");
+        common::copy_dir(&distopt("legacy"), &dir);
+        (d, dir.join("iter_0000007"))
+    };
+    let hostile = |n: &str| distopt(&format!("hostile/{n}"));
+    // rank 1's file missing while rank 0 has one
+    let (_d, it) = copy();
+    let gone = it.join("mp_rank_01/distrib_optim.pt");
+    std::fs::remove_file(&gone).unwrap();
+    let e = Checkpoint::open(&it).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        format!(
+            "{}: is missing: {} has the distributed optimizer's state, so every rank folder must",
+            gone.display(),
+            it.join("mp_rank_00/distrib_optim.pt").display()
+        )
+    );
+    // only data-parallel rank 0's half of the flat state: the sizes do not match the params
+    for (file, needle) in [
+        (
+            "short.pt",
+            "holds 1888 elements per state, but the 15 parameters of",
+        ),
+        (
+            "not_coalesced.pt",
+            "is not in the buckets_coalesced layout",
+        ),
+        (
+            "two_buffers.pt",
+            "holds the state of 2 gradient buffers (parameters of several dtypes); reshard reads one",
+        ),
+    ] {
+        let (_d, it) = copy();
+        let bad = it.join("mp_rank_01/distrib_optim.pt");
+        std::fs::copy(hostile(file), &bad).unwrap();
+        let e = Checkpoint::open(&it).unwrap_err().to_string();
+        assert!(
+            e.starts_with(&format!("{}: {needle}", bad.display())),
+            "{file}: {e}"
+        );
+        assert_eq!(e.lines().count(), 1, "{e}");
+        fails(&["inspect", s(&it)], needle);
+    }
+    // without --use-distributed-optimizer's file (--no-save-optim) the weights still read
+    let (_d, it) = copy();
+    for r in ["mp_rank_00", "mp_rank_01"] {
+        std::fs::remove_file(it.join(r).join("distrib_optim.pt")).unwrap();
+    }
+    let ck = Checkpoint::open(&it).unwrap();
+    assert_eq!(ck.tensors.len(), 15);
+}
+
+#[test]
+fn distributed_optimizer_state_of_tied_pipeline_stages_and_several_buckets() {
+    // TP 1 × PP 2 × DP 2, tied embeddings (each pipeline end's copy in a bucket of its own),
+    // 500-element buckets: the state equals the seeds the generator set it from
+    let ck = Checkpoint::open(distopt("tied_pp2/legacy")).unwrap();
+    let mut want = Tensors::new();
+    for s in 0..2 {
+        want.extend(read_st(&distopt(&format!("tied_pp2/expected_stage{s}.safetensors"))).0);
+    }
+    let got: Tensors = read_all(&ck)
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("optimizer."))
+        .collect();
+    assert_eq!(got.len(), 42);
+    same("tied PP 2, several buckets", &got, &want);
+    // the last stage's copy of the tied embedding is megatron-core's replica: not presented
+    assert!(!ck
+        .tensors
+        .iter()
+        .any(|t| t.name.ends_with("output_layer.weight")));
 }

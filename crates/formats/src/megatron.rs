@@ -160,8 +160,13 @@ fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Out
     let mut inner = opts.clone();
     inner.extras.retain(|e| e.origin != COMMON_ORIGIN);
     let mut out = dcp::write::write(target, world, &inner)?;
-    out.files
-        .push(dcp::write::pickled_dict_file(COMMON_PT, "common", &common));
+    // nested as the source held them (a legacy rank file's `opt_param_scheduler` dict, its
+    // optimizer's `param_groups`)
+    let items = crate::pt::nested_values(&common, &opts.paths)?;
+    out.files.push(dcp::write::literal_file(
+        COMMON_PT,
+        crate::torch::save::save_to_vec("common", &crate::torch::pickle::PyValue::Dict(items), &[]),
+    ));
     out.files.push(dcp::write::literal_file(
         METADATA_JSON,
         METADATA_JSON_CONTENT.as_bytes().to_vec(),

@@ -17,10 +17,13 @@
 //!   [`SPLITS`]; the saved arguments (`args`, an `argparse.Namespace`) give the parallel
 //!   sizes, the pipeline split and the shapes each local tensor is checked against.
 //!
-//! The optimizer's state and the RNG states are each rank's own and are not read (the model's
-//! weights are); `args`, `iteration`, `checkpoint_version`, `opt_param_scheduler` and the
-//! other plain entries of rank 0's file are non-tensor entries of origin `common.pt`, so a
-//! `torch_dist` output carries them in its `common.pt`. GroupedMLP's experts
+//! The distributed optimizer's state (`--use-distributed-optimizer`: each rank folder's
+//! `distrib_optim.pt`) is read as megatron-core's `fully_reshardable` `torch_dist` tensors
+//! (`optimizer.state.<key>.<parameter>`, the `distopt` module); other optimizers' state and
+//! the RNG states are each rank's own and are not read. `args`, `iteration`,
+//! `checkpoint_version`, `opt_param_scheduler` and the other plain entries of rank 0's file
+//! (with the distributed optimizer's state, its `optimizer` param_groups too) are non-tensor
+//! entries of origin `common.pt`, so a `torch_dist` output carries them in its `common.pt`. GroupedMLP's experts
 //! (`args.moe_grouped_gemm`: a layer's `mlp.experts.weight1` / `weight2`) are read as
 //! SequentialMLP's, each expert's projection a strided (transposed) view of its stretch of
 //! the record. Not read: virtual pipeline stages (`model0`, `model1`, …), Megatron-LM's
@@ -43,7 +46,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+mod distopt;
 mod write;
+
+pub use distopt::DISTRIB_OPTIM;
 
 /// Megatron-LM's tracker file in a save directory: the iteration (or `release`) saved last.
 pub const TRACKER: &str = "latest_checkpointed_iteration.txt";
@@ -766,9 +772,20 @@ fn read(dir: &Path) -> Result<Checkpoint> {
         .into_iter()
         .map(|f| f.expect("every rank read"))
         .collect();
-    let tensors = global_tensors(&cfg, &files)?;
-    // the plain entries of rank 0's file: arguments and counters, kept for common.pt
-    let skip = ["model", "optimizer", "rng_state", "rerun_state_machine"];
+    let mut tensors = global_tensors(&cfg, &files)?;
+    // the distributed optimizer's state, as megatron-core's fully_reshardable tensors
+    let optim = if distopt::present(&cfg, &files) {
+        Some(distopt::read(&cfg, &files)?)
+    } else {
+        None
+    };
+    // the plain entries of rank 0's file: arguments and counters, kept for common.pt; the
+    // optimizer's (param_groups, each group's step) with the distributed optimizer's state
+    let skip: &[&str] = if optim.is_some() {
+        &["model", "rng_state", "rerun_state_machine"]
+    } else {
+        &["model", "optimizer", "rng_state", "rerun_state_machine"]
+    };
     let r0 = &files[0];
     let mut extras: Vec<Extra> = vec![];
     let mut paths = BTreeMap::new();
@@ -810,11 +827,18 @@ fn read(dir: &Path) -> Result<Checkpoint> {
             }
         }
     }
+    let mut paths_of_files: Vec<PathBuf> = files.iter().map(|f| f.path.clone()).collect();
+    if let Some(o) = optim {
+        tensors.extend(o.tensors);
+        paths_of_files.extend(o.files);
+        checksums.extend(o.checksums);
+        carry_optimizer_metadata(&mut extras, &mut paths, &r0.ck);
+    }
     let iteration = shown(files[0].iteration());
     let mut ck = Checkpoint::of_tensors(
         Format::MEGATRON_LEGACY,
         dir,
-        files.iter().map(|f| f.path.clone()).collect(),
+        paths_of_files,
         world as u32,
         tensors,
         BTreeMap::new(),
@@ -827,6 +851,56 @@ fn read(dir: &Path) -> Result<Checkpoint> {
         cfg.layers
     ));
     Ok(ck)
+}
+
+/// With the distributed optimizer's state read: the entries megatron-core's loader needs
+/// beside it in `common.pt` — `optimizer.param_state_sharding_type` (`fully_reshardable`) and,
+/// unless rank 0's file has one, Megatron-LM's `content_metadata` naming that format.
+fn carry_optimizer_metadata(
+    extras: &mut Vec<Extra>,
+    paths: &mut BTreeMap<String, Vec<KeyPart>>,
+    r0: &Checkpoint,
+) {
+    let entry = |name: &str, v: Value| Extra {
+        name: name.to_string(),
+        value: crate::dcp::to_json(&v),
+        pickle: Some(v),
+        raw: None,
+        origin: crate::megatron::COMMON_ORIGIN,
+        opaque: None,
+    };
+    let sharding = "optimizer.param_state_sharding_type";
+    extras.retain(|x| x.name != sharding);
+    extras.push(entry(
+        sharding,
+        Value::Str(distopt::SHARDING_TYPE.to_string()),
+    ));
+    paths.insert(
+        sharding.to_string(),
+        vec![
+            KeyPart::Key("optimizer".into()),
+            KeyPart::Key("param_state_sharding_type".into()),
+        ],
+    );
+    let has_metadata = r0.extras.iter().any(|x| {
+        x.name == "content_metadata"
+            || r0
+                .paths
+                .get(&x.name)
+                .and_then(|p| p.first())
+                .is_some_and(|k| matches!(k, KeyPart::Key(k) if k == "content_metadata"))
+    });
+    if !has_metadata {
+        let s = |k: &str| Value::Str(k.to_string());
+        extras.push(entry(
+            "content_metadata",
+            Value::Dict(vec![
+                (s("singleton_local_shards"), Value::Bool(false)),
+                (s("chained_optim_avoid_prefix"), Value::Bool(true)),
+                (s("distrib_optim_sharding_type"), s(distopt::SHARDING_TYPE)),
+            ]),
+        ));
+    }
 }
 
 /// A value of the arguments, for messages.

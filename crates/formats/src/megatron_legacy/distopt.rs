@@ -1,0 +1,390 @@
+//! The distributed optimizer's state of a legacy checkpoint (`--use-distributed-optimizer`):
+//! each rank folder's `distrib_optim.pt`, read as megatron-core's `fully_reshardable`
+//! `torch_dist` tensors (`docs/megatron-format.md`, "The distributed optimizer's state").
+//!
+//! `distrib_optim.pt` is `DistributedOptimizer.save_parameter_state`, written by data-parallel
+//! rank 0 of each tensor/pipeline rank: `get_parameter_state_dp_zero`, the shards of every
+//! data-parallel rank gathered into one flat fp32 tensor per state key and gradient buffer,
+//!
+//! ```text
+//! {"buckets_coalesced": True,
+//!  0: {(param_dtype, grad_dtype): {"param": [N], "exp_avg": [N], "exp_avg_sq": [N],
+//!                                  "numel_unpadded": N}}}
+//! ```
+//!
+//! (a list of such dicts when several optimizers are chained). The flat tensor is the
+//! gradient buffer (`_ParamAndGradBuffer`) less each bucket's end padding: the parameters in
+//! reverse order of `named_parameters()`, each starting at a multiple of 64 elements. Which
+//! parameter lies where is not recorded: it follows from the model's parameters (the rank
+//! file's `model` state dict, whose tensor order is the parameters') and the bucket rule the
+//! saved arguments give. Each parameter's state is then a stretch of the flat record, a
+//! contiguous tensor of the parameter's local shape, placed in the global tensor as the
+//! parameter is: nothing is materialised.
+
+use super::{global_shape, pieces, place, split_of_known, Config, RankFile, Split};
+use crate::error::{Error, IoContext, Result};
+use crate::layout::DType;
+use crate::layout::{Loc, Piece, Region, TensorLayout};
+use crate::torch::pickle::Value;
+use crate::torch::save;
+use crate::torch::short;
+use crate::RecordCrc;
+use std::path::{Path, PathBuf};
+
+/// The distributed optimizer's file in each rank folder.
+pub const DISTRIB_OPTIM: &str = "distrib_optim.pt";
+
+/// The prefix of the optimizer state's names in megatron-core's `fully_reshardable` format:
+/// `optimizer.state.<key>.<the parameter's torch_dist name>`.
+pub const STATE_PREFIX: &str = "optimizer.state.";
+
+/// The `param_state_sharding_type` megatron-core records for the format these names are.
+pub const SHARDING_TYPE: &str = "fully_reshardable";
+
+/// Alignment of each parameter's start in a gradient buffer (elements).
+const PARAM_ALIGN: u64 = 64;
+
+/// One flat state tensor of a `distrib_optim.pt`: its key (`param`, `exp_avg`, …), where its
+/// element 0 lies in the file, its dtype and length.
+struct Flat {
+    key: String,
+    offset: u64,
+    dtype: DType,
+    numel: u64,
+}
+
+/// The optimizer's state read from the rank folders: tensors, the files their pieces point
+/// into (after the rank files), and the CRCs of the records they read.
+pub(super) struct OptimState {
+    /// The global state tensors.
+    pub tensors: Vec<TensorLayout>,
+    /// The `distrib_optim.pt` files, in rank order; a piece's file index is the rank files'
+    /// count plus its index here.
+    pub files: Vec<PathBuf>,
+    /// The recorded CRCs of the records read (file indices as above).
+    pub checksums: Vec<RecordCrc>,
+}
+
+/// Whether the distributed optimizer's state is read: the arguments say it was used, and
+/// rank 0's folder holds its file (absent with `--no-save-optim`). Not read (the weights
+/// are): mixture-of-experts models, whose expert parameters have a buffer, an optimizer and
+/// a data-parallel group of their own.
+pub(super) fn present(cfg: &Config, files: &[RankFile]) -> bool {
+    let r0 = &files[0];
+    super::bool_arg(&r0.args, "use_distributed_optimizer")
+        && cfg.experts.is_none()
+        && cfg.ep == 1
+        && r0.path.with_file_name(DISTRIB_OPTIM).is_file()
+}
+
+/// The state of every rank's `distrib_optim.pt` as global tensors (see the module's doc).
+pub(super) fn read(cfg: &Config, files: &[RankFile]) -> Result<OptimState> {
+    let world = files.len() as u32;
+    let bucket = bucket_size(&files[0])?;
+    let mut out: Vec<TensorLayout> = vec![];
+    let mut at: std::collections::HashMap<String, usize> = Default::default();
+    let mut paths = vec![];
+    let mut checksums = vec![];
+    for (r, f) in files.iter().enumerate() {
+        let path = f.path.with_file_name(DISTRIB_OPTIM);
+        if !path.is_file() {
+            return Err(Error::format(
+                &path,
+                format!(
+                    "is missing: {} has the distributed optimizer's state, so every rank folder must",
+                    files[0].path.with_file_name(DISTRIB_OPTIM).display()
+                ),
+            ));
+        }
+        let file = world + r as u32;
+        let (flats, numel, crcs) = read_flat(&path, file)?;
+        checksums.extend(crcs);
+        paths.push(path.clone());
+        let r = r as u64;
+        let (t, s) = (r % cfg.tp, r / (cfg.tp * cfg.ep));
+        // the model's parameters, in named_parameters() order
+        let model = f.model()?;
+        let params: Vec<(&str, &TensorLayout)> =
+            model.into_iter().filter(|(k, _)| !is_buffer(k)).collect();
+        let shared = |k: &str| {
+            cfg.tied
+                && cfg.pp > 1
+                && ((s == 0 && k == "embedding.word_embeddings.weight")
+                    || (s == cfg.pp - 1 && k == "output_layer.weight"))
+        };
+        let sizes: Vec<(u64, bool)> = params
+            .iter()
+            .map(|(k, l)| (l.shape.iter().product::<u64>(), shared(k)))
+            .collect();
+        let (starts, total) = buffer_starts(&sizes, bucket);
+        if total != numel {
+            return Err(Error::format(
+                &path,
+                format!(
+                    "holds {numel} elements per state, but the {} parameters of {} make a buffer of {total} (another model, or data-parallel ranks missing)",
+                    params.len(),
+                    f.path.display()
+                ),
+            ));
+        }
+        for ((key, local), start) in params.iter().zip(starts) {
+            let Some(p) = place(cfg, key, s, 0, &f.path)? else {
+                // the last stage's copy of a tied embedding: megatron-core keeps the first
+                // stage's state only
+                continue;
+            };
+            let split = if cfg.tp == 1 {
+                Split::Replicated
+            } else {
+                split_of_known(&p).unwrap_or(Split::Replicated)
+            };
+            if split == Split::Replicated && t > 0 {
+                continue;
+            }
+            let Some(global) = global_shape(split, &local.shape, cfg.tp) else {
+                continue;
+            };
+            for fl in &flats {
+                let name = format!("{STATE_PREFIX}{}.{}", fl.key, p.name);
+                let elem = fl.dtype.size() as u64;
+                let stretch = TensorLayout {
+                    name: name.clone(),
+                    dtype: fl.dtype,
+                    shape: local.shape.clone(),
+                    pieces: vec![Piece {
+                        rank: r as u32,
+                        region: Region::full(&local.shape),
+                        loc: Loc {
+                            file,
+                            offset: fl.offset + start * elem,
+                            strides: None,
+                            pending: None,
+                        },
+                    }],
+                };
+                let idx = *at.entry(name.clone()).or_insert_with(|| {
+                    out.push(TensorLayout {
+                        name,
+                        dtype: fl.dtype,
+                        shape: global.clone(),
+                        pieces: vec![],
+                    });
+                    out.len() - 1
+                });
+                let mut ps = pieces(split, &stretch, t, cfg.tp, r as u32, cfg.swiglu);
+                for piece in &mut ps {
+                    piece.loc.file = file;
+                }
+                out[idx].pieces.extend(ps);
+            }
+        }
+    }
+    for g in &out {
+        let covered: u64 = g.pieces.iter().map(|p| p.region.volume()).sum();
+        let volume: u64 = g.shape.iter().product();
+        if covered != volume {
+            return Err(Error::layout(
+                &g.name,
+                format!("the distrib_optim.pt files cover {covered} of its {volume} elements"),
+            ));
+        }
+    }
+    Ok(OptimState {
+        tensors: out,
+        files: paths,
+        checksums,
+    })
+}
+
+/// True for the state-dict entries of a megatron-core GPT model that are not parameters
+/// (and so have no place in the gradient buffer): TransformerEngine's `_extra_state`, the
+/// router's buffers.
+fn is_buffer(key: &str) -> bool {
+    key.ends_with("_extra_state")
+        || key.ends_with(".expert_bias")
+        || key.ends_with(".local_tokens_per_expert")
+}
+
+/// The bucket size of the gradient buffers, as megatron-core's DistributedDataParallel sets
+/// it from Megatron-LM's arguments: none (one bucket) without `overlap_grad_reduce`, else
+/// `ddp_bucket_size`, by default `max(40000000, 1000000 × data-parallel size)`.
+fn bucket_size(r0: &RankFile) -> Result<Option<u64>> {
+    let args = &r0.args;
+    for n in ["use_custom_fsdp", "use_megatron_fsdp", "use_torch_fsdp2"] {
+        if super::bool_arg(args, n) {
+            return Err(Error::format(
+                &r0.path,
+                format!("sets args.{n}: reshard reads the distributed optimizer's state of Megatron-LM's own DDP"),
+            ));
+        }
+    }
+    if !super::bool_arg(args, "overlap_grad_reduce") {
+        return Ok(None);
+    }
+    let int = |n: &str| super::int_arg(&r0.path, args, n);
+    if let Some(b) = int("ddp_bucket_size")? {
+        return Ok(Some(b));
+    }
+    let dp = int("data_parallel_size")?.unwrap_or(1) * int("context_parallel_size")?.unwrap_or(1);
+    Ok(Some((1_000_000 * dp).max(40_000_000)))
+}
+
+/// Where each parameter (element count, whether it is a tied embedding's copy on a pipeline
+/// end, which gets a bucket of its own) starts in the flat state of its buffer, and the
+/// flat state's length: `_ParamAndGradBuffer`'s walk over the parameters in reverse order,
+/// each start padded to [`PARAM_ALIGN`], a bucket closed once it holds `bucket` elements,
+/// less each bucket's end padding (which `get_parameter_state_dp_zero` drops).
+fn buffer_starts(params: &[(u64, bool)], bucket: Option<u64>) -> (Vec<u64>, u64) {
+    let mut starts = vec![0; params.len()];
+    // the flat length of the buckets closed so far, the position in the open bucket
+    let (mut base, mut pos, mut open) = (0u64, 0u64, 0usize);
+    for (i, &(numel, shared)) in params.iter().enumerate().rev() {
+        pos = pos.div_ceil(PARAM_ALIGN) * PARAM_ALIGN;
+        if shared && open > 0 {
+            base += pos;
+            pos = 0;
+            open = 0;
+        }
+        starts[i] = base + pos;
+        let end = pos + numel;
+        open += 1;
+        if bucket.is_some_and(|b| end >= b) || shared {
+            base += end;
+            pos = 0;
+            open = 0;
+        } else {
+            pos = end;
+        }
+    }
+    if open > 0 {
+        base += pos;
+    }
+    (starts, base)
+}
+
+/// The flat state tensors of one `distrib_optim.pt` (file index `file`), their length
+/// (`numel_unpadded`), and the CRCs of their records. Refused, naming the file: another
+/// layout than `buckets_coalesced`, several chained optimizers or gradient buffers, a state
+/// that is not a flat tensor of `numel_unpadded` elements.
+fn read_flat(path: &Path, file: u32) -> Result<(Vec<Flat>, u64, Vec<RecordCrc>)> {
+    let f = std::fs::File::open(path).at(path)?;
+    let map = crate::sys::map_file(&f, path)?;
+    let bytes: &[u8] = &map;
+    let item = save::parse_with(bytes, super::globals())
+        .map_err(|e| Error::format(path, e.to_string()))?;
+    let bad = |msg: String| Error::format(path, msg);
+    let mut top = &item.value;
+    if let Value::List(opts) = top {
+        // ChainedOptimizer.save_parameter_state with several optimizers
+        match opts.as_slice() {
+            [one] => top = one,
+            _ => {
+                return Err(bad(format!(
+                    "holds the state of {} chained optimizers; reshard reads one",
+                    opts.len()
+                )))
+            }
+        }
+    }
+    let Some(pairs) = top.as_dict() else {
+        return Err(bad(format!(
+            "holds a pickled {}, not DistributedOptimizer.save_parameter_state's dict",
+            top.kind()
+        )));
+    };
+    if top.get("buckets_coalesced").and_then(Value::as_bool) != Some(true) {
+        return Err(bad(
+            "is not in the buckets_coalesced layout (megatron-core's get_parameter_state_dp_zero); older per-bucket layouts are not read".into(),
+        ));
+    }
+    let buffers: Vec<&(Value, Value)> = pairs
+        .iter()
+        .filter(|(k, _)| k.as_str() != Some("buckets_coalesced"))
+        .collect();
+    let dtypes = match buffers.as_slice() {
+        [(Value::Int(0), v)] => v.as_dict().unwrap_or(&[]),
+        [] => return Err(bad("holds no gradient buffer's state".into())),
+        _ => {
+            return Err(bad(format!(
+                "holds the state of {} gradient buffers (parameters of several dtypes); reshard reads one",
+                buffers.len()
+            )))
+        }
+    };
+    let [(_, state)] = dtypes else {
+        return Err(bad(format!(
+            "buffer 0 holds {} dtype entries, not one",
+            dtypes.len()
+        )));
+    };
+    let Some(state) = state.as_dict() else {
+        return Err(bad("buffer 0's state is not a dict".into()));
+    };
+    let numel = state
+        .iter()
+        .find(|(k, _)| k.as_str() == Some("numel_unpadded"))
+        .and_then(|(_, v)| v.as_int())
+        .and_then(|n| u64::try_from(n).ok())
+        .ok_or_else(|| bad("buffer 0 has no numel_unpadded".into()))?;
+    let mut flats = vec![];
+    let mut crcs = vec![];
+    for (k, v) in state {
+        let Some(key) = k.as_str() else {
+            return Err(bad(format!("buffer 0 has a {} key", k.kind())));
+        };
+        if key == "numel_unpadded" {
+            continue;
+        }
+        let t = save::tensor_of(v, &item.archive, bytes)
+            .map_err(|e| bad(format!("`{}`: {e}", short(key))))?
+            .ok_or_else(|| bad(format!("`{}` is a {}, not a tensor", short(key), v.kind())))?;
+        if t.shape != [numel] || !t.is_row_major() {
+            return Err(bad(format!(
+                "`{}` has the shape {:?}, not the flat [{numel}] of numel_unpadded",
+                short(key),
+                t.shape
+            )));
+        }
+        let rec = format!("{}/data/{}", item.archive.prefix, t.storage_key);
+        if let Some(entry) = item.archive.entry(&rec) {
+            crcs.push(RecordCrc {
+                file,
+                offset: t.record.offset,
+                len: t.record.len,
+                crc: entry.crc,
+                what: format!("optimizer state `{}` (record {rec})", short(key)).into(),
+                shown: None,
+            });
+        }
+        flats.push(Flat {
+            key: key.to_string(),
+            offset: t.data_offset(),
+            dtype: t.dtype,
+            numel,
+        });
+    }
+    if flats.is_empty() {
+        return Err(bad("buffer 0 holds no state tensors".into()));
+    }
+    debug_assert!(flats.iter().all(|f| f.numel == numel));
+    Ok((flats, numel, crcs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn starts_follow_the_buffer_walk() {
+        // reverse order, 64-aligned starts, one bucket
+        let (s, n) = buffer_starts(&[(10, false), (100, false), (3, false)], None);
+        assert_eq!((s, n), (vec![192, 64, 0], 202));
+        // a bucket closes at 100 elements: its end padding is dropped
+        let (s, n) = buffer_starts(&[(10, false), (100, false), (3, false)], Some(100));
+        assert_eq!((s, n), (vec![164, 64, 0], 174));
+        // a tied embedding's copy gets a bucket of its own
+        // (the bucket before it ends at its padded start)
+        let (s, n) = buffer_starts(&[(5, true), (7, false)], None);
+        assert_eq!((s, n), (vec![64, 0], 69));
+    }
+}

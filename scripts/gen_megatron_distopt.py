@@ -1,0 +1,381 @@
+#!/usr/bin/env python3
+"""Generate a Megatron-LM legacy checkpoint WITH the distributed optimizer's state
+(``--use-distributed-optimizer``, ``distrib_optim.pt``) and, as the oracle, the same state saved
+by megatron-core as ``torch_dist`` in the reshardable optimizer format (``fully_reshardable``).
+
+A tiny Llama-style megatron-core GPTModel (local layer spec, the model of
+``scripts/gen_frameworks.py``: its ``build_model`` / ``seed_parameters`` / ``megatron_lm_args`` are
+imported, not copied) is trained two steps with Adam by megatron-core's own
+DistributedDataParallel and DistributedOptimizer at TP 2 x DP 2 on gloo (4 CPU processes), then
+saved the two ways Megatron-LM's ``save_checkpoint`` saves it:
+
+  legacy/        ``--ckpt-format torch``: latest_checkpointed_iteration.txt ("7") and
+                 iter_0000007/mp_rank_TT/model_optim_rng.pt (written by DP rank 0: args with
+                 use_distributed_optimizer, the module's state_dict_for_save_checkpoint(),
+                 ``optimizer``: DistributedOptimizer.state_dict(), opt_param_scheduler, rng_state)
+                 and iter_0000007/mp_rank_TT/distrib_optim.pt, DistributedOptimizer.
+                 save_parameter_state (get_parameter_state_dp_zero: the DP ranks' shards gathered
+                 on DP rank 0)
+  torch_dist/    iter_0000007/: dist_checkpointing.save of {model: sharded_state_dict, optimizer:
+                 optimizer.sharded_state_dict(model_sd, metadata={distrib_optim_sharding_type:
+                 fully_reshardable, distrib_optim_fully_reshardable_mem_efficient: True})} with
+                 the same args / iteration entries
+  tied_pp2/      a second run: TP 1 x PP 2 x DP 2, tied embeddings, --overlap-grad-reduce with
+                 500-element buckets (several buckets per buffer, each pipeline end's embedding
+                 copy in one of its own), each parameter's exp_avg / exp_avg_sq set from a seed
+                 through DistributedOptimizer's own setter (no training: the pipeline schedule
+                 wants CUDA); legacy/ as above and, as the oracle, expected_stage{0,1}.safetensors:
+                 the state under the legacy reader's global names, from the seeds (megatron-core
+                 0.16.1's fully_reshardable save misplaces the state after a bucket's end padding,
+                 so it is no oracle here)
+  case.json      the models, the splits, the optimizer's settings
+
+Usage: .venv/bin/python scripts/gen_megatron_distopt.py [--out tests/fixtures/megatron_distopt]
+       [--megatron-lm DIR]   (Megatron-LM's training sources, as scripts/gen_frameworks.py)
+
+What it took on CPU, beyond gen_frameworks.py's patches: DistributedDataParallel with
+``overlap_grad_reduce=False`` (one bucket per buffer), the optimizer's main parameters kept fp32.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(SCRIPTS))
+
+import gen_frameworks as gf  # noqa: E402
+from _torchrun import job  # noqa: E402
+
+ITERATION = 7
+TP, DP = 2, 2
+# tiny Llama-like (GQA, SwiGLU, RMSNorm, untied): 2 layers, hidden 16, vocabulary 96
+# (make_vocab_size_divisible_by 8 x TP 2 divides it: no padding rows)
+MODEL = dict(gf.BASE, num_layers=2, ffn_hidden_size=24, make_vocab_size_divisible_by=8)
+MODEL["padded_vocab_size"] = -(-MODEL["vocab_size"] // (8 * TP)) * (8 * TP)
+LR = 1e-2
+STEPS = 2
+
+
+def batch(dp_rank: int, step: int):
+    import torch
+
+    g = torch.Generator().manual_seed(100 * step + dp_rank)
+    ids = torch.randint(0, MODEL["vocab_size"], (2, 8), generator=g)
+    labels = torch.randint(0, MODEL["vocab_size"], (2, 8), generator=g)
+    return ids, labels
+
+
+def _cuda_to_cpu(torch):
+    """Tensor factories asked for device 'cuda' (the optimizer's overflow buffer, ...) make CPU
+    tensors."""
+    import functools
+
+    def wrap(f):
+        @functools.wraps(f)
+        def g(*a, **k):
+            d = k.get("device")
+            if d is not None and str(d).startswith("cuda"):
+                k["device"] = "cpu"
+            return f(*a, **k)
+        return g
+
+    orig_type = torch.Tensor.type
+
+    def type_(self, *a, **k):  # the optimizer asks for torch.cuda.FloatTensor parameters
+        if a or k:
+            return orig_type(self, *a, **k)
+        t = orig_type(self)
+        return t.replace("torch.", "torch.cuda.", 1) if ".cuda." not in t else t
+
+    torch.Tensor.type = type_
+    for n in ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "empty_like", "arange"):
+        setattr(torch, n, wrap(getattr(torch, n)))
+
+
+def worker(args):
+    torch, dist = gf._init()
+    _cuda_to_cpu(torch)
+
+    ps, model, ddp, opt = build_trainer(torch, TP)
+    tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
+    rank = dist.get_rank()
+    m = MODEL
+    for step in range(STEPS):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        ids, labels = batch(dp_rank, step)
+        b, s = ids.shape
+        pos = torch.arange(s).unsqueeze(0).expand(b, s)
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s).expand(b, 1, s, s)
+        loss = ddp(ids, pos, mask, labels=labels).float().mean()
+        loss.backward()
+        ddp.finish_grad_sync()
+        ok, _, _ = opt.step()
+        assert ok
+
+    save_both(torch, dist, Path(args.dir), model, opt, MODEL, TP, 1, DP, Path(args.megatron_lm),
+              dict(overlap_grad_reduce=False))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def save_both(torch, dist, out: Path, model, opt, m: dict, tp: int, pp: int, dp: int, mlm: Path,
+              ddp_args: dict, torch_dist: bool = True) -> None:
+    """Save the model and its DistributedOptimizer as Megatron-LM does, both ways: legacy
+    (``model_optim_rng.pt`` by DP rank 0 of each (TP, PP) rank, ``distrib_optim.pt`` by
+    save_parameter_state) and torch_dist (fully_reshardable). ``ddp_args``: the arguments the
+    DDP was built with, set in the saved ``args``."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    dp_rank, rank = ps.get_data_parallel_rank(), dist.get_rank()
+    it = f"iter_{ITERATION:07d}"
+    flops = 123456789
+    sched = {"max_lr": LR, "min_lr": 0.0, "num_steps": STEPS, "decay_style": "constant"}
+
+    def margs(fmt):
+        a = gf.megatron_lm_args(m, tp, pp, 1, fmt, mlm)
+        a.use_distributed_optimizer = True
+        for k, v in ddp_args.items():
+            setattr(a, k, v)
+        a.data_parallel_size = dp
+        a.world_size = tp * pp * dp
+        return a
+
+    # --- legacy: what Megatron-LM's save_checkpoint writes with --ckpt-format torch
+    largs = margs("torch")
+    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+    folder = out / "legacy" / it / name
+    if dp_rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save({"args": largs, "checkpoint_version": 3.0, "iteration": ITERATION,
+                    "model": model.state_dict_for_save_checkpoint(), "optimizer": opt.state_dict(),
+                    "opt_param_scheduler": sched, "num_floating_point_operations_so_far": flops},
+                   str(folder / "model_optim_rng.pt"))
+    dist.barrier()
+    opt.save_parameter_state(str(folder / "distrib_optim.pt"))  # every DP rank takes part
+    dist.barrier()
+    if rank == 0:
+        (out / "legacy" / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+
+    if not torch_dist:
+        return
+    # --- torch_dist, the optimizer in the fully reshardable format (--dist-ckpt-optim-fully-reshardable)
+    dargs = margs("torch_dist")
+    dargs.dist_ckpt_optim_fully_reshardable = True
+    dargs.distrib_optim_fully_reshardable_mem_efficient = True
+    model_sd = model.sharded_state_dict(metadata=META)
+    sd = {"args": dargs, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model_sd,
+          "optimizer": opt.sharded_state_dict(model_sd, metadata=META), "opt_param_scheduler": sched,
+          "num_floating_point_operations_so_far": flops}
+    td = out / "torch_dist"
+    if rank == 0:
+        (td / it).mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(sd, str(td / it), content_metadata=META)
+    dist.barrier()
+    if rank == 0:
+        (td / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+
+
+# the tied, pipelined case: TP 1 x PP 2 x DP 2, tied embeddings (each pipeline end's copy in a
+# bucket of its own), --overlap-grad-reduce with 500-element buckets (several per buffer); no
+# training (the pipeline schedule wants CUDA): each parameter's exp_avg / exp_avg_sq set from a
+# seed (the tied copies alike) through the optimizer's own setter, its fp32 main param the weight
+TIED = dict(MODEL, tied=True)
+TIED_BUCKET = 500
+
+
+def worker_tied(args):
+    torch, dist = gf._init()
+    _cuda_to_cpu(torch)
+    import zlib
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ps = gf._parallel(1, 2, 1)
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    torch.manual_seed(1234)
+    model = gf.build_model(TIED, 1, 2, 1, pp_rank)
+    gf.seed_parameters(model, 0, pp_rank, 0)
+    model.train()
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                               bucket_size=TIED_BUCKET, grad_reduce_in_fp32=True)
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    # (no weight decay: the dummy step that creates the states leaves the weights as they are)
+    opt_config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.0, use_distributed_optimizer=True,
+                                 params_dtype=torch.float32, clip_grad=0.0)
+    opt = get_megatron_optimizer(opt_config, [ddp])
+    inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+    assert len(ddp.buffers[0].buckets) >= 2, len(ddp.buffers[0].buckets)
+    inner._init_optimizer_states_with_dummy_values()
+    for name, p in model.named_parameters():
+        if p not in inner.model_param_group_index_map:
+            continue  # no element of it on this data-parallel rank
+        r = inner._get_model_param_range_map(p)["param"]
+        seed_name = "embedding.word_embeddings.weight" if name == "output_layer.weight" else name
+        states = dict(inner._get_main_param_and_optimizer_states(p))
+        for k in ("exp_avg", "exp_avg_sq"):
+            g = torch.Generator().manual_seed(zlib.crc32(f"{seed_name}|{pp_rank if seed_name == name else 'tied'}|{k}".encode()))
+            states[k] = torch.rand(p.numel(), generator=g)[r.start:r.end]
+        with torch.no_grad():
+            inner._set_main_param_and_optimizer_states(p, states)
+    # megatron-core 0.16.1's fully_reshardable save misplaces the state of every parameter after
+    # a bucket's end padding (it indexes the gathered, unpadded state with the padded buffer's
+    # offsets: its own "issue #504" warning), so the oracle here is the seeds: each stage's
+    # global tensors under the legacy reader's names (the tied output layer's copy left out)
+    out = Path(args.dir)
+    save_both(torch, dist, out, model, opt, TIED, 1, 2, 2, Path(args.megatron_lm),
+              dict(overlap_grad_reduce=True, ddp_bucket_size=TIED_BUCKET), torch_dist=False)
+    if ps.get_data_parallel_rank() == 0:
+        from safetensors.torch import save_file
+
+        want = {}
+        for name, p in model.named_parameters():
+            if name == "output_layer.weight":
+                continue
+            g = name
+            for local, td in (("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+                              ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")):
+                g = g.replace(local, td)
+            if g.startswith("decoder.layers."):
+                i, rest = g[len("decoder.layers."):].split(".", 1)
+                g = f"decoder.layers.{int(i) + pp_rank}.{rest}"  # one layer per stage
+            want[f"optimizer.state.param.{g}"] = p.detach().clone()
+            for k in ("exp_avg", "exp_avg_sq"):
+                seed = zlib.crc32(f"{name}|{pp_rank}|{k}".encode())
+                want[f"optimizer.state.{k}.{g}"] = torch.rand(p.numel(), generator=torch.Generator().manual_seed(seed)).reshape(p.shape)
+        save_file(want, str(out / f"expected_stage{pp_rank}.safetensors"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def build_trainer(torch, tp: int):
+    """This rank's GPTModel (seeded), wrapped in DistributedDataParallel, and its
+    DistributedOptimizer, at TP ``tp`` (the rest data-parallel)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ps = gf._parallel(tp, 1, 1)
+    torch.manual_seed(1234)
+    model = gf.build_model(MODEL, tp, 1, 1, 0)
+    gf.seed_parameters(model, ps.get_tensor_model_parallel_rank(), 0, 0)
+    model.train()
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False,
+                                               grad_reduce_in_fp32=True)
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    opt_config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95,
+                                 adam_eps=1e-8, use_distributed_optimizer=True, params_dtype=torch.float32,
+                                 clip_grad=0.0)
+    return ps, model, ddp, get_megatron_optimizer(opt_config, [ddp])
+
+
+# the content metadata Megatron-LM saves and loads with --dist-ckpt-optim-fully-reshardable
+META = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+        "distrib_optim_sharding_type": "fully_reshardable",
+        "distrib_optim_fully_reshardable_mem_efficient": True}
+
+
+def worker_load(args):
+    """Load the torch_dist checkpoint ``args.ckpt`` into a GPTModel and its DistributedOptimizer
+    at TP ``args.tp`` as Megatron-LM's load_checkpoint does (dist_checkpointing.load of the
+    model's and the optimizer's sharded state dicts, then load_state_dict of each), and write
+    what they hold (one process: every parameter whole) to ``args.out``: the weights, each
+    parameter's optimizer state (``<key>.<parameter name>``) and the param_groups (JSON)."""
+    torch, dist = gf._init()
+    _cuda_to_cpu(torch)
+    from megatron.core import dist_checkpointing
+    from safetensors.torch import save_file
+
+    assert dist.get_world_size() == args.tp, "one process per tensor rank: every parameter whole"
+    ps, model, ddp, opt = build_trainer(torch, args.tp)
+    inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+    # torch's Adam (no apex / TransformerEngine here) has no state before its first step, and
+    # DistributedOptimizer.state_dict wants each state's step: megatron-core's own dummy step
+    inner._init_optimizer_states_with_dummy_values()
+    # ... whose per-parameter "step" the fully_reshardable load does not carry (the step is the
+    # param_groups'): DistributedOptimizer._set_main_param_and_optimizer_states would look it up
+    set_states = type(inner)._set_main_param_and_optimizer_states
+
+    def keep_step(self, model_param, tensors):
+        if "step" not in tensors:
+            gi, go = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[gi]["params"][go]]
+            if "step" in state:
+                tensors = dict(tensors, step=state["step"])
+        return set_states(self, model_param, tensors)
+
+    type(inner)._set_main_param_and_optimizer_states = keep_step
+    model_sd = model.sharded_state_dict(metadata=META)
+    sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=META)}
+    loaded = dist_checkpointing.load(sd, args.ckpt)
+    model.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+    out = {}
+    for name, p in model.named_parameters():
+        out[f"weight.{name}"] = p.detach().clone()
+        for k, v in inner._get_main_param_and_optimizer_states(p).items():
+            if k != "step":
+                out[f"{k}.{name}"] = v.detach().reshape(p.shape).clone()
+    rank = dist.get_rank()
+    save_file(out, f"{args.out}.{rank}.safetensors")
+    groups = opt.state_dict()["optimizer"]["param_groups"]
+    Path(f"{args.out}.{rank}.json").write_text(json.dumps(groups, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def generate(out: Path, megatron_lm: Path) -> None:
+    # (hostile/ and README.md are kept)
+    for sub in ("legacy", "torch_dist", "tied_pp2"):
+        shutil.rmtree(out / sub, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    secs = job("gen_megatron_distopt", Path(__file__), TP * DP,
+               ["--worker", "--dir", str(out), "--megatron-lm", str(megatron_lm)],
+               env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    secs += job("gen_megatron_distopt tied_pp2", Path(__file__), 4,
+                ["--worker-tied", "--dir", str(out / "tied_pp2"), "--megatron-lm", str(megatron_lm)],
+                env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    (out / "case.json").write_text(json.dumps({
+        "tp": TP, "dp": DP, "iteration": ITERATION, "model": MODEL, "optimizer": {
+            "optimizer": "adam", "lr": LR, "weight_decay": 0.01, "betas": [0.9, 0.95], "eps": 1e-8,
+            "steps": STEPS, "use_distributed_optimizer": True, "overlap_grad_reduce": False},
+        "torch_dist_optimizer_format": "fully_reshardable",
+        "tied_pp2": {"tp": 1, "pp": 2, "dp": 2, "tied": True, "overlap_grad_reduce": True,
+                     "ddp_bucket_size": TIED_BUCKET, "weight_decay": 0.0,
+                     "state": "seeded exp_avg / exp_avg_sq, no training"},
+        "seconds": secs}, indent=1) + "\n")
+    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    print(f"{out}: {total} bytes, {secs} s")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=gf.REPO / "tests" / "fixtures" / "megatron_distopt")
+    ap.add_argument("--megatron-lm", type=Path, default=gf.default_megatron_lm())
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--worker-tied", action="store_true")
+    ap.add_argument("--dir")
+    ap.add_argument("--load", action="store_true", help="(worker) load --ckpt at --tp, write --out.*")
+    ap.add_argument("--ckpt")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--out-prefix", dest="out")
+    a = ap.parse_args()
+    if a.load:
+        worker_load(a)
+    elif a.worker_tied:
+        worker_tied(a)
+    elif a.worker:
+        worker(a)
+    else:
+        generate(a.out, a.megatron_lm)
+
+
+if __name__ == "__main__":
+    main()
