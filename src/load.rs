@@ -4,7 +4,8 @@
 
 use crate::checkpoint::check_buffer;
 use crate::error::{Error, Result};
-use crate::exec::{read_many_into, read_regions_into};
+use crate::exec::{read_many_into_counted, read_regions_into};
+use std::sync::atomic::AtomicU64;
 use crate::formats::Checkpoint;
 use crate::layout::{row_major_strides, DType, Loc, Piece, Region, Sharding, TensorLayout, View};
 use crate::plan::{CopyOp, FillOp};
@@ -266,6 +267,17 @@ pub fn read_local_tensors_into(
     tensors: &[LocalTensor],
     outs: &mut [&mut [u8]],
 ) -> Result<()> {
+    read_local_tensors_into_counted(ck, tensors, outs, None)
+}
+
+/// [`read_local_tensors_into`], adding the bytes written to `done` as the copies complete
+/// (progress for a caller polling it from another thread).
+pub fn read_local_tensors_into_counted(
+    ck: &Checkpoint,
+    tensors: &[LocalTensor],
+    outs: &mut [&mut [u8]],
+    done: Option<&AtomicU64>,
+) -> Result<()> {
     if tensors.len() != outs.len() {
         return Err(Error::usage(format!(
             "{} tensors but {} buffers",
@@ -307,7 +319,7 @@ pub fn read_local_tensors_into(
             ops
         })
         .collect();
-    read_many_into(&jobs, ck.sources(), outs)
+    read_many_into_counted(&jobs, ck.sources(), outs, done)
 }
 
 /// Fill each of `tensors` into the caller's buffer of the same index, as
@@ -321,6 +333,18 @@ pub fn read_view_tensors_into(
     tensors: &[LocalTensor],
     views: &[&View],
     outs: &mut [&mut [u8]],
+) -> Result<()> {
+    read_view_tensors_into_counted(ck, tensors, views, outs, None)
+}
+
+/// [`read_view_tensors_into`], adding the bytes copied to `done` as the copies complete
+/// (fills, which write no source bytes, are not counted).
+pub fn read_view_tensors_into_counted(
+    ck: &Checkpoint,
+    tensors: &[LocalTensor],
+    views: &[&View],
+    outs: &mut [&mut [u8]],
+    done: Option<&AtomicU64>,
 ) -> Result<()> {
     if tensors.len() != outs.len() || tensors.len() != views.len() {
         return Err(Error::usage(format!(
@@ -376,7 +400,7 @@ pub fn read_view_tensors_into(
                 .map_err(|m| Error::internal(format!("tensor `{}`: {m}", tensors[i].name)))?;
         }
     }
-    read_many_into(&jobs, ck.sources(), outs)?;
+    read_many_into_counted(&jobs, ck.sources(), outs, done)?;
     // the padding (disjoint from the copies)
     for (out, fs) in outs.iter_mut().zip(&fills) {
         fs.iter().for_each(|f| f.write_into(out, 0));

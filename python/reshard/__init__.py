@@ -241,10 +241,11 @@ class Checkpoint:
             list(names), include=list(include) if include else None, exclude=list(exclude) if exclude else None
         )
 
-    def _read_into(self, dests: List[Tuple[Any, ...]]) -> None:
+    def _read_into(self, dests: List[Tuple[Any, ...]], progress: Any = None) -> None:
         """Fill destinations ``(name, dtype, shape, parts, address, nbytes)`` in one native
-        read (see ``NativeCheckpoint.read_into``); the caller keeps their memory alive."""
-        self._ck.read_into(dests)
+        read (see ``NativeCheckpoint.read_into``); the caller keeps their memory alive.
+        ``progress``: a callable ``(done_bytes, total_bytes)``."""
+        self._ck.read_into(dests, progress)
 
     def _with_framework(self, framework: str) -> "Checkpoint":
         """The same open checkpoint, making its arrays with ``framework``."""

@@ -27,10 +27,13 @@ Parts = List[Tuple[List[int], List[int], List[int]]]
 class Fill:
     """Targets gathered for one native read of ``ck``, filled by :meth:`run`."""
 
-    def __init__(self, ck: Checkpoint, *, shared: str, views: Optional[Dict[str, str]] = None) -> None:
+    def __init__(self, ck: Checkpoint, *, shared: str, views: Optional[Dict[str, str]] = None,
+                 progress: Any = None) -> None:
         if shared not in ("last", "each"):
             raise ValueError(f'shared must be "last" or "each", not {shared!r}')
         self.ck = ck
+        # a callable (done_bytes, total_bytes), called while the read runs
+        self.progress = progress
         self.shared = shared
         # names read through a recipe's view (JSON) of the checkpoint's tensors, when given
         self.views = views
@@ -93,9 +96,9 @@ class Fill:
                     continue
             dests.append(entry)
         if dests and self.views is not None:
-            self.ck._ck.read_views_into(dests, [self.views[d[0]] for d in dests])
+            self.ck._ck.read_views_into(dests, [self.views[d[0]] for d in dests], self.progress)
         elif dests:
-            self.ck._read_into(dests)
+            self.ck._read_into(dests, self.progress)
         for target, buf in copies:
             target.copy_(buf, non_blocking=buf.is_pinned())
         if any(t.device.type == "cuda" for t, _ in copies):

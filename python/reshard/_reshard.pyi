@@ -81,14 +81,16 @@ class NativeCheckpoint:
         dtype: Optional[str] = None,
     ) -> List[Tuple[str, str, List[int], List[int], List[int]]]:
         """The regions rank ``rank`` of ``world_size`` holds under a layout."""
-    def read_into(self, dests: List[_Dest]) -> None:
+    def read_into(self, dests: List[_Dest], progress: Optional[Callable[[int, int], Any]] = None) -> None:
         """Fill destinations ``(name, dtype, shape, parts, address, nbytes)`` in memory."""
     def recipe_targets(
         self, recipe: Optional[str] = None, params: Optional[str] = None, memory: bool = False
     ) -> Tuple[str, str, List[Tuple[str, str, List[int], str]]]:
         """The recipe, why, and the other framework's tensors ``(name, dtype, shape, view JSON)``;
         ``memory``: under the names a model holds in memory where they differ from its files'."""
-    def read_views_into(self, dests: List[_Dest], views: List[str]) -> None:
+    def read_views_into(
+        self, dests: List[_Dest], views: List[str], progress: Optional[Callable[[int, int], Any]] = None
+    ) -> None:
         """Fill destinations from views (JSON) of the tensors, as ``read_into`` does."""
 
 def open(

@@ -218,6 +218,7 @@ def load(
     rename: Any = None,
     recipe: Optional[str] = None,
     params: Optional[Mapping[str, Any]] = None,
+    progress: Any = None,
 ) -> LoadResult:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` (any world size, any
     format reshard reads; an open :class:`reshard.Checkpoint` works too), like
@@ -247,6 +248,10 @@ def load(
     fills a megatron-core model at any TP, PP and EP (``params={"tp": TP}`` for the
     vocabulary's padding).
 
+    ``progress``: ``True`` (a tqdm bar, else a line on stderr), a tqdm bar, or a callable
+    ``(done_bytes, total_bytes)`` called about ten times a second while the tensors are read,
+    as :func:`reshard.convert` takes it.
+
     ``include``/``exclude``: globs of checkpoint names to consider. ``rename``: a dict or a
     callable mapping a checkpoint name to its state-dict name (``None``: skip it).
     ``strict``: raise :class:`reshard.RequestError` when a state-dict key is missing from
@@ -257,8 +262,11 @@ def load(
     ck = _checkpoint(path)
     if not isinstance(state_dict, Mapping):
         raise RequestError(f"state_dict must be a dict, not {type(state_dict).__name__}")
+    from . import _progress
+
+    report = _progress(progress)
     if recipe is not None or params is not None:
-        return _load_through_recipe(state_dict, ck, recipe, params, strict, include, exclude, rename)
+        return _load_through_recipe(state_dict, ck, recipe, params, strict, include, exclude, rename, report)
     plain, mc = _split_megatron(state_dict)
     # Stateful objects are loaded through their own state dicts.
     stateful: List[Tuple[Any, Any]] = []
@@ -285,7 +293,7 @@ def load(
 
     # One tensor under two names (FSDP1 shares one `step` among parameters) gets the last
     # name's values, as with dcp.load's writes in turn.
-    fill = Fill(ck, shared="last")
+    fill = Fill(ck, shared="last", progress=report)
     matched: set = set()
     unexpected: List[str] = []
     replace: List[Tuple[Any, Any, Any]] = []
@@ -363,6 +371,7 @@ def _load_through_recipe(
     include: Optional[Sequence[str]],
     exclude: Optional[Sequence[str]],
     rename: Any,
+    report: Any = None,
 ) -> LoadResult:
     """:func:`load` of the tensors a recipe reads ``ck`` as (the other framework's)."""
     import json
@@ -384,7 +393,7 @@ def _load_through_recipe(
     names = [t[0] for t in targets]
     keep = ck._keeps(names, include, exclude)
     ren = _rename_fn(rename)
-    fill = Fill(ck, shared="last", views={})
+    fill = Fill(ck, shared="last", views={}, progress=report)
     matched: set = set()
     unexpected: List[str] = []
     for (name, _dtype, shape, view), kept in zip(targets, keep):
@@ -456,6 +465,7 @@ def load_model(
     *,
     strict: bool = True,
     prefix: Optional[str] = None,
+    progress: Any = None,
 ) -> LoadResult:
     """Load a model's parameters and buffers from the checkpoint at ``path``, whatever the
     world size it was saved at: the model's state dict
@@ -466,7 +476,7 @@ def load_model(
     holds the model's keys: ``"model."`` where Fabric and most trainers put them
     (``{"model": ...}``), none for a bare model state dict, a DeepSpeed ZeRO checkpoint (its
     fp32 master weights under the module's names) or torchtitan's step folders; pass
-    ``prefix`` to choose."""
+    ``prefix`` to choose. ``progress`` as :func:`load` takes it."""
     sdapi = _state_dict_api("load_model")
     StateDictOptions, get_model_state_dict, set_model_state_dict = (
         sdapi.StateDictOptions,
@@ -481,7 +491,7 @@ def load_model(
         under = sum(("model." + k) in names for k in sd)
         bare = sum(k in names for k in sd)
         prefix = "" if bare > under else "model."
-    res = load(sd, ck, strict=strict, rename=_prefixed(prefix))
+    res = load(sd, ck, strict=strict, rename=_prefixed(prefix), progress=progress)
     set_model_state_dict(model, sd, options=StateDictOptions(strict=strict))
     return res
 

@@ -370,12 +370,20 @@ impl PyCheckpoint {
     /// `dtype`; a part `(offsets, sizes, at)` is the global region at `offsets`/`sizes`
     /// placed at index `at` of the destination. Everything is checked before a byte is
     /// written.
-    fn read_into(&self, py: Python<'_>, dests: Vec<Dest>) -> PyResult<()> {
+    #[pyo3(signature = (dests, progress=None))]
+    fn read_into(
+        &self,
+        py: Python<'_>,
+        dests: Vec<Dest>,
+        progress: Option<Py<PyAny>>,
+    ) -> PyResult<()> {
         let (tensors, addrs) = destinations(dests)?;
         let ck = self.ck.clone();
         py.detach(move || {
-            with_buffers(&addrs, |outs| {
-                load::read_local_tensors_into(&ck, &tensors, outs)
+            polled(progress.as_ref(), &addrs, |done| {
+                with_buffers(&addrs, |outs| {
+                    load::read_local_tensors_into_counted(&ck, &tensors, outs, done)
+                })
             })
         })
         .map_err(py_err)
@@ -421,11 +429,13 @@ impl PyCheckpoint {
 
     /// Fill destinations as `read_into` does, where destination `i` is the target that
     /// `views[i]` (a view's JSON, from `recipe_targets`) defines of this checkpoint's tensors.
+    #[pyo3(signature = (dests, views, progress=None))]
     fn read_views_into(
         &self,
         py: Python<'_>,
         dests: Vec<Dest>,
         views: Vec<String>,
+        progress: Option<Py<PyAny>>,
     ) -> PyResult<()> {
         let views: Vec<reshard::layout::View> = views
             .iter()
@@ -435,8 +445,10 @@ impl PyCheckpoint {
         let ck = self.ck.clone();
         py.detach(move || {
             let refs: Vec<&reshard::layout::View> = views.iter().collect();
-            with_buffers(&addrs, |outs| {
-                load::read_view_tensors_into(&ck, &tensors, &refs, outs)
+            polled(progress.as_ref(), &addrs, |done| {
+                with_buffers(&addrs, |outs| {
+                    load::read_view_tensors_into_counted(&ck, &tensors, &refs, outs, done)
+                })
             })
         })
         .map_err(py_err)
@@ -516,6 +528,47 @@ fn with_buffers<T>(addrs: &[(usize, usize)], f: impl FnOnce(&mut [&mut [u8]]) ->
         })
         .collect();
     f(&mut outs)
+}
+
+/// Run `work` (a read into the buffers `addrs`, counting the bytes it writes) and, when a
+/// `progress` callable `(done_bytes, total_bytes)` is given, call it from this thread every
+/// tenth of a second while the read runs on another, and once at the end. Called without
+/// the GIL; each call takes it. An exception in the callable is reported as unraisable.
+fn polled<T: Send>(
+    progress: Option<&Py<PyAny>>,
+    addrs: &[(usize, usize)],
+    work: impl FnOnce(Option<&std::sync::atomic::AtomicU64>) -> T + Send,
+) -> T {
+    let Some(f) = progress else {
+        return work(None);
+    };
+    let total: u64 = addrs.iter().map(|&(_, n)| n as u64).sum();
+    let done = std::sync::atomic::AtomicU64::new(0);
+    let call = |d: u64| {
+        Python::attach(|py| {
+            if let Err(e) = f.call1(py, (d.min(total), total)) {
+                e.write_unraisable(py, None);
+            }
+        })
+    };
+    call(0);
+    let out = std::thread::scope(|s| {
+        let job = s.spawn(|| work(Some(&done)));
+        while !job.is_finished() {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            if !job.is_finished() {
+                call(done.load(std::sync::atomic::Ordering::Relaxed));
+            }
+        }
+        job.join()
+    });
+    match out {
+        Ok(v) => {
+            call(total);
+            v
+        }
+        Err(panic) => std::panic::resume_unwind(panic),
+    }
 }
 
 /// Read `len` bytes at `offset` of the checkpoint's file `file` (a non-tensor item).

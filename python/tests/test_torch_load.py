@@ -621,6 +621,27 @@ def test_strided_and_cast_destinations():
     assert all(g.jsonify(vals[k]) == nt[k] for k in vals)
 
 
+def test_progress_reports_the_bytes_read(capsys):
+    """``progress=``: a callable gets (0, total) first and (total, total) last, never going
+    back, total being the bytes of the destinations; ``True`` reports on stderr (or tqdm)."""
+    want = oracle("fsdp2_w4_f32")
+    sd = {k: torch.empty_like(v) for k, v in want.items() if k.startswith("model.")}
+    total = sum(v.numel() * v.element_size() for v in sd.values())
+    seen = []
+    rt.load(sd, FIX / "fsdp2_w4_f32" / "checkpoint", strict=False, progress=lambda d, t: seen.append((d, t)))
+    assert seen[0] == (0, total) and seen[-1] == (total, total), seen
+    assert all(a[0] <= b[0] and a[1] == total for a, b in zip(seen, seen[1:]))
+    assert all(same(sd[k], want[k]) for k in sd)
+    # through a recipe's views too, and the same for load_model's keyword
+    seen.clear()
+    hf = {"model.norm.weight": torch.zeros(16)}
+    rt.load(hf, FIX / "frameworks" / "llama_tp2" / "torch_dist", recipe="llama", strict=False,
+            progress=lambda d, t: seen.append((d, t)))
+    assert seen[0] == (0, 64) and seen[-1] == (64, 64), seen
+    rt.load(sd, FIX / "fsdp2_w4_f32" / "checkpoint", strict=False, progress=True)
+    assert "reshard" in capsys.readouterr().err
+
+
 # --- (5) bad inputs: the right exception, one line, and the state dict untouched -------------
 def _model_sd(want: dict) -> dict:
     return {k: junk_like(want[k]) for k in want if k.startswith("model.")}

@@ -39,7 +39,7 @@ pub(crate) use reshard_storage::{read, sys};
 pub use crc::KnownCrc;
 pub use reshard_core::output::{Checksum, Literal, OutputFile};
 pub use reshard_storage::read::{
-    map_sources, read_into, read_many_into, read_regions, read_regions_into,
+    map_sources, read_into, read_many_into, read_many_into_counted, read_regions, read_regions_into,
 };
 pub use reshard_storage::sys::release;
 pub use schedule::{balance, restrict};

@@ -85,6 +85,17 @@ pub fn read_many_into(
     sources: Sources,
     outs: &mut [&mut [u8]],
 ) -> Result<()> {
+    read_many_into_counted(jobs, sources, outs, None)
+}
+
+/// [`read_many_into`], adding each copy's destination bytes to `done` as it completes (a
+/// progress count another thread may read).
+pub fn read_many_into_counted(
+    jobs: &[Vec<CopyOp>],
+    sources: Sources,
+    outs: &mut [&mut [u8]],
+    done: Option<&std::sync::atomic::AtomicU64>,
+) -> Result<()> {
     use rayon::prelude::*;
     if jobs.len() != outs.len() {
         return Err(Error::usage("copy jobs and buffers differ in number"));
@@ -106,11 +117,18 @@ pub fn read_many_into(
     }
     tasks.into_par_iter().try_for_each(|t| {
         for o in &t.ops {
+            let bytes = o.dst_len() * o.count;
             if apply_small(o, &files, sources.paths, t.buf, t.lo)? {
+                if let Some(d) = done {
+                    d.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+                }
                 continue;
             }
             let (a, b) = o.src_span();
             apply(o, &maps, t.buf, t.lo);
+            if let Some(d) = done {
+                d.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+            }
             // The caller's buffers hold the data now: drop the source pages from this
             // process's resident set (they stay in the page cache), so reading N bytes
             // costs N bytes of memory, not 2N. Small copies are left to the unmapping.
