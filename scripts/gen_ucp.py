@@ -17,6 +17,8 @@ Output, per case, under <out>/<case>/:
     *model_states.pt               the source's model states file(s), copied
   case.json                        versions, the source case, the command
 
+and malformed/bad_cat_dim.pt: a torch.save of {cat_dim: 5, param: zeros(7)} for the error tests.
+
 The oracles are the source case's: oracle/fp32.safetensors (zero_to_fp32) and
 oracle/engine.safetensors (the engine's full state) under tests/fixtures/deepspeed/<case>.
 
@@ -74,6 +76,10 @@ def main():
                     files=files)
         (dst / "case.json").write_text(json.dumps(info, indent=1) + "\n")
         print(case, sum(files.values()), "bytes")
+    # a malformed state file for the error tests: `cat_dim` beyond the tensor's dimensions
+    bad = args.out / "malformed"
+    bad.mkdir(exist_ok=True)
+    torch.save({"cat_dim": 5, "param": torch.zeros(7)}, bad / "bad_cat_dim.pt")
 
 
 if __name__ == "__main__":

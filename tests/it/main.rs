@@ -24,6 +24,7 @@ mod verify;
 mod dcp_read;
 mod dcp_write;
 mod deepspeed;
+mod deepspeed_universal;
 mod hf_storage;
 mod megatron;
 mod megatron_legacy;
