@@ -203,13 +203,13 @@ fn detection_tells_universal_from_zero_folders() {
     copy_dir(&fixture("deepspeed_universal/zero2_dp2_f32_g1"), &both);
     assert_eq!(Checkpoint::open(&both).unwrap().format, Format::DEEPSPEED);
     assert_eq!(
-        Checkpoint::open(&both.join("global_step2_universal"))
+        Checkpoint::open(both.join("global_step2_universal"))
             .unwrap()
             .format,
         Format::DEEPSPEED_UNIVERSAL
     );
     assert_eq!(
-        Checkpoint::open(&both.join("global_step2")).unwrap().format,
+        Checkpoint::open(both.join("global_step2")).unwrap().format,
         Format::DEEPSPEED
     );
     // a stage 3 UCP holds DeepSpeed's per-rank model states files, yet is no ZeRO folder
