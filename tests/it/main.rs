@@ -25,6 +25,7 @@ mod dcp_read;
 mod dcp_write;
 mod deepspeed;
 mod fp8;
+mod deepspeed_universal;
 mod hf_storage;
 mod megatron;
 mod megatron_legacy;

@@ -15,7 +15,7 @@
 //! | `hf_storage` | the per-rank shards of torch's `HuggingFaceStorageWriter(save_distributed=True)` |
 //! | `dcp/` | PyTorch Distributed Checkpoints (`.metadata` + `__R_I.distcp`): codec, reader, writer |
 //! | `pt/` | one `torch.save` file (`.pt`) holding a state dict: codec, reader, writer |
-//! | `deepspeed/` | DeepSpeed ZeRO checkpoints (stages 1-3): file records, partitions, reader, writer |
+//! | `deepspeed/` | DeepSpeed ZeRO checkpoints (stages 1-3): file records, partitions, reader, writer; universal checkpoints (`ds_to_universal`), read |
 //! | `megatron` | megatron-core `dist_checkpointing` (`torch_dist`): its files around a DCP checkpoint |
 //! | `megatron_legacy` | Megatron-LM's per-rank checkpoints (`--ckpt-format torch`) read as global tensors and written at a chosen TP/PP/EP, and its save directories (`latest_checkpointed_iteration.txt`, `iter_NNNNNNN/`) |
 //! | `torch/` | the torch.save machinery DCP and `.pt` share: pickle, zip records, dtypes |
@@ -73,6 +73,7 @@ pub const REGISTRY: &[Format] = &[
     Format::DCP,
     Format::PT,
     Format::DEEPSPEED,
+    Format::DEEPSPEED_UNIVERSAL,
     Format::MEGATRON,
     Format::MEGATRON_LEGACY,
 ];
@@ -301,6 +302,9 @@ impl Format {
     /// A DeepSpeed ZeRO checkpoint folder (`latest` + a tag folder of model and optim
     /// states files).
     pub const DEEPSPEED: Format = Format(&deepspeed::DeepSpeed);
+    /// A DeepSpeed Universal Checkpoint (`ds_to_universal`'s `zero/<param>/*.pt` beside the
+    /// model states), read.
+    pub const DEEPSPEED_UNIVERSAL: Format = Format(&deepspeed::Universal);
     /// A megatron-core `dist_checkpointing` folder (`torch_dist`: `metadata.json`,
     /// `common.pt` and a DCP checkpoint).
     pub const MEGATRON: Format = Format(&megatron::Megatron);

@@ -35,6 +35,7 @@ impl Codec for DeepSpeed {
     fn recognize(&self, probe: &Probe) -> Recognition {
         Recognition::marker_if(
             !probe.is_file
+                && !super::universal::is_tag_folder(probe)
                 && probe.files.iter().any(|n| {
                     n == "latest"
                         || matches!(

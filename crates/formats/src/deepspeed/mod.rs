@@ -14,13 +14,16 @@
 //! values ([`records::plain`]) without importing anything. Where each parameter's elements sit
 //! is `partition`'s arithmetic; the reader (`read`) turns it into flat-range layouts and the
 //! writer (`write`) lays a target out the way DeepSpeed's engine at another degree would
-//! save it.
+//! save it. Universal checkpoints (`ds_to_universal`'s per-parameter files) are
+//! [`universal`]'s, a format of their own.
 
 mod codec;
 mod names;
 pub mod partition;
 pub mod read;
 pub mod records;
+pub mod universal;
 mod write;
 
 pub use codec::DeepSpeed;
+pub use universal::Universal;
