@@ -108,6 +108,27 @@ pub fn is_plain_tag(tag: &str) -> bool {
         && !tag.chars().any(char::is_control)
 }
 
+/// The tag a `latest` (or `latest_universal`) file names: its text, trimmed, checked to be
+/// one plain folder name. Refused, naming the file: more than 4 KiB, or not a tag.
+pub fn read_tag_file(file: &std::path::Path) -> crate::error::Result<String> {
+    use crate::error::{Error, IoContext};
+    if std::fs::metadata(file).at(file)?.len() > 4096 {
+        return Err(Error::format(file, "is too long to hold a tag"));
+    }
+    let text = std::fs::read(file).at(file)?;
+    let tag = String::from_utf8_lossy(&text).trim().to_string();
+    if !is_plain_tag(&tag) {
+        return Err(Error::format(
+            file,
+            format!(
+                "holds `{}`, not a checkpoint tag (a folder name)",
+                crate::torch::short(&tag)
+            ),
+        ));
+    }
+    Ok(tag)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

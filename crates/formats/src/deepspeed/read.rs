@@ -26,7 +26,7 @@ use super::names::{self, Kind};
 use super::partition::{self, FlatGroup, Span};
 use super::records::{numel, File, ModelStates, OptimStates, Optimizer, StateEntry};
 use crate::checkpoint::OpenOptions;
-use crate::error::{Error, IoContext, Result};
+use crate::error::{Error, Result};
 use crate::layout::{DType, Loc, Piece, Region, TensorLayout};
 use crate::torch::save::TensorItem;
 use crate::torch::short;
@@ -49,20 +49,7 @@ pub fn tag_dir(path: &Path) -> Result<PathBuf> {
             "holds no DeepSpeed model states file and no `latest` file",
         ));
     }
-    if std::fs::metadata(&latest).at(&latest)?.len() > 4096 {
-        return Err(Error::format(&latest, "is too long to hold a tag"));
-    }
-    let text = std::fs::read(&latest).at(&latest)?;
-    let tag = String::from_utf8_lossy(&text).trim().to_string();
-    if !names::is_plain_tag(&tag) {
-        return Err(Error::format(
-            &latest,
-            format!(
-                "holds `{}`, not a checkpoint tag (a folder name)",
-                short(&tag)
-            ),
-        ));
-    }
+    let tag = names::read_tag_file(&latest)?;
     let dir = path.join(&tag);
     if !dir.is_dir() {
         return Err(Error::format(

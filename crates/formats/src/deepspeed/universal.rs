@@ -21,7 +21,7 @@ use super::names::{self, Kind};
 use super::partition;
 use super::records::{self, numel, File, ModelStates};
 use crate::checkpoint::OpenOptions;
-use crate::error::{Error, IoContext, Result};
+use crate::error::{Error, Result};
 use crate::layout::{DType, Loc, Piece, Region, TensorLayout};
 use crate::torch::pickle::Value;
 use crate::torch::save::TensorItem;
@@ -118,20 +118,7 @@ pub fn tag_dir(path: &Path) -> Result<PathBuf> {
              checkpoint",
         ));
     }
-    if std::fs::metadata(&latest).at(&latest)?.len() > 4096 {
-        return Err(Error::format(&latest, "is too long to hold a tag"));
-    }
-    let text = std::fs::read(&latest).at(&latest)?;
-    let tag = String::from_utf8_lossy(&text).trim().to_string();
-    if !names::is_plain_tag(&tag) {
-        return Err(Error::format(
-            &latest,
-            format!(
-                "holds `{}`, not a checkpoint tag (a folder name)",
-                short(&tag)
-            ),
-        ));
-    }
+    let tag = names::read_tag_file(&latest)?;
     let dir = path.join(&tag);
     if !dir.join("zero").is_dir() {
         return Err(Error::format(
