@@ -5,13 +5,13 @@
 use crate::checkpoint::check_buffer;
 use crate::error::{Error, Result};
 use crate::exec::{read_many_into_counted, read_regions_into};
-use std::sync::atomic::AtomicU64;
 use crate::formats::Checkpoint;
 use crate::layout::{row_major_strides, DType, Loc, Piece, Region, Sharding, TensorLayout, View};
 use crate::plan::{CopyOp, FillOp};
 use crate::select::Selection;
 use crate::target::LayoutSpec;
 use rayon::prelude::*;
+use std::sync::atomic::AtomicU64;
 
 /// One region of one tensor held by the loading rank, without its bytes: what
 /// [`local_regions`] finds and [`local_shards_into`] reads.
