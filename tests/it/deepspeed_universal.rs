@@ -305,8 +305,8 @@ fn writes_what_ds_to_universal_writes() {
                 assert_eq!(a, std::fs::read(dir.join(f)).unwrap(), "{name}: {f:?}");
                 continue;
             }
-            let a = read_all(&Checkpoint::open(&out.join(f)).unwrap());
-            let b = read_all(&Checkpoint::open(&dir.join(f)).unwrap());
+            let a = read_all(&Checkpoint::open(out.join(f)).unwrap());
+            let b = read_all(&Checkpoint::open(dir.join(f)).unwrap());
             assert_eq!(a, b, "{name}: {f:?}");
         }
     }
