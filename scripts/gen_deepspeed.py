@@ -25,7 +25,9 @@ The other mode runs the resume check on any DeepSpeed checkpoint (reshard's outp
 
 loads CKPT_DIR with engine.load_checkpoint in a job of M ranks configured as case NAME, runs two
 steps on the same global batches and writes their losses to OUT.json (and, with --dump FILE, the
-engine's full state right after loading, as oracle/engine.safetensors holds it). Batches are global (6 samples, split over the ranks), so the steps are
+engine's full state right after loading, as oracle/engine.safetensors holds it; with --stage N, in a
+job at ZeRO stage N; with --universal, CKPT_DIR is a universal checkpoint, loaded with
+"checkpoint": {"load_universal": true}). Batches are global (6 samples, split over the ranks), so the steps are
 the same at any dp up to reduction order.
 
 Usage:
@@ -148,6 +150,8 @@ def ds_config(spec, dp):
         cfg["bf16"] = {"enabled": True}
     if spec.get("grad_accum_fp32"):
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    if spec.get("load_universal"):
+        cfg["checkpoint"] = {"load_universal": True}
     return cfg
 
 
@@ -257,7 +261,10 @@ def worker(args):
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, dp = dist.get_rank(), dist.get_world_size()
-    spec = CASES[args.case]
+    spec = dict(CASES[args.case])
+    if getattr(args, "stage", None):
+        spec["stage"] = args.stage
+    spec["load_universal"] = bool(getattr(args, "universal", False))
     engine = engine_for(spec, dp)
     data = batches(4)
     if args.mode == "save":
@@ -347,6 +354,9 @@ def main():
     ap.add_argument("--json", type=Path)
     ap.add_argument("--dump", type=Path, help="with --resume: write the engine's state after loading (safetensors)")
     ap.add_argument("--oracle")
+    ap.add_argument("--stage", type=int, help="with --resume: the loading job's ZeRO stage (default: the case's)")
+    ap.add_argument("--universal", action="store_true",
+                    help="with --resume: load a universal checkpoint (\"checkpoint\": {\"load_universal\": true})")
     args = ap.parse_args()
     if args.mode:
         return worker(args)
@@ -354,6 +364,8 @@ def main():
         if not (args.case in CASES and args.dp and args.json):
             ap.error("--resume needs --case NAME, --dp M and --json OUT")
         extra = ["--oracle", str(args.dump)] if args.dump else []
+        extra += ["--stage", str(args.stage)] if args.stage else []
+        extra += ["--universal"] if args.universal else []
         torchrun(args.dp, ["--worker", "resume", "--case", args.case, "--dir", str(args.resume), "--json", str(args.json),
                            *extra])
         return

@@ -43,7 +43,7 @@ pub struct Universal;
 static UNIVERSAL_CAPS: Capabilities = Capabilities {
     name: "deepspeed-universal",
     aliases: &["ucp"],
-    summary: "DeepSpeed Universal Checkpoint (ds_to_universal's zero/<param>/*.pt), read",
+    summary: "DeepSpeed Universal Checkpoint (ds_to_universal's zero/<param>/*.pt)",
     noun: "a DeepSpeed universal checkpoint",
     container: Container::Directory,
     extensions: &[],
@@ -96,11 +96,8 @@ impl Codec for Universal {
             },
         )
     }
-    fn write(&self, _: &[TargetTensor], _: u32, _: &WriteOptions) -> Result<Output> {
-        Err(Error::usage(
-            "reshard reads DeepSpeed universal checkpoints but does not write them: write \
-             `deepspeed` (a ZeRO checkpoint at the degree wanted) instead",
-        ))
+    fn write(&self, target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
+        super::write::write_universal(target, world, opts)
     }
 }
 

@@ -122,8 +122,8 @@ impl Writer<'_> {
         });
     }
 
-    /// Lay out every file and resolve the tensors' pieces.
-    pub(super) fn finish(self, tag: String) -> Result<Output> {
+    /// Lay out every file and resolve the tensors' pieces; file `latest` names `tag`.
+    pub(super) fn finish(self, latest: &str, tag: String) -> Result<Output> {
         let mut files = vec![];
         let mut offsets = vec![];
         for (a, v) in self.archives.into_iter().zip(&self.values) {
@@ -131,7 +131,7 @@ impl Writer<'_> {
             files.push(f);
             offsets.push(o);
         }
-        let base = 1u32; // file 0 is `latest`
+        let base = 1u32; // file 0 is `latest` (or `latest_universal`)
         let loc = |at: At, elem: u64, first: u64| Loc {
             file: base + at.0 as u32,
             offset: offsets[at.0][at.1] + first * elem,
@@ -168,11 +168,11 @@ impl Writer<'_> {
                 pieces,
             });
         }
-        let latest: reshard_core::output::Literal = tag.as_bytes().to_vec().into();
+        let text: reshard_core::output::Literal = tag.as_bytes().to_vec().into();
         let mut all = vec![OutputFile {
-            path: PathBuf::from("latest"),
+            path: PathBuf::from(latest),
             size: tag.len() as u64,
-            literals: vec![(0, latest)],
+            literals: vec![(0, text)],
             checksums: vec![],
         }];
         all.extend(files);

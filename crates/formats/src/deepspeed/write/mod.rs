@@ -23,6 +23,7 @@ mod flats;
 mod job;
 mod model;
 mod optim;
+mod universal;
 
 use super::names;
 use crate::error::{Error, Result};
@@ -49,6 +50,23 @@ fn extra<'a>(opts: &'a WriteOptions, name: &str) -> Option<&'a Extra> {
 
 /// Lay out `target` as a ZeRO checkpoint of `world` data-parallel ranks.
 pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
+    lay_out(target, world, opts, false)
+}
+
+/// Lay out `target` as a DeepSpeed universal checkpoint: `latest_universal` and a tag folder
+/// holding `zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt`, `zero/optimizer_state.pt` and
+/// the model states file(s) a job of `world` data-parallel ranks at the output's stage saves.
+pub fn write_universal(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
+    lay_out(target, world, opts, true)
+}
+
+/// The ZeRO or (`universal`) universal checkpoint of `target` at `world` ranks.
+fn lay_out(
+    target: &[TargetTensor],
+    world: u32,
+    opts: &WriteOptions,
+    universal: bool,
+) -> Result<Output> {
     let m = world.max(1) as u64;
     let job = Job::of(opts)?;
     let trainable = trainable(target, &job)?;
@@ -76,7 +94,7 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
         outs: vec![],
         copies: vec![],
     };
-    let tag = opts
+    let mut tag = opts
         .tag
         .clone()
         .filter(|t| names::is_plain_tag(t))
@@ -84,12 +102,25 @@ pub fn write(target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result
             let steps = extra(opts, "global_steps").and_then(|e| e.value.as_u64());
             format!("global_step{}", steps.unwrap_or(0))
         });
+    // `<tag>_universal`, as DeepSpeed's documentation names ds_to_universal's output
+    if universal && !tag.ends_with("_universal") {
+        tag.push_str("_universal");
+    }
     let dir = PathBuf::from(&tag);
     // the flat tensors of every rank, and which parameters each holds
     let flats = w.flats();
-    w.optim_files(&dir, &flats, &state)?;
+    if universal {
+        w.universal_files(&dir, &flats, &state, &module)?;
+    } else {
+        w.optim_files(&dir, &flats, &state)?;
+    }
     w.model_files(&dir, &flats, &module, &frozen, &shared)?;
-    w.finish(tag)
+    let latest = if universal {
+        super::universal::LATEST
+    } else {
+        "latest"
+    };
+    w.finish(latest, tag)
 }
 
 /// The trainable parameters (the job's `param_shapes`), each checked to be in the target,

@@ -189,7 +189,7 @@ impl Writer<'_> {
 
     /// The wrapped optimizer's `param_groups`: each group's hyperparameters, and its flat
     /// tensors as `params`.
-    fn param_groups(&self, flats: &[Flat]) -> PyValue {
+    pub(super) fn param_groups(&self, flats: &[Flat]) -> PyValue {
         let groups = (0..self.job.groups.len())
             .map(|g| {
                 let mut d: Vec<(PyValue, PyValue)> = self.job.hyper[g]
@@ -211,7 +211,13 @@ impl Writer<'_> {
 
     /// The ZeRO wrapper's `optimizer_state_dict` of rank `r`, holding the wrapped
     /// optimizer's state dict `base` and the fp32 partitions `masters`.
-    fn wrapper(&self, r: u64, flats: &[Flat], base: PyValue, masters: PyValue) -> PyValue {
+    pub(super) fn wrapper(
+        &self,
+        r: u64,
+        flats: &[Flat],
+        base: PyValue,
+        masters: PyValue,
+    ) -> PyValue {
         let job = self.job;
         match job.kind {
             Kind::Zero3 => {
@@ -354,7 +360,7 @@ impl Writer<'_> {
 }
 
 /// `ZeroStageEnum(stage)`.
-fn zero_stage(stage: u8) -> PyValue {
+pub(super) fn zero_stage(stage: u8) -> PyValue {
     PyValue::Call {
         module: ZERO_STAGE_ENUM.0.into(),
         name: ZERO_STAGE_ENUM.1.into(),
