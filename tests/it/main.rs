@@ -33,6 +33,7 @@ mod pt_write;
 mod recipes;
 mod torch_save;
 mod torchtitan;
+mod verl;
 
 // properties over random inputs
 mod format_chains;
