@@ -170,7 +170,7 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
     for r in 0..world {
         if !names.contains(&file("model", r)) {
             return Err(Error::format(
-                &path.join(file("model", r)),
+                path.join(file("model", r)),
                 format!("is missing: a world size {world} checkpoint has a model file per rank"),
             ));
         }
@@ -198,7 +198,7 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
         if present.len() as u32 != world {
             let missing = (0..world).find(|r| !present.contains(r)).unwrap_or(0);
             return Err(Error::format(
-                &path.join(file(kind, missing)),
+                path.join(file(kind, missing)),
                 format!("is missing while other ranks have their {kind} file"),
             ));
         }
