@@ -25,6 +25,12 @@
 #                                          transformers or megatron-core) with einops, the one of its
 #                                          dependencies its import needs (python/tests/test_frameworks.py,
 #                                          which CI runs; scripts/gen_frameworks.py)
+#   scripts/setup_venv.sh --verl          ... plus transformers and verl 0.9.1 (--no-deps: its own
+#                                          requirements would move torch and transformers) with the
+#                                          dependencies its checkpoint manager and model merger import:
+#                                          ray, tensordict, omegaconf, accelerate, codetiming, peft
+#                                          (--no-deps), datasets, pillow, orjson (scripts/gen_verl.py,
+#                                          python/tests/test_verl.py, which CI runs)
 #   scripts/setup_venv.sh --s3            ... plus moto's S3 server and boto3 (the object-storage
 #                                          tests start a server on 127.0.0.1: test_remote.py)
 #
@@ -50,6 +56,7 @@ want_megatron=0
 want_torchtitan=0
 want_s3=0
 want_frameworks=0
+want_verl=0
 for arg in "$@"; do
   case "$arg" in
     --torch21) want_torch21=1 ;;
@@ -60,8 +67,9 @@ for arg in "$@"; do
     --torchtitan) want_torchtitan=1 ;;
     --megatron) want_megatron=1 ;;
     --frameworks) want_frameworks=1; want_megatron=1; want_transformers=1 ;;
+    --verl) want_verl=1; want_transformers=1 ;;
     --s3) want_s3=1 ;;
-    -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,41p' "$0"; exit 0 ;;
     *) echo "setup_venv.sh: unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -122,6 +130,15 @@ if [ "$want_torchtitan" = 1 ]; then
   ensure_venv "$VENV" 'import tyro; print("tyro", tyro.__version__)' "${RESHARD_TYRO_SPEC:-tyro==1.0.17}"
   ensure_venv "$VENV" 'import torchtitan.components.checkpoint, torchtitan.components.optimizer, torchtitan.components.dataloader; print("torchtitan ok")' \
     --no-deps "${RESHARD_TORCHTITAN_SPEC:-torchtitan==0.3.0}" torchdata==0.11.0 spmd-types==0.2.3
+fi
+if [ "$want_verl" = 1 ]; then
+  # verl pins transformers < 5.11 and tensordict <= 0.10: it goes in without dependencies, with
+  # only what `verl.utils.checkpoint.fsdp_checkpoint_manager` and `verl.model_merger` import
+  ensure_venv "$VENV" 'import ray, tensordict, omegaconf, accelerate, codetiming, datasets, PIL, orjson; print("verl deps ok")' \
+    "${RESHARD_RAY_SPEC:-ray==2.60.0}" tensordict==0.15.3 omegaconf==2.4.0 accelerate==1.16.0 codetiming==1.4.0 \
+    datasets==5.2.0 pillow==13.0.0 orjson==3.13.0
+  ensure_venv "$VENV" 'from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager; import verl.model_merger.fsdp_model_merger; print("verl ok")' \
+    --no-deps "${RESHARD_VERL_SPEC:-verl==0.9.1}" peft==0.22.0
 fi
 if [ "$want_s3" = 1 ]; then
   ensure_venv "$VENV" 'import moto, boto3, flask; print("moto", moto.__version__, "boto3", boto3.__version__)' "${RESHARD_MOTO_SPEC:-moto[server]==5.2.6}" "${RESHARD_BOTO3_SPEC:-boto3==1.44.18}"

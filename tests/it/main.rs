@@ -34,6 +34,7 @@ mod pt_write;
 mod recipes;
 mod torch_save;
 mod torchtitan;
+mod verl;
 
 // properties over random inputs
 mod format_chains;

@@ -354,7 +354,8 @@ impl Checkpoint {
                 .and_then(|n| n.to_str())
                 .map(str::to_string);
         }
-        ck.companions = companions(&[&resolved, path])?;
+        // a verl checkpoint keeps the model's config in its `huggingface/` folder
+        ck.companions = companions(&[&resolved, path, &resolved.join("huggingface")])?;
         Ok(ck)
     }
 

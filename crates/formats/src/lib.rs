@@ -45,6 +45,7 @@ pub mod pt;
 pub mod safetensors;
 pub mod ties;
 pub mod torch;
+pub mod verl;
 
 /// The core floor's modules, at the paths this crate's code names them by.
 pub(crate) use reshard_core::{error, layout, plan};
@@ -76,6 +77,7 @@ pub const REGISTRY: &[Format] = &[
     Format::DEEPSPEED_UNIVERSAL,
     Format::MEGATRON,
     Format::MEGATRON_LEGACY,
+    Format::VERL,
 ];
 
 /// One checkpoint format: what it can hold, how to recognize it, its reader and its writer.
@@ -312,6 +314,9 @@ impl Format {
     /// `mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`), read as global tensors and written at
     /// the split [`WriteOptions::tp`], `pp` and `ep` ask for.
     pub const MEGATRON_LEGACY: Format = Format(&megatron_legacy::MegatronLegacy);
+    /// verl's FSDP checkpoint folders (`model_world_size_W_rank_R.pt`: per-rank DTensor or
+    /// ShardedTensor state dicts), read as global tensors.
+    pub const VERL: Format = Format(&verl::Verl);
 
     /// The name used on the command line.
     pub fn name(self) -> &'static str {
