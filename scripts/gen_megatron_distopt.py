@@ -321,22 +321,29 @@ def worker_load(args):
     """Load the torch_dist checkpoint ``args.ckpt`` into a GPTModel and its DistributedOptimizer
     at TP ``args.tp`` as Megatron-LM's load_checkpoint does (dist_checkpointing.load of the
     model's and the optimizer's sharded state dicts, then load_state_dict of each), and write
-    what they hold (one process: every parameter whole) to ``args.out``: the weights, each
-    parameter's optimizer state (``<key>.<parameter name>``) and the param_groups (JSON)."""
+    what each rank holds to ``args.out``.<rank>: the weights, each parameter's optimizer state
+    (``<key>.<parameter name>``) and the param_groups (JSON). Without ``args.moe`` one process
+    per tensor rank: every parameter whole. With it, ``MOE`` at TP ``args.tp`` x EP 2 (megatron-
+    core chains a dense and an expert optimizer only when the experts are split), the dense
+    part data-parallel over 2: a dense parameter's state is the rank's flat shard of it (none
+    where the rank holds none of it); the param_groups a list of both optimizers'."""
     torch, dist = gf._init()
     _cuda_to_cpu(torch)
     from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
 
-    assert dist.get_world_size() == args.tp, "one process per tensor rank: every parameter whole"
-    ps, model, ddp, opt = build_trainer(torch, args.tp)
-    inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+    ep = MOE_EP if args.moe else 1
+    assert dist.get_world_size() == args.tp * ep, "one process per tensor (and expert) rank"
+    ps, model, ddp, opt = build_trainer(torch, args.tp, MOE if args.moe else MODEL, ep)
+    inners = list(opt.chained_optimizers) if hasattr(opt, "chained_optimizers") else [opt]
+    assert len(inners) == (2 if args.moe else 1), len(inners)
     # torch's Adam (no apex / TransformerEngine here) has no state before its first step, and
     # DistributedOptimizer.state_dict wants each state's step: megatron-core's own dummy step
-    inner._init_optimizer_states_with_dummy_values()
+    for inner in inners:
+        inner._init_optimizer_states_with_dummy_values()
     # ... whose per-parameter "step" the fully_reshardable load does not carry (the step is the
     # param_groups'): DistributedOptimizer._set_main_param_and_optimizer_states would look it up
-    set_states = type(inner)._set_main_param_and_optimizer_states
+    set_states = type(inners[0])._set_main_param_and_optimizer_states
 
     def keep_step(self, model_param, tensors):
         if "step" not in tensors:
@@ -346,7 +353,7 @@ def worker_load(args):
                 tensors = dict(tensors, step=state["step"])
         return set_states(self, model_param, tensors)
 
-    type(inner)._set_main_param_and_optimizer_states = keep_step
+    type(inners[0])._set_main_param_and_optimizer_states = keep_step
     model_sd = model.sharded_state_dict(metadata=META)
     sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=META)}
     loaded = dist_checkpointing.load(sd, args.ckpt)
@@ -355,12 +362,16 @@ def worker_load(args):
     out = {}
     for name, p in model.named_parameters():
         out[f"weight.{name}"] = p.detach().clone()
-        for k, v in inner._get_main_param_and_optimizer_states(p).items():
-            if k != "step":
-                out[f"{k}.{name}"] = v.detach().reshape(p.shape).clone()
+        for owner in [o for o in inners if p in o.model_param_group_index_map]:
+            for k, v in owner._get_main_param_and_optimizer_states(p).items():
+                if k != "step":
+                    v = v.detach()
+                    out[f"{k}.{name}"] = (v.reshape(p.shape) if v.numel() == p.numel() else v.flatten()).clone()
     rank = dist.get_rank()
     save_file(out, f"{args.out}.{rank}.safetensors")
-    groups = opt.state_dict()["optimizer"]["param_groups"]
+    osd = opt.state_dict()
+    groups = ([o["optimizer"]["param_groups"] for o in osd] if isinstance(osd, list)
+              else osd["optimizer"]["param_groups"])
     Path(f"{args.out}.{rank}.json").write_text(json.dumps(groups, default=str))
     dist.barrier()
     dist.destroy_process_group()
@@ -413,6 +424,7 @@ def main():
     ap.add_argument("--load", action="store_true", help="(worker) load --ckpt at --tp, write --out.*")
     ap.add_argument("--ckpt")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--moe", action="store_true", help="(worker) the model of moe_ep2/")
     ap.add_argument("--out-prefix", dest="out")
     a = ap.parse_args()
     if a.load:
