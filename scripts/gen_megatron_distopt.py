@@ -28,6 +28,13 @@ saved the two ways Megatron-LM's ``save_checkpoint`` saves it:
                  the state under the legacy reader's global names, from the seeds (megatron-core
                  0.16.1's fully_reshardable save misplaces the state after a bucket's end padding,
                  so it is no oracle here)
+  moe_ep2/       a third run: 4 SequentialMLP experts (top 2) at TP 1 x EP 2 on 4 processes
+                 (the dense part DP 4, the experts expert-data-parallel 2), trained two Adam
+                 steps; megatron-core chains two optimizers (dense, experts), each with its own
+                 buffer: legacy/ (mp_rank_00_00E, model_optim_rng.pt by expert-data-parallel
+                 rank 0, distrib_optim.pt a list of both optimizers' states, None where that
+                 optimizer's data-parallel rank 0 is elsewhere) and torch_dist/ as above
+                 (``--only-moe`` regenerates this one alone)
   case.json      the models, the splits, the optimizer's settings
 
 Usage: .venv/bin/python scripts/gen_megatron_distopt.py [--out tests/fixtures/megatron_distopt]

@@ -7,8 +7,8 @@
 //! (`<config>.safetensors`).
 
 use crate::common::{self, convert, fails, fixture, ok, read_all, read_st, s, Tensors};
-use reshard::formats::{Checkpoint, Format};
 use reshard::formats::torch::pickle::Value;
+use reshard::formats::{Checkpoint, Format};
 use reshard::OpenOptions;
 use std::path::{Path, PathBuf};
 
@@ -935,8 +935,10 @@ fn distributed_optimizer_state_of_experts_converts_to_megatron_core_torch_dist()
     // 29 weights (8 experts' two linears each among them) and, for each, megatron-core's
     // param / exp_avg / exp_avg_sq
     assert_eq!(ck.tensors.len(), 116);
-    assert!(ck.tensors.iter().any(|t| t.name
-        == "optimizer.state.exp_avg.decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"));
+    assert!(ck.tensors.iter().any(|t| {
+        t.name
+        == "optimizer.state.exp_avg.decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"
+    }));
     // legacy -> torch_dist: megatron-core's keys (layers and experts stacked, [L, E, …]),
     // shapes and bytes, optimizer state included
     let d = tempfile::tempdir().unwrap();
@@ -1017,12 +1019,16 @@ fn distributed_optimizer_of_experts_errors_name_the_file() {
     // a dense model's single optimizer state in a folder of the MoE model
     let (_d, it) = copy();
     let bad = it.join("mp_rank_00_001/distrib_optim.pt");
-    std::fs::copy(distopt("legacy/iter_0000007/mp_rank_00/distrib_optim.pt"), &bad).unwrap();
+    std::fs::copy(
+        distopt("legacy/iter_0000007/mp_rank_00/distrib_optim.pt"),
+        &bad,
+    )
+    .unwrap();
     let e = Checkpoint::open(&it).unwrap_err().to_string();
     assert_eq!(
         e,
         format!(
-            "{}: holds the state of 1 chained optimizer(s), not the 2 of a model with experts (the dense parameters', the experts')",
+            "{}: holds the state of 1 chained optimizer(s), not the 2 of a model with expert parallelism (the dense parameters', the experts')",
             bad.display()
         )
     );

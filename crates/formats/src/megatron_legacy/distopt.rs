@@ -84,7 +84,7 @@ fn is_expert(key: &str) -> bool {
 
 /// The state of every rank's `distrib_optim.pt` as global tensors (see the module's doc).
 ///
-/// With experts, megatron-core chains two optimizers, each with a gradient buffer of its own:
+/// With experts split over expert ranks (EP > 1), megatron-core chains two optimizers, each with a gradient buffer of its own:
 /// the dense parameters' (data-parallel over every rank of a tensor/pipeline rank) and the
 /// experts' (over the expert-data-parallel group). Each folder's file is a list of both
 /// optimizers' gathered states; an optimizer whose data-parallel rank 0 is elsewhere is
@@ -97,7 +97,13 @@ pub(super) fn read(cfg: &Config, files: &[RankFile]) -> Result<OptimState> {
     let mut at: std::collections::HashMap<String, usize> = Default::default();
     let mut paths = vec![];
     let mut checksums = vec![];
-    let chained = if cfg.experts.is_some() { 2 } else { 1 };
+    // (megatron-core marks the experts' parameters as its own only when they are split over
+    // expert ranks: at EP 1 they are dense parameters, in the one buffer and optimizer)
+    let chained = if cfg.experts.is_some() && cfg.ep > 1 {
+        2
+    } else {
+        1
+    };
     for (r, f) in files.iter().enumerate() {
         let path = f.path.with_file_name(DISTRIB_OPTIM);
         if !path.is_file() {
@@ -116,12 +122,12 @@ pub(super) fn read(cfg: &Config, files: &[RankFile]) -> Result<OptimState> {
                 &path,
                 if chained == 2 {
                     format!(
-                        "holds the state of {} chained optimizer(s), not the 2 of a model with experts (the dense parameters', the experts')",
+                        "holds the state of {} chained optimizer(s), not the 2 of a model with expert parallelism (the dense parameters', the experts')",
                         states.len()
                     )
                 } else {
                     format!(
-                        "holds the state of {} chained optimizers; a model without experts has one",
+                        "holds the state of {} chained optimizers; a model without expert parallelism has one",
                         states.len()
                     )
                 },
@@ -404,7 +410,11 @@ fn read_flat(path: &Path, file: u32) -> Result<(Vec<Option<FlatState>>, Vec<Reco
             let t = save::tensor_of(v, &item.archive, bytes)
                 .map_err(|e| bad(format!("{which}`{}`: {e}", short(key))))?
                 .ok_or_else(|| {
-                    bad(format!("{which}`{}` is a {}, not a tensor", short(key), v.kind()))
+                    bad(format!(
+                        "{which}`{}` is a {}, not a tensor",
+                        short(key),
+                        v.kind()
+                    ))
                 })?;
             if t.shape != [numel] || !t.is_row_major() {
                 return Err(bad(format!(
