@@ -28,6 +28,13 @@ saved the two ways Megatron-LM's ``save_checkpoint`` saves it:
                  the state under the legacy reader's global names, from the seeds (megatron-core
                  0.16.1's fully_reshardable save misplaces the state after a bucket's end padding,
                  so it is no oracle here)
+  moe_ep2/       a third run: 4 SequentialMLP experts (top 2) at TP 1 x EP 2 on 4 processes
+                 (the dense part DP 4, the experts expert-data-parallel 2), trained two Adam
+                 steps; megatron-core chains two optimizers (dense, experts), each with its own
+                 buffer: legacy/ (mp_rank_00_00E, model_optim_rng.pt by expert-data-parallel
+                 rank 0, distrib_optim.pt a list of both optimizers' states, None where that
+                 optimizer's data-parallel rank 0 is elsewhere) and torch_dist/ as above
+                 (``--only-moe`` regenerates this one alone)
   case.json      the models, the splits, the optimizer's settings
 
 Usage: .venv/bin/python scripts/gen_megatron_distopt.py [--out tests/fixtures/megatron_distopt]
@@ -101,9 +108,37 @@ def worker(args):
     _cuda_to_cpu(torch)
 
     ps, model, ddp, opt = build_trainer(torch, TP)
-    tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
-    rank = dist.get_rank()
-    m = MODEL
+    train(torch, ps, ddp, opt)
+    save_both(torch, dist, Path(args.dir), model, opt, MODEL, TP, 1, DP, Path(args.megatron_lm),
+              dict(overlap_grad_reduce=False))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# the mixture-of-experts case: 4 SequentialMLP experts (top 2) in each of 2 layers, EP 2 x TP 1
+# on 4 processes: the dense part data-parallel over 4, the experts over 2 (expert-data-parallel
+# groups {0, 2}, {1, 3}); two optimizers chained (dense, experts), each with a buffer of its own
+MOE = dict(MODEL, num_experts=4, moe_ffn_hidden_size=24, ffn_hidden_size=24, hf="mixtral")
+MOE["padded_vocab_size"] = -(-MOE["vocab_size"] // 8) * 8
+MOE_EP, MOE_WORLD = 2, 4
+
+
+def worker_moe(args):
+    torch, dist = gf._init()
+    _cuda_to_cpu(torch)
+
+    ps, model, ddp, opt = build_trainer(torch, 1, MOE, MOE_EP)
+    assert len(opt.chained_optimizers) == 2, len(opt.chained_optimizers)
+    train(torch, ps, ddp, opt)
+    save_both(torch, dist, Path(args.dir), model, opt, MOE, 1, 1, MOE_WORLD, Path(args.megatron_lm),
+              dict(overlap_grad_reduce=False), ep=MOE_EP)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train(torch, ps, ddp, opt):
+    """STEPS Adam steps on each data-parallel rank's batches."""
+    dp_rank = ps.get_data_parallel_rank()
     for step in range(STEPS):
         ddp.zero_grad_buffer()
         opt.zero_grad()
@@ -117,14 +152,9 @@ def worker(args):
         ok, _, _ = opt.step()
         assert ok
 
-    save_both(torch, dist, Path(args.dir), model, opt, MODEL, TP, 1, DP, Path(args.megatron_lm),
-              dict(overlap_grad_reduce=False))
-    dist.barrier()
-    dist.destroy_process_group()
-
 
 def save_both(torch, dist, out: Path, model, opt, m: dict, tp: int, pp: int, dp: int, mlm: Path,
-              ddp_args: dict, torch_dist: bool = True) -> None:
+              ddp_args: dict, torch_dist: bool = True, ep: int = 1) -> None:
     """Save the model and its DistributedOptimizer as Megatron-LM does, both ways: legacy
     (``model_optim_rng.pt`` by DP rank 0 of each (TP, PP) rank, ``distrib_optim.pt`` by
     save_parameter_state) and torch_dist (fully_reshardable). ``ddp_args``: the arguments the
@@ -134,24 +164,30 @@ def save_both(torch, dist, out: Path, model, opt, m: dict, tp: int, pp: int, dp:
 
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     dp_rank, rank = ps.get_data_parallel_rank(), dist.get_rank()
+    ep_rank, edp_rank = ps.get_expert_model_parallel_rank(), ps.get_expert_data_parallel_rank()
     it = f"iter_{ITERATION:07d}"
     flops = 123456789
     sched = {"max_lr": LR, "min_lr": 0.0, "num_steps": STEPS, "decay_style": "constant"}
 
     def margs(fmt):
-        a = gf.megatron_lm_args(m, tp, pp, 1, fmt, mlm)
+        a = gf.megatron_lm_args(m, tp, pp, ep, fmt, mlm)
         a.use_distributed_optimizer = True
         for k, v in ddp_args.items():
             setattr(a, k, v)
         a.data_parallel_size = dp
         a.world_size = tp * pp * dp
+        if ep > 1:
+            a.expert_model_parallel_size = ep
         return a
 
     # --- legacy: what Megatron-LM's save_checkpoint writes with --ckpt-format torch
     largs = margs("torch")
-    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else "")
     folder = out / "legacy" / it / name
-    if dp_rank == 0:
+    # (Megatron-LM: the rank file by expert-data-parallel rank 0 of each (TP, PP, EP) rank; the
+    # chained optimizers' distrib_optim.pt by each optimizer's data-parallel rank 0, a list with
+    # None for an optimizer whose rank 0 is elsewhere)
+    if edp_rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         torch.save({"args": largs, "checkpoint_version": 3.0, "iteration": ITERATION,
                     "model": model.state_dict_for_save_checkpoint(), "optimizer": opt.state_dict(),
@@ -256,16 +292,22 @@ def worker_tied(args):
     dist.destroy_process_group()
 
 
-def build_trainer(torch, tp: int):
-    """This rank's GPTModel (seeded), wrapped in DistributedDataParallel, and its
-    DistributedOptimizer, at TP ``tp`` (the rest data-parallel)."""
+def build_trainer(torch, tp: int, m: dict = MODEL, ep: int = 1):
+    """This rank's GPTModel ``m`` (seeded), wrapped in DistributedDataParallel, and its
+    DistributedOptimizer (chained: the dense and the expert parameters' with experts), at TP
+    ``tp`` and EP ``ep`` (the rest data-parallel)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    ps = gf._parallel(tp, 1, 1)
+    ps = gf._parallel(tp, 1, ep)
     torch.manual_seed(1234)
-    model = gf.build_model(MODEL, tp, 1, 1, 0)
-    gf.seed_parameters(model, ps.get_tensor_model_parallel_rank(), 0, 0)
+    model = gf.build_model(m, tp, 1, ep, 0)
+    if tp == 1:
+        # (the loss of unsplit logits: gather_from_tensor_model_parallel_region at TP 1 hands
+        # the cross entropy, which works in place, a view autograd refuses: the logits stay
+        # the output layer's own)
+        model.parallel_output, model.output_layer.gather_output = True, False
+    gf.seed_parameters(model, ps.get_tensor_model_parallel_rank(), 0, ps.get_expert_model_parallel_rank())
     model.train()
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False,
                                                grad_reduce_in_fp32=True)
@@ -286,22 +328,29 @@ def worker_load(args):
     """Load the torch_dist checkpoint ``args.ckpt`` into a GPTModel and its DistributedOptimizer
     at TP ``args.tp`` as Megatron-LM's load_checkpoint does (dist_checkpointing.load of the
     model's and the optimizer's sharded state dicts, then load_state_dict of each), and write
-    what they hold (one process: every parameter whole) to ``args.out``: the weights, each
-    parameter's optimizer state (``<key>.<parameter name>``) and the param_groups (JSON)."""
+    what each rank holds to ``args.out``.<rank>: the weights, each parameter's optimizer state
+    (``<key>.<parameter name>``) and the param_groups (JSON). Without ``args.moe`` one process
+    per tensor rank: every parameter whole. With it, ``MOE`` at TP ``args.tp`` x EP 2 (megatron-
+    core chains a dense and an expert optimizer only when the experts are split), the dense
+    part data-parallel over 2: a dense parameter's state is the rank's flat shard of it (none
+    where the rank holds none of it); the param_groups a list of both optimizers'."""
     torch, dist = gf._init()
     _cuda_to_cpu(torch)
     from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
 
-    assert dist.get_world_size() == args.tp, "one process per tensor rank: every parameter whole"
-    ps, model, ddp, opt = build_trainer(torch, args.tp)
-    inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+    ep = MOE_EP if args.moe else 1
+    assert dist.get_world_size() == args.tp * ep, "one process per tensor (and expert) rank"
+    ps, model, ddp, opt = build_trainer(torch, args.tp, MOE if args.moe else MODEL, ep)
+    inners = list(opt.chained_optimizers) if hasattr(opt, "chained_optimizers") else [opt]
+    assert len(inners) == (2 if args.moe else 1), len(inners)
     # torch's Adam (no apex / TransformerEngine here) has no state before its first step, and
     # DistributedOptimizer.state_dict wants each state's step: megatron-core's own dummy step
-    inner._init_optimizer_states_with_dummy_values()
+    for inner in inners:
+        inner._init_optimizer_states_with_dummy_values()
     # ... whose per-parameter "step" the fully_reshardable load does not carry (the step is the
     # param_groups'): DistributedOptimizer._set_main_param_and_optimizer_states would look it up
-    set_states = type(inner)._set_main_param_and_optimizer_states
+    set_states = type(inners[0])._set_main_param_and_optimizer_states
 
     def keep_step(self, model_param, tensors):
         if "step" not in tensors:
@@ -311,7 +360,7 @@ def worker_load(args):
                 tensors = dict(tensors, step=state["step"])
         return set_states(self, model_param, tensors)
 
-    type(inner)._set_main_param_and_optimizer_states = keep_step
+    type(inners[0])._set_main_param_and_optimizer_states = keep_step
     model_sd = model.sharded_state_dict(metadata=META)
     sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=META)}
     loaded = dist_checkpointing.load(sd, args.ckpt)
@@ -320,22 +369,37 @@ def worker_load(args):
     out = {}
     for name, p in model.named_parameters():
         out[f"weight.{name}"] = p.detach().clone()
-        for k, v in inner._get_main_param_and_optimizer_states(p).items():
-            if k != "step":
-                out[f"{k}.{name}"] = v.detach().reshape(p.shape).clone()
+        for owner in [o for o in inners if p in o.model_param_group_index_map]:
+            for k, v in owner._get_main_param_and_optimizer_states(p).items():
+                if k != "step":
+                    v = v.detach()
+                    out[f"{k}.{name}"] = (v.reshape(p.shape) if v.numel() == p.numel() else v.flatten()).clone()
     rank = dist.get_rank()
     save_file(out, f"{args.out}.{rank}.safetensors")
-    groups = opt.state_dict()["optimizer"]["param_groups"]
+    osd = opt.state_dict()
+    groups = ([o["optimizer"]["param_groups"] for o in osd] if isinstance(osd, list)
+              else osd["optimizer"]["param_groups"])
     Path(f"{args.out}.{rank}.json").write_text(json.dumps(groups, default=str))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def generate(out: Path, megatron_lm: Path) -> None:
+def generate(out: Path, megatron_lm: Path, only_moe: bool = False) -> None:
     # (hostile/ and README.md are kept)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / "moe_ep2", ignore_errors=True)
+    moe_secs = job("gen_megatron_distopt moe_ep2", Path(__file__), MOE_WORLD,
+                   ["--worker-moe", "--dir", str(out / "moe_ep2"), "--megatron-lm", str(megatron_lm)],
+                   env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    case = json.loads((out / "case.json").read_text()) if (out / "case.json").is_file() else {}
+    case["moe_ep2"] = {"tp": 1, "ep": MOE_EP, "dp": MOE_WORLD, "expert_dp": MOE_WORLD // MOE_EP,
+                       "model": MOE, "overlap_grad_reduce": False, "steps": STEPS,
+                       "optimizers": "chained: dense, experts", "seconds": moe_secs}
+    if only_moe:
+        (out / "case.json").write_text(json.dumps(case, indent=1) + "\n")
+        return
     for sub in ("legacy", "torch_dist", "tied_pp2"):
         shutil.rmtree(out / sub, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
     secs = job("gen_megatron_distopt", Path(__file__), TP * DP,
                ["--worker", "--dir", str(out), "--megatron-lm", str(megatron_lm)],
                env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
@@ -350,7 +414,7 @@ def generate(out: Path, megatron_lm: Path) -> None:
         "tied_pp2": {"tp": 1, "pp": 2, "dp": 2, "tied": True, "overlap_grad_reduce": True,
                      "ddp_bucket_size": TIED_BUCKET, "weight_decay": 0.0,
                      "state": "seeded exp_avg / exp_avg_sq, no training"},
-        "seconds": secs}, indent=1) + "\n")
+        "seconds": secs, "moe_ep2": case["moe_ep2"]}, indent=1) + "\n")
     total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"{out}: {total} bytes, {secs} s")
 
@@ -361,20 +425,25 @@ def main():
     ap.add_argument("--megatron-lm", type=Path, default=gf.default_megatron_lm())
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--worker-tied", action="store_true")
+    ap.add_argument("--worker-moe", action="store_true")
+    ap.add_argument("--only-moe", action="store_true", help="regenerate moe_ep2/ only")
     ap.add_argument("--dir")
     ap.add_argument("--load", action="store_true", help="(worker) load --ckpt at --tp, write --out.*")
     ap.add_argument("--ckpt")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--moe", action="store_true", help="(worker) the model of moe_ep2/")
     ap.add_argument("--out-prefix", dest="out")
     a = ap.parse_args()
     if a.load:
         worker_load(a)
+    elif a.worker_moe:
+        worker_moe(a)
     elif a.worker_tied:
         worker_tied(a)
     elif a.worker:
         worker(a)
     else:
-        generate(a.out, a.megatron_lm)
+        generate(a.out, a.megatron_lm, a.only_moe)
 
 
 if __name__ == "__main__":

@@ -50,15 +50,23 @@ NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight"
          "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 
 
-def megatron_load(ckpt: Path, tmp: Path, tp: int = 1) -> tuple[dict, list]:
+def megatron_load(ckpt: Path, tmp: Path, tp: int = 1, moe: bool = False) -> tuple[dict, list]:
     """What megatron-core holds after loading the torch_dist folder ``ckpt`` into a GPTModel
     and its DistributedOptimizer at TP ``tp`` (one process per tensor rank, DP 1): rank 0's
-    ``{weight|param|exp_avg|exp_avg_sq}.<parameter name>`` tensors, and the param_groups."""
-    out = tmp / f"loaded_{ckpt.parent.name}_{tp}"
-    _torchrun.job("megatron load", GEN, tp,
-                  ["--load", "--ckpt", str(ckpt), "--tp", str(tp), "--out-prefix", str(out)],
+    ``{weight|param|exp_avg|exp_avg_sq}.<parameter name>`` tensors, and the param_groups. With
+    ``moe``: moe_ep2's model at TP ``tp`` x EP 2 (the dense part data-parallel over 2), every
+    rank's tensors as ``<rank>:<name>`` (a dense parameter's state: the rank's flat shard), and
+    each chained optimizer's param_groups."""
+    out = tmp / f"loaded_{ckpt.parent.name}_{tp}_{abs(hash(str(ckpt)))}"
+    nproc = tp * (2 if moe else 1)
+    _torchrun.job("megatron load", GEN, nproc,
+                  ["--load", "--ckpt", str(ckpt), "--tp", str(tp), "--out-prefix", str(out)]
+                  + (["--moe"] if moe else []),
                   env={"CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONWARNINGS": "ignore"})
-    return load_file(f"{out}.0.safetensors"), json.loads(Path(f"{out}.0.json").read_text())
+    groups = json.loads(Path(f"{out}.0.json").read_text())
+    if not moe:
+        return load_file(f"{out}.0.safetensors"), groups
+    return {f"{r}:{k}": v for r in range(nproc) for k, v in load_file(f"{out}.{r}.safetensors").items()}, groups
 
 
 def dcp_tensors(folder: Path, prefix: str) -> dict:
@@ -141,3 +149,40 @@ def test_legacy_state_equals_megatrons_torch_dist_save(tmp_path):
     assert sorted(got) == sorted(want) and len([k for k in want if k.startswith("optimizer.state.")]) == 27
     for k, v in want.items():
         same_bytes(got[k], v, k)
+
+
+def test_experts_distributed_optimizer_state_is_what_megatron_loads(tmp_path):
+    """moe_ep2: 4 experts at EP 2 x DP 4, two chained optimizers (dense, experts). megatron-core
+    loads reshard's torch_dist output of the legacy files (at EP 2 x DP 2) with the weights,
+    state and each chained optimizer's param_groups it loads from its own save."""
+    moe = FIX / "moe_ep2"
+    out = tmp_path / "moe"
+    reshard.convert(moe / "legacy", out, world_size=2, format="megatron")
+    want, want_groups = megatron_load(moe / "torch_dist" / ITER, tmp_path, moe=True)
+    got, got_groups = megatron_load(out / ITER, tmp_path, moe=True)
+    # each of the 2 ranks: 13 dense parameters and 2 layers x 2 local experts x 2 linears
+    names = [k.split(":", 1)[1][len("weight."):] for k in want if k.split(":", 1)[1].startswith("weight.")]
+    assert len(names) == 2 * 21 and sum(".mlp.experts.local_experts." in n for n in names) == 2 * 8
+    assert sorted(got) == sorted(want)
+    # every expert's state whole on its rank; the dense state split over the 2 ranks
+    for n in set(names):
+        held = [want[f"{r}:exp_avg.{n}"].numel() for r in range(2) if f"{r}:exp_avg.{n}" in want]
+        if ".experts." in n:
+            assert held == [want[f"0:weight.{n}"].numel()] * 2, n
+        else:
+            assert sum(held) == want[f"0:weight.{n}"].numel(), n
+    for k in want:
+        same_bytes(got[k], want[k], k)
+    assert got_groups == want_groups and len(got_groups) == 2
+    assert [g["is_expert_parallel"] for g in got_groups[1]] == [True]
+    # the trained state of the experts, not zeros
+    assert all(v.abs().sum() > 0 for k, v in got.items() if k.split(":", 1)[1].startswith("exp_avg_sq.") and ".experts." in k)
+    # common.pt: the chained optimizers' param_groups under int keys, as megatron-core's
+    mine = torch.load(out / ITER / "common.pt", weights_only=False)
+    theirs = torch.load(moe / "torch_dist" / ITER / "common.pt", weights_only=False)
+    assert mine["optimizer"] == theirs["optimizer"] and sorted(mine["optimizer"]) == [0, 1]
+    # and every tensor of the output is megatron-core's own save, read by torch's DCP reader
+    a, b = dcp_tensors(out / ITER, ""), dcp_tensors(moe / "torch_dist" / ITER, "")
+    assert sorted(a) == sorted(b) and len([k for k in a if k.startswith("optimizer.state.")]) == 30
+    for k in a:
+        same_bytes(a[k], b[k], k)

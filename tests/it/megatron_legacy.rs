@@ -7,6 +7,7 @@
 //! (`<config>.safetensors`).
 
 use crate::common::{self, convert, fails, fixture, ok, read_all, read_st, s, Tensors};
+use reshard::formats::torch::pickle::Value;
 use reshard::formats::{Checkpoint, Format};
 use reshard::OpenOptions;
 use std::path::{Path, PathBuf};
@@ -921,4 +922,128 @@ fn distributed_optimizer_state_of_tied_pipeline_stages_and_several_buckets() {
         .tensors
         .iter()
         .any(|t| t.name.ends_with("output_layer.weight")));
+}
+
+#[test]
+fn distributed_optimizer_state_of_experts_converts_to_megatron_core_torch_dist() {
+    // 4 experts at EP 2 × DP 4 (expert-data-parallel 2): two chained optimizers, the dense
+    // parameters' state in mp_rank_00_000's distrib_optim.pt, each expert rank's experts in
+    // its own folder's
+    let legacy = distopt("moe_ep2/legacy");
+    let ck = Checkpoint::open(&legacy).unwrap();
+    let oracle_ck = Checkpoint::open(distopt("moe_ep2/torch_dist")).unwrap();
+    // 29 weights (8 experts' two linears each among them) and, for each, megatron-core's
+    // param / exp_avg / exp_avg_sq
+    assert_eq!(ck.tensors.len(), 116);
+    assert!(ck.tensors.iter().any(|t| {
+        t.name
+        == "optimizer.state.exp_avg.decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"
+    }));
+    // legacy -> torch_dist: megatron-core's keys (layers and experts stacked, [L, E, …]),
+    // shapes and bytes, optimizer state included
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("dist3");
+    convert(&legacy, &out, &["--to", "3", "--format", "megatron", "-q"]);
+    let got = read_all(&Checkpoint::open(&out).unwrap());
+    let want = read_all(&oracle_ck);
+    assert_eq!(
+        want.keys()
+            .filter(|k| k.starts_with("optimizer.state."))
+            .count(),
+        30
+    );
+    assert_eq!(
+        want["optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc1.weight"].1,
+        vec![2, 4, 48, 16]
+    );
+    same("MoE legacy -> torch_dist", &got, &want);
+    // common.pt: the chained optimizers' param_groups under int keys 0 (dense) and 1
+    // (experts), each with megatron-core's sharding type, as megatron-core writes them
+    let common = Checkpoint::open(&out).unwrap();
+    let optimizer = common
+        .extras
+        .iter()
+        .find(|x| x.name == "optimizer")
+        .and_then(|x| x.pickle.as_ref())
+        .expect("common.pt's optimizer");
+    let oracle_optimizer = oracle_ck
+        .extras
+        .iter()
+        .find(|x| x.name == "optimizer")
+        .and_then(|x| x.pickle.as_ref())
+        .expect("the oracle's optimizer");
+    assert_eq!(optimizer, oracle_optimizer);
+    for (i, expert) in [(0, false), (1, true)] {
+        let Some(Value::Dict(chained)) = Some(optimizer) else {
+            panic!("common.pt's optimizer is not a dict")
+        };
+        let o = chained
+            .iter()
+            .find(|(k, _)| *k == Value::Int(i))
+            .map(|(_, v)| v)
+            .unwrap_or_else(|| panic!("no optimizer {i} (an int key)"));
+        assert_eq!(
+            o.get("param_state_sharding_type").and_then(|v| v.as_str()),
+            Some("fully_reshardable")
+        );
+        let groups = o.get("optimizer").and_then(|v| v.get("param_groups"));
+        let Some(Value::List(groups)) = groups else {
+            panic!("optimizer {i}: no param_groups")
+        };
+        assert!(groups
+            .iter()
+            .all(|g| g.get("is_expert_parallel").and_then(|v| v.as_bool()) == Some(expert)));
+    }
+}
+
+#[test]
+fn distributed_optimizer_of_experts_errors_name_the_file() {
+    let copy = || {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("save");
+        common::copy_dir(&distopt("moe_ep2/legacy"), &dir);
+        (d, dir.join("iter_0000007"))
+    };
+    // expert rank 1's file in expert rank 0's folder: no dense state there
+    let (_d, it) = copy();
+    let bad = it.join("mp_rank_00_000/distrib_optim.pt");
+    std::fs::copy(it.join("mp_rank_00_001/distrib_optim.pt"), &bad).unwrap();
+    let e = Checkpoint::open(&it).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        format!(
+            "{}: holds no state (None) for the dense parameters' optimizer",
+            bad.display()
+        )
+    );
+    // a dense model's single optimizer state in a folder of the MoE model
+    let (_d, it) = copy();
+    let bad = it.join("mp_rank_00_001/distrib_optim.pt");
+    std::fs::copy(
+        distopt("legacy/iter_0000007/mp_rank_00/distrib_optim.pt"),
+        &bad,
+    )
+    .unwrap();
+    let e = Checkpoint::open(&it).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        format!(
+            "{}: holds the state of 1 chained optimizer(s), not the 2 of a model with expert parallelism (the dense parameters', the experts')",
+            bad.display()
+        )
+    );
+    // the two chained optimizers' states swapped: the sizes do not match the parameters
+    let (_d, it) = copy();
+    let bad = it.join("mp_rank_00_000/distrib_optim.pt");
+    std::fs::copy(distopt("hostile/moe_swapped.pt"), &bad).unwrap();
+    let e = Checkpoint::open(&it).unwrap_err().to_string();
+    assert!(
+        e.starts_with(&format!(
+            "{}: holds 4608 elements per state, but the 13 dense parameters of",
+            bad.display()
+        )),
+        "{e}"
+    );
+    assert_eq!(e.lines().count(), 1, "{e}");
+    fails(&["inspect", s(&it)], "holds 4608 elements per state");
 }

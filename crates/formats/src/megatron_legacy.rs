@@ -855,7 +855,10 @@ fn read(dir: &Path) -> Result<Checkpoint> {
 
 /// With the distributed optimizer's state read: the entries megatron-core's loader needs
 /// beside it in `common.pt` — `optimizer.param_state_sharding_type` (`fully_reshardable`) and,
-/// unless rank 0's file has one, Megatron-LM's `content_metadata` naming that format.
+/// unless rank 0's file has one, Megatron-LM's `content_metadata` naming that format. With
+/// chained optimizers (a model with experts) the rank file's `optimizer` is a list of their
+/// state dicts; megatron-core's `common.pt` has a dict keyed by the optimizer's index (an
+/// int) instead, each with its own sharding type.
 fn carry_optimizer_metadata(
     extras: &mut Vec<Extra>,
     paths: &mut BTreeMap<String, Vec<KeyPart>>,
@@ -869,19 +872,43 @@ fn carry_optimizer_metadata(
         origin: crate::megatron::COMMON_ORIGIN,
         opaque: None,
     };
-    let sharding = "optimizer.param_state_sharding_type";
-    extras.retain(|x| x.name != sharding);
-    extras.push(entry(
-        sharding,
-        Value::Str(distopt::SHARDING_TYPE.to_string()),
-    ));
-    paths.insert(
-        sharding.to_string(),
-        vec![
-            KeyPart::Key("optimizer".into()),
-            KeyPart::Key("param_state_sharding_type".into()),
-        ],
-    );
+    // the chained optimizers' indices: `optimizer` a list
+    let mut chained: Vec<i64> = vec![];
+    for p in paths.values_mut() {
+        if let [KeyPart::Key(k), at @ KeyPart::Index(_), ..] = p.as_mut_slice() {
+            if k == "optimizer" {
+                let KeyPart::Index(i) = *at else {
+                    unreachable!()
+                };
+                *at = KeyPart::IntKey { int: i };
+                if !chained.contains(&i) {
+                    chained.push(i);
+                }
+            }
+        }
+    }
+    chained.sort();
+    let sharding = "param_state_sharding_type";
+    extras.retain(|x| !(x.name.starts_with("optimizer.") && x.name.ends_with(sharding)));
+    let heads: Vec<(String, Vec<KeyPart>)> = if chained.is_empty() {
+        vec![("optimizer".into(), vec![KeyPart::Key("optimizer".into())])]
+    } else {
+        chained
+            .iter()
+            .map(|&i| {
+                (
+                    format!("optimizer.{i}"),
+                    vec![KeyPart::Key("optimizer".into()), KeyPart::IntKey { int: i }],
+                )
+            })
+            .collect()
+    };
+    for (name, mut path) in heads {
+        let name = format!("{name}.{sharding}");
+        extras.push(entry(&name, Value::Str(distopt::SHARDING_TYPE.to_string())));
+        path.push(KeyPart::Key(sharding.into()));
+        paths.insert(name, path);
+    }
     let has_metadata = r0.extras.iter().any(|x| {
         x.name == "content_metadata"
             || r0

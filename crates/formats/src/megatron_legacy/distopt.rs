@@ -67,17 +67,29 @@ pub(super) struct OptimState {
 
 /// Whether the distributed optimizer's state is read: the arguments say it was used, and
 /// rank 0's folder holds its file (absent with `--no-save-optim`). Not read (the weights
-/// are): mixture-of-experts models, whose expert parameters have a buffer, an optimizer and
-/// a data-parallel group of their own.
+/// are): GroupedMLP's experts (`moe_grouped_gemm`), whose parameters are whole layers'
+/// `weight1` / `weight2`.
 pub(super) fn present(cfg: &Config, files: &[RankFile]) -> bool {
     let r0 = &files[0];
     super::bool_arg(&r0.args, "use_distributed_optimizer")
-        && cfg.experts.is_none()
-        && cfg.ep == 1
+        && !cfg.grouped_gemm
         && r0.path.with_file_name(DISTRIB_OPTIM).is_file()
 }
 
+/// Whether the local state-dict key `key` is an expert's parameter: in the expert
+/// optimizer's gradient buffer (the second chained optimizer), not the dense one's.
+fn is_expert(key: &str) -> bool {
+    key.contains(".mlp.experts.")
+}
+
 /// The state of every rank's `distrib_optim.pt` as global tensors (see the module's doc).
+///
+/// With experts split over expert ranks (EP > 1), megatron-core chains two optimizers, each with a gradient buffer of its own:
+/// the dense parameters' (data-parallel over every rank of a tensor/pipeline rank) and the
+/// experts' (over the expert-data-parallel group). Each folder's file is a list of both
+/// optimizers' gathered states; an optimizer whose data-parallel rank 0 is elsewhere is
+/// `None`: the dense state is in expert rank 0's folder only, each expert rank's experts in
+/// its own.
 pub(super) fn read(cfg: &Config, files: &[RankFile]) -> Result<OptimState> {
     let world = files.len() as u32;
     let bucket = bucket_size(&files[0])?;
@@ -85,6 +97,13 @@ pub(super) fn read(cfg: &Config, files: &[RankFile]) -> Result<OptimState> {
     let mut at: std::collections::HashMap<String, usize> = Default::default();
     let mut paths = vec![];
     let mut checksums = vec![];
+    // (megatron-core marks the experts' parameters as its own only when they are split over
+    // expert ranks: at EP 1 they are dense parameters, in the one buffer and optimizer)
+    let chained = if cfg.experts.is_some() && cfg.ep > 1 {
+        2
+    } else {
+        1
+    };
     for (r, f) in files.iter().enumerate() {
         let path = f.path.with_file_name(DISTRIB_OPTIM);
         if !path.is_file() {
@@ -97,11 +116,27 @@ pub(super) fn read(cfg: &Config, files: &[RankFile]) -> Result<OptimState> {
             ));
         }
         let file = world + r as u32;
-        let (flats, numel, crcs) = read_flat(&path, file)?;
+        let (states, crcs) = read_flat(&path, file)?;
+        if states.len() != chained {
+            return Err(Error::format(
+                &path,
+                if chained == 2 {
+                    format!(
+                        "holds the state of {} chained optimizer(s), not the 2 of a model with expert parallelism (the dense parameters', the experts')",
+                        states.len()
+                    )
+                } else {
+                    format!(
+                        "holds the state of {} chained optimizers; a model without expert parallelism has one",
+                        states.len()
+                    )
+                },
+            ));
+        }
         checksums.extend(crcs);
         paths.push(path.clone());
         let r = r as u64;
-        let (t, s) = (r % cfg.tp, r / (cfg.tp * cfg.ep));
+        let (t, e, s) = (r % cfg.tp, (r / cfg.tp) % cfg.ep, r / (cfg.tp * cfg.ep));
         // the model's parameters, in named_parameters() order
         let model = f.model()?;
         let params: Vec<(&str, &TensorLayout)> =
@@ -112,70 +147,96 @@ pub(super) fn read(cfg: &Config, files: &[RankFile]) -> Result<OptimState> {
                 && ((s == 0 && k == "embedding.word_embeddings.weight")
                     || (s == cfg.pp - 1 && k == "output_layer.weight"))
         };
-        let sizes: Vec<(u64, bool)> = params
-            .iter()
-            .map(|(k, l)| (l.shape.iter().product::<u64>(), shared(k)))
-            .collect();
-        let (starts, total) = buffer_starts(&sizes, bucket);
-        if total != numel {
-            return Err(Error::format(
-                &path,
-                format!(
-                    "holds {numel} elements per state, but the {} parameters of {} make a buffer of {total} (another model, or data-parallel ranks missing)",
-                    params.len(),
-                    f.path.display()
-                ),
-            ));
-        }
-        for ((key, local), start) in params.iter().zip(starts) {
-            let Some(p) = place(cfg, key, s, 0, &f.path)? else {
-                // the last stage's copy of a tied embedding: megatron-core keeps the first
-                // stage's state only
-                continue;
-            };
-            let split = if cfg.tp == 1 {
-                Split::Replicated
-            } else {
-                split_of_known(&p).unwrap_or(Split::Replicated)
-            };
-            if split == Split::Replicated && t > 0 {
+        for (o, state) in states.iter().enumerate() {
+            let expert = o == 1;
+            if !expert && e > 0 {
+                // the dense parameters' state: in expert rank 0's folder
                 continue;
             }
-            let Some(global) = global_shape(split, &local.shape, cfg.tp) else {
-                continue;
+            let Some(state) = state else {
+                return Err(Error::format(
+                    &path,
+                    format!(
+                        "holds no state (None) for the {} parameters' optimizer",
+                        if expert { "expert" } else { "dense" }
+                    ),
+                ));
             };
-            for fl in &flats {
-                let name = format!("{STATE_PREFIX}{}.{}", fl.key, p.name);
-                let elem = fl.dtype.size() as u64;
-                let stretch = TensorLayout {
-                    name: name.clone(),
-                    dtype: fl.dtype,
-                    shape: local.shape.clone(),
-                    pieces: vec![Piece {
-                        rank: r as u32,
-                        region: Region::full(&local.shape),
-                        loc: Loc {
-                            file,
-                            offset: fl.offset + start * elem,
-                            strides: None,
-                            pending: None,
-                        },
-                    }],
+            let mine: Vec<&(&str, &TensorLayout)> = params
+                .iter()
+                .filter(|(k, _)| chained == 1 || is_expert(k) == expert)
+                .collect();
+            let sizes: Vec<(u64, bool)> = mine
+                .iter()
+                .map(|(k, l)| (l.shape.iter().product::<u64>(), shared(k)))
+                .collect();
+            let (starts, total) = buffer_starts(&sizes, bucket);
+            if total != state.numel {
+                let what = match (chained, expert) {
+                    (1, _) => "",
+                    (_, true) => "expert ",
+                    _ => "dense ",
                 };
-                let idx = *at.entry(name.clone()).or_insert_with(|| {
-                    out.push(TensorLayout {
-                        name,
-                        dtype: fl.dtype,
-                        shape: global.clone(),
-                        pieces: vec![],
-                    });
-                    out.len() - 1
-                });
-                let mut ps = pieces(split, &stretch, t, cfg.tp, r as u32, cfg.swiglu);
-                for piece in &mut ps {
-                    piece.loc.file = file;
+                return Err(Error::format(
+                    &path,
+                    format!(
+                        "holds {} elements per state, but the {} {what}parameters of {} make a buffer of {total} (another model, or data-parallel ranks missing)",
+                        state.numel,
+                        mine.len(),
+                        f.path.display()
+                    ),
+                ));
+            }
+            for ((key, local), start) in mine.iter().zip(starts) {
+                let Some(p) = place(cfg, key, s, e, &f.path)? else {
+                    // the last stage's copy of a tied embedding: megatron-core keeps the first
+                    // stage's state only
+                    continue;
+                };
+                let split = if cfg.tp == 1 {
+                    Split::Replicated
+                } else {
+                    split_of_known(&p).unwrap_or(Split::Replicated)
+                };
+                if split == Split::Replicated && t > 0 {
+                    continue;
                 }
-                out[idx].pieces.extend(ps);
+                let Some(global) = global_shape(split, &local.shape, cfg.tp) else {
+                    continue;
+                };
+                for fl in &state.flats {
+                    let name = format!("{STATE_PREFIX}{}.{}", fl.key, p.name);
+                    let elem = fl.dtype.size() as u64;
+                    let stretch = TensorLayout {
+                        name: name.clone(),
+                        dtype: fl.dtype,
+                        shape: local.shape.clone(),
+                        pieces: vec![Piece {
+                            rank: r as u32,
+                            region: Region::full(&local.shape),
+                            loc: Loc {
+                                file,
+                                offset: fl.offset + start * elem,
+                                strides: None,
+                                pending: None,
+                            },
+                        }],
+                    };
+                    let idx = *at.entry(name.clone()).or_insert_with(|| {
+                        out.push(TensorLayout {
+                            name,
+                            dtype: fl.dtype,
+                            shape: global.clone(),
+                            pieces: vec![],
+                        });
+                        out.len() - 1
+                    });
+                    let mut ps = pieces(split, &stretch, t, cfg.tp, r as u32, cfg.swiglu);
+                    for piece in &mut ps {
+                        piece.loc.file = file;
+                    }
+                    out[idx].pieces.extend(ps);
+                }
             }
         }
     }
@@ -262,112 +323,131 @@ fn buffer_starts(params: &[(u64, bool)], bucket: Option<u64>) -> (Vec<u64>, u64)
     (starts, base)
 }
 
-/// The flat state tensors of one `distrib_optim.pt` (file index `file`), their length
-/// (`numel_unpadded`), and the CRCs of their records. Refused, naming the file: another
-/// layout than `buckets_coalesced`, several chained optimizers or gradient buffers, a state
-/// that is not a flat tensor of `numel_unpadded` elements.
-fn read_flat(path: &Path, file: u32) -> Result<(Vec<Flat>, u64, Vec<RecordCrc>)> {
+/// The flat state tensors of one gradient buffer: their keys and records, their length
+/// (`numel_unpadded`).
+struct FlatState {
+    flats: Vec<Flat>,
+    numel: u64,
+}
+
+/// The flat state of each chained optimizer in one `distrib_optim.pt` (file index `file`;
+/// `None` where the file has `None`: an optimizer whose data-parallel rank 0 saved it
+/// elsewhere), and the CRCs of their records. Refused, naming the file: another layout than
+/// `buckets_coalesced`, several gradient buffers in one optimizer, a state that is not a
+/// flat tensor of `numel_unpadded` elements.
+fn read_flat(path: &Path, file: u32) -> Result<(Vec<Option<FlatState>>, Vec<RecordCrc>)> {
     let f = std::fs::File::open(path).at(path)?;
     let map = crate::sys::map_file(&f, path)?;
     let bytes: &[u8] = &map;
     let item = save::parse_with(bytes, super::globals())
         .map_err(|e| Error::format(path, e.to_string()))?;
     let bad = |msg: String| Error::format(path, msg);
-    let mut top = &item.value;
-    if let Value::List(opts) = top {
-        // ChainedOptimizer.save_parameter_state with several optimizers
-        match opts.as_slice() {
-            [one] => top = one,
-            _ => {
-                return Err(bad(format!(
-                    "holds the state of {} chained optimizers; reshard reads one",
-                    opts.len()
-                )))
-            }
-        }
-    }
-    let Some(pairs) = top.as_dict() else {
-        return Err(bad(format!(
-            "holds a pickled {}, not DistributedOptimizer.save_parameter_state's dict",
-            top.kind()
-        )));
+    // ChainedOptimizer.save_parameter_state with several optimizers: a list
+    let tops: Vec<&Value> = match &item.value {
+        Value::List(opts) => opts.iter().collect(),
+        one => vec![one],
     };
-    if top.get("buckets_coalesced").and_then(Value::as_bool) != Some(true) {
-        return Err(bad(
-            "is not in the buckets_coalesced layout (megatron-core's get_parameter_state_dp_zero); older per-bucket layouts are not read".into(),
-        ));
-    }
-    let buffers: Vec<&(Value, Value)> = pairs
-        .iter()
-        .filter(|(k, _)| k.as_str() != Some("buckets_coalesced"))
-        .collect();
-    let dtypes = match buffers.as_slice() {
-        [(Value::Int(0), v)] => v.as_dict().unwrap_or(&[]),
-        [] => return Err(bad("holds no gradient buffer's state".into())),
-        _ => {
-            return Err(bad(format!(
-                "holds the state of {} gradient buffers (parameters of several dtypes); reshard reads one",
-                buffers.len()
-            )))
-        }
-    };
-    let [(_, state)] = dtypes else {
-        return Err(bad(format!(
-            "buffer 0 holds {} dtype entries, not one",
-            dtypes.len()
-        )));
-    };
-    let Some(state) = state.as_dict() else {
-        return Err(bad("buffer 0's state is not a dict".into()));
-    };
-    let numel = state
-        .iter()
-        .find(|(k, _)| k.as_str() == Some("numel_unpadded"))
-        .and_then(|(_, v)| v.as_int())
-        .and_then(|n| u64::try_from(n).ok())
-        .ok_or_else(|| bad("buffer 0 has no numel_unpadded".into()))?;
-    let mut flats = vec![];
     let mut crcs = vec![];
-    for (k, v) in state {
-        let Some(key) = k.as_str() else {
-            return Err(bad(format!("buffer 0 has a {} key", k.kind())));
-        };
-        if key == "numel_unpadded" {
+    let mut out = vec![];
+    for (o, top) in tops.into_iter().enumerate() {
+        if matches!(top, Value::None) {
+            out.push(None);
             continue;
         }
-        let t = save::tensor_of(v, &item.archive, bytes)
-            .map_err(|e| bad(format!("`{}`: {e}", short(key))))?
-            .ok_or_else(|| bad(format!("`{}` is a {}, not a tensor", short(key), v.kind())))?;
-        if t.shape != [numel] || !t.is_row_major() {
+        let which = if o > 0 {
+            format!("optimizer {o}'s ")
+        } else {
+            String::new()
+        };
+        let Some(pairs) = top.as_dict() else {
             return Err(bad(format!(
-                "`{}` has the shape {:?}, not the flat [{numel}] of numel_unpadded",
-                short(key),
-                t.shape
+                "holds a pickled {}, not DistributedOptimizer.save_parameter_state's dict",
+                top.kind()
             )));
+        };
+        if top.get("buckets_coalesced").and_then(Value::as_bool) != Some(true) {
+            return Err(bad(
+                format!("is not in the buckets_coalesced layout (megatron-core's get_parameter_state_dp_zero{}); older per-bucket layouts are not read", if o > 0 { format!(", optimizer {o}") } else { String::new() }),
+            ));
         }
-        let rec = format!("{}/data/{}", item.archive.prefix, t.storage_key);
-        if let Some(entry) = item.archive.entry(&rec) {
-            crcs.push(RecordCrc {
-                file,
-                offset: t.record.offset,
-                len: t.record.len,
-                crc: entry.crc,
-                what: format!("optimizer state `{}` (record {rec})", short(key)).into(),
-                shown: None,
+        let buffers: Vec<&(Value, Value)> = pairs
+            .iter()
+            .filter(|(k, _)| k.as_str() != Some("buckets_coalesced"))
+            .collect();
+        let dtypes = match buffers.as_slice() {
+            [(Value::Int(0), v)] => v.as_dict().unwrap_or(&[]),
+            [] => return Err(bad(format!("holds no gradient buffer's state ({which}dict)"))),
+            _ => {
+                return Err(bad(format!(
+                    "holds the state of {} gradient buffers (parameters of several dtypes); reshard reads one",
+                    buffers.len()
+                )))
+            }
+        };
+        let [(_, state)] = dtypes else {
+            return Err(bad(format!(
+                "{which}buffer 0 holds {} dtype entries, not one",
+                dtypes.len()
+            )));
+        };
+        let Some(state) = state.as_dict() else {
+            return Err(bad(format!("{which}buffer 0's state is not a dict")));
+        };
+        let numel = state
+            .iter()
+            .find(|(k, _)| k.as_str() == Some("numel_unpadded"))
+            .and_then(|(_, v)| v.as_int())
+            .and_then(|n| u64::try_from(n).ok())
+            .ok_or_else(|| bad(format!("{which}buffer 0 has no numel_unpadded")))?;
+        let mut flats = vec![];
+        for (k, v) in state {
+            let Some(key) = k.as_str() else {
+                return Err(bad(format!("{which}buffer 0 has a {} key", k.kind())));
+            };
+            if key == "numel_unpadded" {
+                continue;
+            }
+            let t = save::tensor_of(v, &item.archive, bytes)
+                .map_err(|e| bad(format!("{which}`{}`: {e}", short(key))))?
+                .ok_or_else(|| {
+                    bad(format!(
+                        "{which}`{}` is a {}, not a tensor",
+                        short(key),
+                        v.kind()
+                    ))
+                })?;
+            if t.shape != [numel] || !t.is_row_major() {
+                return Err(bad(format!(
+                    "{which}`{}` has the shape {:?}, not the flat [{numel}] of numel_unpadded",
+                    short(key),
+                    t.shape
+                )));
+            }
+            let rec = format!("{}/data/{}", item.archive.prefix, t.storage_key);
+            if let Some(entry) = item.archive.entry(&rec) {
+                crcs.push(RecordCrc {
+                    file,
+                    offset: t.record.offset,
+                    len: t.record.len,
+                    crc: entry.crc,
+                    what: format!("optimizer state `{}` (record {rec})", short(key)).into(),
+                    shown: None,
+                });
+            }
+            flats.push(Flat {
+                key: key.to_string(),
+                offset: t.data_offset(),
+                dtype: t.dtype,
+                numel,
             });
         }
-        flats.push(Flat {
-            key: key.to_string(),
-            offset: t.data_offset(),
-            dtype: t.dtype,
-            numel,
-        });
+        if flats.is_empty() {
+            return Err(bad(format!("{which}buffer 0 holds no state tensors")));
+        }
+        debug_assert!(flats.iter().all(|f| f.numel == numel));
+        out.push(Some(FlatState { flats, numel }));
     }
-    if flats.is_empty() {
-        return Err(bad("buffer 0 holds no state tensors".into()));
-    }
-    debug_assert!(flats.iter().all(|f| f.numel == numel));
-    Ok((flats, numel, crcs))
+    Ok((out, crcs))
 }
 
 #[cfg(test)]
