@@ -1068,8 +1068,8 @@ fn state_tensor<'f>(
     }
 }
 
-/// A non-tensor entry from a DeepSpeed file.
-fn extra(name: String, v: crate::torch::pickle::Value) -> Extra {
+/// A non-tensor entry from a DeepSpeed file (ZeRO or universal).
+pub(super) fn extra(name: String, v: crate::torch::pickle::Value) -> Extra {
     Extra {
         name,
         value: dcp::to_json(&v),

@@ -19,6 +19,7 @@
 
 use super::names::{self, Kind};
 use super::partition;
+use super::read::extra;
 use super::records::{self, numel, File, ModelStates};
 use crate::checkpoint::OpenOptions;
 use crate::error::{Error, Result};
@@ -805,14 +806,3 @@ fn frozen_fragments(
     })
 }
 
-/// A non-tensor entry from a universal checkpoint's file.
-fn extra(name: String, v: Value) -> Extra {
-    Extra {
-        name,
-        value: dcp::to_json(&v),
-        pickle: Some(v),
-        raw: None,
-        origin: "deepspeed",
-        opaque: None,
-    }
-}
