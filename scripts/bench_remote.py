@@ -95,8 +95,9 @@ def start_server(kind: str, log: Path, work: Path, s3s: Path | None) -> tuple[su
     sys.exit(f"{kind} server did not start: {log.read_text()[-2000:]}")
 
 
-# a request in the server's log: moto's (werkzeug) access line, s3s-fs's debug line
-REQUEST = re.compile(rb'"(GET|PUT|POST|HEAD|DELETE) /|\bmethod=(GET|PUT|POST|HEAD|DELETE)\b')
+# a request in the server's log: moto's (werkzeug) access line (colored or not), s3s-fs's
+# debug line
+REQUEST = re.compile(rb'"(?:\x1b\[[0-9;]*m)*(?:GET|PUT|POST|HEAD|DELETE) /|req: Request \{ method: ')
 
 
 def requests_logged(log: Path) -> int:
@@ -181,6 +182,8 @@ def main() -> None:
     ap.add_argument("--reshard", type=Path, default=BIN,
                     help="the reshard binary timed (default: the venv's); the rank-share table uses "
                          "the imported reshard package")
+    ap.add_argument("--baseline", type=Path,
+                    help="another reshard binary timed in the same rounds (rows marked 'baseline')")
     a = ap.parse_args()
     bin_ = a.reshard
     a.work.mkdir(parents=True, exist_ok=True)
@@ -227,6 +230,11 @@ def main() -> None:
             "boto3 upload of the local --to 2 output": lambda: [sys.executable, "-c", BOTO, "up", local_conv, f"s3://{BUCKET}/up"],
             "reshard convert SRC s3://OUT --to 2": lambda: [bin_, "convert", src, f"s3://{BUCKET}/conv", "--to", "2", "-q", "--force"],
         }
+        if a.baseline:
+            cases["baseline: reshard convert s3://SRC OUT --to 2"] = \
+                lambda: [a.baseline, "convert", src_url, out, "--to", "2", "-q"]
+            cases["baseline: reshard convert SRC s3://OUT --to 2"] = \
+                lambda: [a.baseline, "convert", src, f"s3://{BUCKET}/conv", "--to", "2", "-q", "--force"]
         times = {k: [] for k in cases}
         reqs = {k: [] for k in cases}
         rss = {k: 0 for k in cases}
@@ -271,9 +279,10 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         base = {"reshard convert s3://SRC OUT --to 2": "boto3 download of the source",
                 "reshard convert SRC s3://OUT --to 2": "boto3 upload of the local --to 2 output"}
+        base.update({"baseline: " + k: v for k, v in base.items()})
         for k in cases:
             ratio = f"{med[k] / med[base[k]]:.2f}x" if k in base else ""
-            n = statistics.median(reqs[k]) if k.startswith(("boto3", "reshard")) else ""
+            n = statistics.median(reqs[k]) if not k.startswith("cp ") else ""
             n = f"{n:.0f}" if n != "" else ""
             print(f"| {k} | {med[k]:.2f} | {size / 2**20 / med[k]:.0f} | {ratio} | {n} | {rss[k] / 2**20:.0f} MiB |")
         print("\nall rounds (seconds):")

@@ -28,9 +28,12 @@ const GAP: u64 = 4 << 10;
 pub const ROW_GAP: u64 = 256 << 10;
 /// The smallest piece a long range is cut into (a range shorter than this is one GET).
 const PIECE: u64 = 8 << 20;
-/// The largest single ranged GET (bodies stream to disk: this bounds how long a reader
-/// waits for a piece to land, not memory).
-const MAX_PIECE: u64 = 64 << 20;
+/// The largest single ranged GET (bodies stream to disk: not a bound on memory, but a
+/// request must end within the client's timeout on a slow server).
+const MAX_PIECE: u64 = 16 << 20;
+/// A piece's bytes are marked fetched, and its waiters told, each time this many more
+/// have landed (a reader need not wait for the whole piece).
+const LANDED: u64 = 1 << 20;
 /// Ranged GETs one call keeps in flight.
 const IN_FLIGHT: usize = 16;
 /// Ranged GETs the whole process keeps in flight, however many threads fetch.
@@ -321,8 +324,8 @@ impl Mirror {
 
     /// GET `pieces` (file, first byte, past the last; claimed as pending by the caller) into
     /// their local copies, [`IN_FLIGHT`] at a time, each body written as it streams in (what
-    /// is in memory is a few network buffers per request, whatever the piece size). Each
-    /// piece is marked fetched, and its waiters told, when it has all landed. Pieces not
+    /// is in memory is a few network buffers per request, whatever the piece size). A
+    /// piece's bytes are marked fetched, and its waiters told, as they land. Pieces not
     /// started when `stop` is set are left unfetched.
     fn fetch_pieces(&self, pieces: &[(usize, u64, u64)], stop: Option<&AtomicBool>) -> Result<()> {
         block_on(async {
@@ -367,6 +370,8 @@ impl Mirror {
         REQUESTS.fetch_add(1, Ordering::Relaxed);
         let mut body = got.into_stream();
         let mut at = a;
+        // bytes written and not yet marked fetched
+        let mut landed = a;
         while let Some(chunk) = body.next().await {
             let chunk = chunk.map_err(failed)?;
             let n = chunk.len() as u64;
@@ -379,6 +384,13 @@ impl Mirror {
             f.file.write_all_at(&chunk, at).at(&local)?;
             BYTES.fetch_add(n, Ordering::Relaxed);
             at += n;
+            if at - landed >= LANDED {
+                // readable now: a reader waiting for the piece's first bytes goes on
+                let mut state = f.state.lock().unwrap_or_else(|e| e.into_inner());
+                state.have = union(&state.have, &[(landed, at)]);
+                f.landed.notify_all();
+                landed = at;
+            }
         }
         if at != b {
             return Err(Error::format(
@@ -387,7 +399,7 @@ impl Mirror {
             ));
         }
         let mut state = f.state.lock().unwrap_or_else(|e| e.into_inner());
-        state.have = union(&state.have, &[(a, b)]);
+        state.have = union(&state.have, &[(landed, b)]);
         state.pending = missing(&state.pending, &[(a, b)]);
         f.landed.notify_all();
         Ok(())
