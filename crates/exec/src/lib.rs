@@ -489,10 +489,13 @@ fn run_on_pool(
             // window then waits only for its own to land (a failed fetch ahead is retried
             // by the windows, whose errors are the ones reported)
             s.spawn(|| {
-                let ops = wins.iter().flat_map(|w| w.frags.iter()).filter_map(|f| match f {
-                    schedule::Frag::Op(o) => Some(o),
-                    schedule::Frag::Lit { .. } | schedule::Frag::Fill(_) => None,
-                });
+                let ops = wins
+                    .iter()
+                    .flat_map(|w| w.frags.iter())
+                    .filter_map(|f| match f {
+                        schedule::Frag::Op(o) => Some(o),
+                        schedule::Frag::Lit { .. } | schedule::Frag::Fill(_) => None,
+                    });
                 let _ = shared.sources.prefetch_ops(ops, &stop);
             });
         }

@@ -378,9 +378,7 @@ impl FileUpload {
         };
         // the chunks sent so far first: only those never sent go now
         wait(mp, &shown)?;
-        let unsent: Vec<usize> = (0..mp.parts.len())
-            .filter(|&k| !mp.queued[k])
-            .collect();
+        let unsent: Vec<usize> = (0..mp.parts.len()).filter(|&k| !mp.queued[k]).collect();
         self.send(unsent)?;
         let Some(mp) = self.multipart.as_mut() else {
             return Ok(());
