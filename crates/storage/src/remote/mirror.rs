@@ -632,4 +632,21 @@ mod tests {
             vec![(7, 10), (20, 25)]
         );
     }
+
+    #[test]
+    fn pieces() {
+        // small fetches in PIECE-sized GETs; large ones in IN_FLIGHT of them, up to MAX_PIECE
+        assert_eq!(piece_for(1 << 20), PIECE);
+        assert_eq!(piece_for(IN_FLIGHT as u64 * (12 << 20)), 12 << 20);
+        assert_eq!(piece_for(1 << 40), MAX_PIECE);
+        // equal pieces covering each span exactly, none longer than asked
+        let got = cut(3, &[(0, 10), (20, 21), (30, 30)], 4);
+        assert_eq!(got, vec![(3, 0, 4), (3, 4, 8), (3, 8, 10), (3, 20, 21)]);
+        let got = cut(0, &[(100, 100 + 3 * PIECE + 1)], PIECE);
+        assert_eq!(got.len(), 4);
+        assert!(got.iter().all(|&(_, a, b)| b - a <= PIECE));
+        assert_eq!(got.first().map(|p| p.1), Some(100));
+        assert_eq!(got.last().map(|p| p.2), Some(100 + 3 * PIECE + 1));
+        assert!(got.windows(2).all(|w| w[0].2 == w[1].1));
+    }
 }
