@@ -1,9 +1,16 @@
 #!/usr/bin/env python3
-"""reshard against an S3-compatible server on 127.0.0.1 (moto's, `scripts/setup_venv.sh --s3`):
-what a rank's load fetches, and conversions from and to object storage against boto3 moving
-the same bytes (what `aws s3 cp --recursive` does).
+"""reshard against an S3-compatible server on 127.0.0.1: what a rank's load fetches, and
+conversions from and to object storage against boto3 moving the same bytes (what
+`aws s3 cp --recursive` does).
 
-    .venv/bin/python scripts/bench_remote.py --mib 512 --rounds 5
+    .venv/bin/python scripts/bench_remote.py --mib 512 --rounds 5 [--server moto|s3s] \
+        [--reshard $CARGO_TARGET_DIR/release/reshard]
+
+Servers (`--server`):
+- moto (default): moto's S3 server (Python, objects in memory), `scripts/setup_venv.sh --s3`.
+- s3s: s3s-fs, a compiled S3 server (Rust) on a scratch folder, installed with
+  `cargo install s3s-fs --version 0.14.1 --features binary --locked` (0.14.1: later releases
+  need a newer Rust); found on PATH or at ~/.cargo/bin/s3s-fs (`--s3s-fs` names another).
 
 The source is a DCP checkpoint of `--mib` MiB at 4 ranks (torch's `dcp.save` of one rank,
 resharded to 4 by reshard and loaded back by torch), made under --work on first use. Printed as
@@ -18,14 +25,17 @@ Markdown:
    of the same conversion made locally; `cp -r` of the source for scale. The peak scratch disk
    of the upload is polled (`du` of RESHARD_SCRATCH every 50 ms). Peak RSS from /usr/bin/time.
 
-The server is moto's (Python, in memory), so the figures measure reshard's requests against a
-slow server more than a network: the ratios to boto3 are the point.
+Requests per run are counted from the server's log (moto's access log; s3s-fs's debug log):
+every request, listing and HEADs included.
+
+Both servers share the machine's cores with the client, so the figures measure reshard's
+requests against a local server more than a network: the ratios to boto3 are the point.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import re
 import random
 import shutil
 import socket
@@ -45,6 +55,7 @@ import reshard
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent / "reshard"
 MOTO = Path(sys.executable).parent / "moto_server"
+S3S_KEY = ("bench", "benchsecret")
 BUCKET = "bench"
 
 
@@ -54,17 +65,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(log: Path) -> tuple[subprocess.Popen, str]:
+def s3s_binary(given: Path | None) -> Path:
+    for c in [given, shutil.which("s3s-fs"), Path.home() / ".cargo/bin/s3s-fs"]:
+        if c and Path(c).exists():
+            return Path(c)
+    sys.exit("s3s-fs not found: cargo install s3s-fs --version 0.14.1 --features binary --locked")
+
+
+def start_server(kind: str, log: Path, work: Path, s3s: Path | None) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    p = subprocess.Popen([str(MOTO), "-H", "127.0.0.1", "-p", str(port)],
-                         stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    if kind == "moto":
+        cmd = [str(MOTO), "-H", "127.0.0.1", "-p", str(port)]
+        env = None
+    else:
+        root = work / "s3s-root"
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        cmd = [str(s3s_binary(s3s)), "--host", "127.0.0.1", "--port", str(port),
+               "--access-key", S3S_KEY[0], "--secret-key", S3S_KEY[1], str(root)]
+        # one debug line per request (counted), nothing per byte
+        env = dict(os.environ, RUST_LOG="s3s::service=debug")
+    p = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     for _ in range(300):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
             return p, f"http://127.0.0.1:{port}"
         except OSError:
             time.sleep(0.1)
-    sys.exit(f"moto_server did not start: {log.read_text()[-2000:]}")
+    sys.exit(f"{kind} server did not start: {log.read_text()[-2000:]}")
+
+
+# a request in the server's log: moto's (werkzeug) access line (colored or not), s3s-fs's
+# debug line
+REQUEST = re.compile(rb'"(?:\x1b\[[0-9;]*m)*(?:GET|PUT|POST|HEAD|DELETE) /|req: Request \{ method: ')
+
+
+def requests_logged(log: Path) -> int:
+    return len(REQUEST.findall(log.read_bytes()))
 
 
 def make_source(work: Path, mib: int) -> Path:
@@ -140,13 +177,22 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--work", type=Path, default=Path("/tmp/reshard-bench-remote"))
+    ap.add_argument("--server", choices=["moto", "s3s"], default="moto")
+    ap.add_argument("--s3s-fs", type=Path, help="the s3s-fs binary (default: on PATH, or ~/.cargo/bin)")
+    ap.add_argument("--reshard", type=Path, default=BIN,
+                    help="the reshard binary timed (default: the venv's); the rank-share table uses "
+                         "the imported reshard package")
+    ap.add_argument("--baseline", type=Path,
+                    help="another reshard binary timed in the same rounds (rows marked 'baseline')")
     a = ap.parse_args()
+    bin_ = a.reshard
     a.work.mkdir(parents=True, exist_ok=True)
     src = make_source(a.work, a.mib)
     size = sum(f.stat().st_size for f in src.iterdir())
-    server, url = start_server(a.work / "moto.log")
+    log = a.work / f"{a.server}.log"
+    server, url = start_server(a.server, log, a.work, a.s3s_fs)
     try:
-        env = dict(os.environ, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+        env = dict(os.environ, AWS_ACCESS_KEY_ID=S3S_KEY[0], AWS_SECRET_ACCESS_KEY=S3S_KEY[1],
                    AWS_ENDPOINT_URL=url, AWS_REGION="us-east-1",
                    RESHARD_SCRATCH=str(a.work / "scratch"),
                    RESHARD_UPLOAD_JOURNAL=str(a.work / "journal"))
@@ -159,6 +205,7 @@ def main() -> None:
             s3.upload_file(str(f), BUCKET, f"src/{f.name}")
         src_url = f"s3://{BUCKET}/src"
 
+        print(f"server: {a.server}; reshard: {bin_}\n")
         print(f"source: DCP at 4 ranks, {size / 2**20:.1f} MiB, {len(list(src.iterdir()))} files\n")
         print("| load | needed | fetched | fetched / needed | requests |")
         print("|---|---:|---:|---:|---:|")
@@ -175,15 +222,21 @@ def main() -> None:
         out = a.work / "out"
         local_conv = a.work / "local-conv"
         shutil.rmtree(local_conv, ignore_errors=True)
-        subprocess.run([str(BIN), "convert", str(src), str(local_conv), "--to", "2", "-q"], check=True)
+        subprocess.run([str(bin_), "convert", str(src), str(local_conv), "--to", "2", "-q"], check=True)
         cases = {
             "cp -r SRC (local, for scale)": lambda: ["cp", "-r", src, out],
             "boto3 download of the source": lambda: [sys.executable, "-c", BOTO, "down", src_url, out],
-            "reshard convert s3://SRC OUT --to 2": lambda: [BIN, "convert", src_url, out, "--to", "2", "-q"],
+            "reshard convert s3://SRC OUT --to 2": lambda: [bin_, "convert", src_url, out, "--to", "2", "-q"],
             "boto3 upload of the local --to 2 output": lambda: [sys.executable, "-c", BOTO, "up", local_conv, f"s3://{BUCKET}/up"],
-            "reshard convert SRC s3://OUT --to 2": lambda: [BIN, "convert", src, f"s3://{BUCKET}/conv", "--to", "2", "-q", "--force"],
+            "reshard convert SRC s3://OUT --to 2": lambda: [bin_, "convert", src, f"s3://{BUCKET}/conv", "--to", "2", "-q", "--force"],
         }
+        if a.baseline:
+            cases["baseline: reshard convert s3://SRC OUT --to 2"] = \
+                lambda: [a.baseline, "convert", src_url, out, "--to", "2", "-q"]
+            cases["baseline: reshard convert SRC s3://OUT --to 2"] = \
+                lambda: [a.baseline, "convert", src, f"s3://{BUCKET}/conv", "--to", "2", "-q", "--force"]
         times = {k: [] for k in cases}
+        reqs = {k: [] for k in cases}
         rss = {k: 0 for k in cases}
         peak_scratch = 0
         for _ in range(a.rounds):
@@ -201,7 +254,9 @@ def main() -> None:
 
                 th = threading.Thread(target=poll)
                 th.start()
+                n0 = requests_logged(log)
                 t, r = run(cases[k](), env, a.work)
+                reqs[k].append(requests_logged(log) - n0)
                 stop.set()
                 th.join()
                 if k.startswith("reshard convert SRC s3"):
@@ -213,19 +268,26 @@ def main() -> None:
                for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="conv/")["Contents"]}
         assert got == {f.name: f.read_bytes() for f in local_conv.iterdir()}, "upload differs"
         shutil.rmtree(out, ignore_errors=True)
-        subprocess.run([str(BIN), "convert", src_url, str(out), "--to", "2", "-q"], check=True, env=env)
+        subprocess.run([str(bin_), "convert", src_url, str(out), "--to", "2", "-q"], check=True, env=env)
         assert {f.name: f.read_bytes() for f in out.iterdir()} == \
             {f.name: f.read_bytes() for f in local_conv.iterdir()}, "download differs"
 
-        print(f"\n{a.rounds} shuffled rounds, medians; page cache warm for local files\n")
-        print("| run | seconds | MiB/s | ratio to its boto3 row | peak RSS |")
-        print("|---|---:|---:|---:|---:|")
+        print(f"\n{a.rounds} shuffled rounds, medians; page cache warm for local files; "
+              f"load average {os.getloadavg()[0]:.2f}\n")
+        print("| run | seconds | MiB/s | ratio to its boto3 row | requests | peak RSS |")
+        print("|---|---:|---:|---:|---:|---:|")
         med = {k: statistics.median(v) for k, v in times.items()}
         base = {"reshard convert s3://SRC OUT --to 2": "boto3 download of the source",
                 "reshard convert SRC s3://OUT --to 2": "boto3 upload of the local --to 2 output"}
+        base.update({"baseline: " + k: v for k, v in base.items()})
         for k in cases:
             ratio = f"{med[k] / med[base[k]]:.2f}x" if k in base else ""
-            print(f"| {k} | {med[k]:.2f} | {size / 2**20 / med[k]:.0f} | {ratio} | {rss[k] / 2**20:.0f} MiB |")
+            n = statistics.median(reqs[k]) if not k.startswith("cp ") else ""
+            n = f"{n:.0f}" if n != "" else ""
+            print(f"| {k} | {med[k]:.2f} | {size / 2**20 / med[k]:.0f} | {ratio} | {n} | {rss[k] / 2**20:.0f} MiB |")
+        print("\nall rounds (seconds):")
+        for k in cases:
+            print(f"- {k}: " + ", ".join(f"{t:.2f}" for t in times[k]))
         print(f"\npeak scratch disk of the upload: {peak_scratch / 2**20:.0f} MiB "
               f"(output {size / 2**20:.0f} MiB)")
     finally:

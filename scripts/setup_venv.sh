@@ -33,6 +33,10 @@
 #                                          python/tests/test_verl.py, which CI runs)
 #   scripts/setup_venv.sh --s3            ... plus moto's S3 server and boto3 (the object-storage
 #                                          tests start a server on 127.0.0.1: test_remote.py)
+#                                          scripts/bench_remote.py --server s3s also wants s3s-fs, a
+#                                          compiled S3 server, not installed here (a several-minute
+#                                          Rust build): cargo install s3s-fs --version 0.14.1
+#                                          --features binary --locked
 #
 # Locations: ${RESHARD_VENV:-$HOME/.cache/reshard/venv} and
 #            ${RESHARD_VENV21:-$HOME/.cache/reshard/venv-torch21}.

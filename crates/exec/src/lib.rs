@@ -482,7 +482,28 @@ fn run_on_pool(
     if let Some(p) = progress {
         p.start(total);
     }
-    let parts = pool.install(|| run_windows(wins, shared, progress))?;
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let parts = std::thread::scope(|s| {
+        if shared.remote() {
+            // every window's source bytes asked for at once, in few large requests; each
+            // window then waits only for its own to land (a failed fetch ahead is retried
+            // by the windows, whose errors are the ones reported)
+            s.spawn(|| {
+                let ops = wins
+                    .iter()
+                    .flat_map(|w| w.frags.iter())
+                    .filter_map(|f| match f {
+                        schedule::Frag::Op(o) => Some(o),
+                        schedule::Frag::Lit { .. } | schedule::Frag::Fill(_) => None,
+                    });
+                let _ = shared.sources.prefetch_ops(ops, &stop);
+            });
+        }
+        let r = pool.install(|| run_windows(wins, shared, progress));
+        // done or failed: the bytes still to fetch ahead are no one's
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        r
+    })?;
     Ok((parts, pool.current_num_threads()))
 }
 

@@ -26,6 +26,19 @@ pub trait Storage: Send + Sync + fmt::Debug {
     /// every byte is readable as it is.
     fn fetches(&self) -> bool;
 
+    /// Fetch ahead the bytes `wanted` (local files and their sorted spans) that a reader is
+    /// about to read most of, in few large requests; a later [`Storage::ensure`] of those
+    /// bytes waits for them instead of fetching them again. Blocks until done (run it on a
+    /// thread of its own beside the readers, and set `stop` when they are done or failed:
+    /// no request starts after); nothing to do when the storage does not fetch.
+    fn prefetch(
+        &self,
+        _wanted: &[(PathBuf, Vec<(u64, u64)>)],
+        _stop: &std::sync::atomic::AtomicBool,
+    ) -> Result<()> {
+        Ok(())
+    }
+
     /// How to name `path` to the user (an object's URL); `None`: by the path itself.
     fn shown(&self, _path: &Path) -> Option<String> {
         None
@@ -122,6 +135,38 @@ impl<'a> Sources<'a> {
         if !self.storage.fetches() {
             return Ok(());
         }
+        for (path, s) in self.spans(ops) {
+            self.storage.ensure(path, &s)?;
+        }
+        Ok(())
+    }
+
+    /// Fetch ahead, in few large requests, every source byte `ops` (a whole conversion's
+    /// copies) read, as [`Sources::ensure_ops`] would ask for them one window at a time; the
+    /// windows' own `ensure_ops` then wait for their bytes to land. Blocks until done, or
+    /// until `stop` is set (no request starts after).
+    pub fn prefetch_ops<'o>(
+        &self,
+        ops: impl IntoIterator<Item = &'o CopyOp>,
+        stop: &std::sync::atomic::AtomicBool,
+    ) -> Result<()> {
+        if !self.storage.fetches() {
+            return Ok(());
+        }
+        let wanted: Vec<(PathBuf, Vec<(u64, u64)>)> = self
+            .spans(ops)
+            .into_iter()
+            .map(|(p, s)| (p.clone(), s))
+            .collect();
+        self.storage.prefetch(&wanted, stop)
+    }
+
+    /// The source spans `ops` read, per source file (sorted, coalesced): row by row for a
+    /// strided copy whose rows are far apart, else the whole span.
+    fn spans<'o>(
+        &self,
+        ops: impl IntoIterator<Item = &'o CopyOp>,
+    ) -> Vec<(&'a PathBuf, Vec<(u64, u64)>)> {
         let mut spans: Vec<Vec<(u64, u64)>> = vec![vec![]; self.paths.len()];
         for o in ops {
             // a dequantizing copy reads its block rows of scales too
@@ -145,14 +190,15 @@ impl<'a> Sources<'a> {
                 }));
             }
         }
-        for (path, mut s) in self.paths.iter().zip(spans) {
-            if !s.is_empty() {
+        self.paths
+            .iter()
+            .zip(spans)
+            .filter(|(_, s)| !s.is_empty())
+            .map(|(p, mut s)| {
                 s.sort_unstable();
-                self.storage
-                    .ensure(path, &remote::mirror::coalesce(&s, 0))?;
-            }
-        }
-        Ok(())
+                (p, remote::mirror::coalesce(&s, 0))
+            })
+            .collect()
     }
 }
 

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Ranges closer than this are fetched as one request (the bytes between are fetched too).
@@ -26,12 +26,17 @@ const GAP: u64 = 4 << 10;
 /// Rows of a strided copy closer than this are fetched as one range with the bytes between
 /// (a request costs about what this many bytes take to arrive).
 pub const ROW_GAP: u64 = 256 << 10;
-/// The largest single ranged GET.
+/// The smallest piece a long range is cut into (a range shorter than this is one GET).
 const PIECE: u64 = 8 << 20;
+/// The largest single ranged GET (bodies stream to disk: not a bound on memory, but a
+/// request must end within the client's timeout on a slow server).
+const MAX_PIECE: u64 = 16 << 20;
+/// A piece's bytes are marked fetched, and its waiters told, each time this many more
+/// have landed (a reader need not wait for the whole piece).
+const LANDED: u64 = 1 << 20;
 /// Ranged GETs one call keeps in flight.
 const IN_FLIGHT: usize = 16;
-/// Ranged GETs the whole process keeps in flight (so at most this many [`PIECE`]s are in
-/// memory at once, however many threads fetch).
+/// Ranged GETs the whole process keeps in flight, however many threads fetch.
 static SLOTS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(IN_FLIGHT);
 /// The most objects a remote checkpoint may hold (a hostile listing stays bounded).
 const MAX_OBJECTS: usize = 1 << 20;
@@ -246,15 +251,10 @@ impl Mirror {
 
     fn fetch_file(&self, i: usize, spans: &[(u64, u64)]) -> Result<()> {
         let f = &self.files[i];
-        let mut want: Vec<(u64, u64)> = spans
-            .iter()
-            .map(|&(a, b)| (a.min(f.size), b.min(f.size)))
-            .filter(|(a, b)| a < b)
-            .collect();
+        let want = clip(f.size, spans);
         if want.is_empty() {
             return Ok(());
         }
-        want.sort_unstable();
         let want = coalesce(&want, GAP);
         let mut state = f.state.lock().unwrap_or_else(|e| e.into_inner());
         loop {
@@ -270,73 +270,176 @@ impl Mirror {
             }
             state.pending = union(&state.pending, &mine);
             drop(state);
-            let r = self.fetch_ranges(f, &mine);
-            state = f.state.lock().unwrap_or_else(|e| e.into_inner());
-            state.pending = missing(&state.pending, &mine);
-            if r.is_ok() {
-                state.have = union(&state.have, &mine);
-            }
-            f.landed.notify_all();
+            let pieces = cut(i, &mine, piece_for(total(&mine)));
+            let r = self.fetch_pieces(&pieces, None);
+            self.release(i, &mine);
             r?;
+            state = f.state.lock().unwrap_or_else(|e| e.into_inner());
         }
     }
 
-    /// GET the ranges `missing` of `f` (not fetched, not being fetched) into its local copy.
-    fn fetch_ranges(&self, f: &MirrorFile, missing: &[(u64, u64)]) -> Result<()> {
-        let pieces: Vec<(u64, u64)> = missing
+    /// Fetch what of `wanted` (mirrored files and their sorted spans) no one has fetched or
+    /// is fetching, all files together, in few large ranged GETs: for a reader about to read
+    /// most of these bytes (a whole conversion's sources). A reader asking meanwhile for bytes
+    /// of these ranges waits for them to land (each range is readable as soon as its request
+    /// ends) instead of fetching them again. Errors are those of the first failed request;
+    /// ranges left unfetched are fetched by whoever asks for them next. Once `stop` is set,
+    /// no request starts (the readers are done, or failed).
+    pub fn prefetch(&self, wanted: &[(PathBuf, Vec<(u64, u64)>)], stop: &AtomicBool) -> Result<()> {
+        let mut claimed: Vec<(usize, Vec<(u64, u64)>)> = vec![];
+        for (path, spans) in wanted {
+            let Some(&i) = self.by_path.get(path) else {
+                continue;
+            };
+            let f = &self.files[i];
+            let want = coalesce(&clip(f.size, spans), GAP);
+            let mut state = f.state.lock().unwrap_or_else(|e| e.into_inner());
+            let mine = missing(&missing(&want, &state.have), &state.pending);
+            if !mine.is_empty() {
+                state.pending = union(&state.pending, &mine);
+                claimed.push((i, mine));
+            }
+        }
+        let all: u64 = claimed.iter().map(|(_, m)| total(m)).sum();
+        let piece = piece_for(all);
+        let pieces: Vec<(usize, u64, u64)> = claimed
             .iter()
-            .flat_map(|&(a, b)| {
-                (a..b)
-                    .step_by(PIECE as usize)
-                    .map(move |x| (x, (x + PIECE).min(b)))
-            })
+            .flat_map(|(i, m)| cut(*i, m, piece))
             .collect();
-        let store = self.remote.store.clone();
-        let key = f.key.clone();
-        let shown = self.remote.shown(&f.rel);
-        let local = self.dir.path().join(&f.rel);
-        let file = &f.file;
+        let r = self.fetch_pieces(&pieces, Some(stop));
+        for (i, m) in &claimed {
+            self.release(*i, m);
+        }
+        r
+    }
+
+    /// The ranges `mine` of file `i`, claimed by one fetch, no longer pending (those that
+    /// did not land are fetched by whoever asks next); waiters told.
+    fn release(&self, i: usize, mine: &[(u64, u64)]) {
+        let f = &self.files[i];
+        let mut state = f.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.pending = missing(&state.pending, mine);
+        f.landed.notify_all();
+    }
+
+    /// GET `pieces` (file, first byte, past the last; claimed as pending by the caller) into
+    /// their local copies, [`IN_FLIGHT`] at a time, each body written as it streams in (what
+    /// is in memory is a few network buffers per request, whatever the piece size). A
+    /// piece's bytes are marked fetched, and its waiters told, as they land. Pieces not
+    /// started when `stop` is set are left unfetched.
+    fn fetch_pieces(&self, pieces: &[(usize, u64, u64)], stop: Option<&AtomicBool>) -> Result<()> {
         block_on(async {
             stream::iter(pieces.iter().copied())
-                .map(|(a, b)| {
-                    let store = store.clone();
-                    let key = key.clone();
-                    let opts = object_store::GetOptions {
-                        range: Some(object_store::GetRange::Bounded(a..b)),
-                        if_match: f.e_tag.clone(),
-                        ..Default::default()
-                    };
-                    async move {
-                        // the process's requests in flight, whatever the callers
-                        let _slot = SLOTS.acquire().await.ok();
-                        let got = store.get_opts(&key, opts).await?;
-                        got.bytes().await.map(|bytes| (a, b, bytes))
+                .map(|(i, a, b)| async move {
+                    // the process's requests in flight, whatever the callers
+                    let _slot = SLOTS.acquire().await.ok();
+                    if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+                        return Ok(());
                     }
+                    self.fetch_piece(i, a, b).await
                 })
                 .buffer_unordered(IN_FLIGHT)
-                .map_err(|e| match e {
-                    object_store::Error::Precondition { .. } => Error::format(
-                        &shown,
-                        "changed while it was being read (its ETag is no longer the one listed); run again",
-                    ),
-                    e => error(&shown, &e),
-                })
-                .try_for_each(|(a, b, bytes)| {
-                    let r = if bytes.len() as u64 != b - a {
-                        Err(Error::format(
-                            &shown,
-                            format!("returned {} bytes for the range {a}..{b}", bytes.len()),
-                        ))
-                    } else {
-                        REQUESTS.fetch_add(1, Ordering::Relaxed);
-                        BYTES.fetch_add(b - a, Ordering::Relaxed);
-                        file.write_all_at(&bytes, a).at(&local)
-                    };
-                    futures::future::ready(r)
-                })
+                .try_for_each(|()| futures::future::ready(Ok(())))
                 .await
         })?
     }
+
+    /// One ranged GET of bytes `a..b` of file `i`, streamed into its local copy.
+    async fn fetch_piece(&self, i: usize, a: u64, b: u64) -> Result<()> {
+        let f = &self.files[i];
+        let shown = self.remote.shown(&f.rel);
+        let local = self.dir.path().join(&f.rel);
+        let failed = |e: object_store::Error| match e {
+            object_store::Error::Precondition { .. } => Error::format(
+                &shown,
+                "changed while it was being read (its ETag is no longer the one listed); run again",
+            ),
+            e => error(&shown, &e),
+        };
+        let opts = object_store::GetOptions {
+            range: Some(object_store::GetRange::Bounded(a..b)),
+            if_match: f.e_tag.clone(),
+            ..Default::default()
+        };
+        let got = self
+            .remote
+            .store
+            .get_opts(&f.key, opts)
+            .await
+            .map_err(failed)?;
+        REQUESTS.fetch_add(1, Ordering::Relaxed);
+        let mut body = got.into_stream();
+        let mut at = a;
+        // bytes written and not yet marked fetched
+        let mut landed = a;
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.map_err(failed)?;
+            let n = chunk.len() as u64;
+            if n > b - at {
+                return Err(Error::format(
+                    &shown,
+                    format!("returned more than {} bytes for the range {a}..{b}", b - a),
+                ));
+            }
+            f.file.write_all_at(&chunk, at).at(&local)?;
+            BYTES.fetch_add(n, Ordering::Relaxed);
+            at += n;
+            if at - landed >= LANDED {
+                // readable now: a reader waiting for the piece's first bytes goes on
+                let mut state = f.state.lock().unwrap_or_else(|e| e.into_inner());
+                state.have = union(&state.have, &[(landed, at)]);
+                f.landed.notify_all();
+                landed = at;
+            }
+        }
+        if at != b {
+            return Err(Error::format(
+                &shown,
+                format!("returned {} bytes for the range {a}..{b}", at - a),
+            ));
+        }
+        let mut state = f.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.have = union(&state.have, &[(landed, b)]);
+        state.pending = missing(&state.pending, &[(a, b)]);
+        f.landed.notify_all();
+        Ok(())
+    }
+}
+
+/// `spans` clipped to `size`, empty ones dropped, sorted.
+fn clip(size: u64, spans: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut v: Vec<(u64, u64)> = spans
+        .iter()
+        .map(|&(a, b)| (a.min(size), b.min(size)))
+        .filter(|(a, b)| a < b)
+        .collect();
+    v.sort_unstable();
+    v
+}
+
+/// Bytes in `spans`.
+fn total(spans: &[(u64, u64)]) -> u64 {
+    spans.iter().map(|(a, b)| b - a).sum()
+}
+
+/// The largest ranged GET for a fetch of `bytes` in all: enough pieces to keep
+/// [`IN_FLIGHT`] requests busy, each of [`PIECE`] at least and [`MAX_PIECE`] at most.
+fn piece_for(bytes: u64) -> u64 {
+    bytes.div_ceil(IN_FLIGHT as u64).clamp(PIECE, MAX_PIECE)
+}
+
+/// `spans` of file `i` cut into pieces of at most `piece` bytes.
+fn cut(i: usize, spans: &[(u64, u64)], piece: u64) -> Vec<(usize, u64, u64)> {
+    spans
+        .iter()
+        .flat_map(|&(a, b)| {
+            let n = (b - a).div_ceil(piece).max(1);
+            // equal pieces, not full ones and a short tail
+            let each = (b - a).div_ceil(n);
+            (0..n).map(move |k| (i, a + k * each, (a + (k + 1) * each).min(b)))
+        })
+        .filter(|(_, a, b)| a < b)
+        .collect()
 }
 
 impl crate::Storage for Mirror {
@@ -351,6 +454,10 @@ impl crate::Storage for Mirror {
 
     fn fetches(&self) -> bool {
         true
+    }
+
+    fn prefetch(&self, wanted: &[(PathBuf, Vec<(u64, u64)>)], stop: &AtomicBool) -> Result<()> {
+        Mirror::prefetch(self, wanted, stop)
     }
 
     fn shown(&self, path: &Path) -> Option<String> {
@@ -524,5 +631,22 @@ mod tests {
             missing(&[(5, 10), (20, 30)], &[(0, 7), (25, 40)]),
             vec![(7, 10), (20, 25)]
         );
+    }
+
+    #[test]
+    fn pieces() {
+        // small fetches in PIECE-sized GETs; large ones in IN_FLIGHT of them, up to MAX_PIECE
+        assert_eq!(piece_for(1 << 20), PIECE);
+        assert_eq!(piece_for(IN_FLIGHT as u64 * (12 << 20)), 12 << 20);
+        assert_eq!(piece_for(1 << 40), MAX_PIECE);
+        // equal pieces covering each span exactly, none longer than asked
+        let got = cut(3, &[(0, 10), (20, 21), (30, 30)], 4);
+        assert_eq!(got, vec![(3, 0, 4), (3, 4, 8), (3, 8, 10), (3, 20, 21)]);
+        let got = cut(0, &[(100, 100 + 3 * PIECE + 1)], PIECE);
+        assert_eq!(got.len(), 4);
+        assert!(got.iter().all(|&(_, a, b)| b - a <= PIECE));
+        assert_eq!(got.first().map(|p| p.1), Some(100));
+        assert_eq!(got.last().map(|p| p.2), Some(100 + 3 * PIECE + 1));
+        assert!(got.windows(2).all(|w| w[0].2 == w[1].1));
     }
 }

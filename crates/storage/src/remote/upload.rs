@@ -42,6 +42,10 @@ pub struct UploadOptions {
 
 /// Parts of one file in flight at once.
 const IN_FLIGHT: usize = 4;
+/// Batches of chunks ([`FileUpload::send`]) of one file being sent at once: the next
+/// batch's parts start as the last one's end (no drain between batches), while the scratch
+/// disk holds at most this many batches not yet sent.
+const BATCHES_IN_FLIGHT: usize = 2;
 
 /// The objects under `url`, as `/`-separated paths under its prefix (the URL itself, as
 /// `""`, when it names one object).
@@ -158,7 +162,9 @@ impl Upload {
                     id,
                     note,
                     parts: vec![None; size.div_ceil(chunk) as usize],
-                    sending: None,
+                    queued: vec![false; size.div_ceil(chunk) as usize],
+                    slots: Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT)),
+                    sending: std::collections::VecDeque::new(),
                 })
             }
             _ => None,
@@ -239,8 +245,12 @@ struct Multipart {
     note: Option<PathBuf>,
     /// The id of each part sent.
     parts: Vec<Option<object_store::multipart::PartId>>,
-    /// The parts being sent in the background, with their indexes.
-    sending: Option<Sending>,
+    /// Whether each part was handed to a sending task.
+    queued: Vec<bool>,
+    /// The file's parts in flight, [`IN_FLIGHT`] at most, whatever the batches.
+    slots: Arc<tokio::sync::Semaphore>,
+    /// The batches of parts being sent in the background, oldest first.
+    sending: std::collections::VecDeque<Sending>,
 }
 
 /// One file being sent as one object: as chunks of [`FileUpload::chunk`] bytes once they
@@ -266,36 +276,46 @@ impl FileUpload {
         self.chunk
     }
 
-    /// The chunks `ks` of the file are written: send them (after the ones sent before have
-    /// gone), and free their disk blocks once sent if the upload frees them. Nothing to do
-    /// when the file goes in one PUT at the end.
+    /// The chunks `ks` of the file are written: send them (as parts of the batches sent
+    /// before free up; the batch before the last is waited for first), and free their disk
+    /// blocks once sent if the upload frees them. Nothing to do when the file goes in one PUT
+    /// at the end.
     pub fn send(&mut self, ks: Vec<usize>) -> Result<()> {
         let (size, chunk) = (self.size, self.chunk);
         let Some(mp) = self.multipart.as_mut() else {
             return Ok(());
         };
-        wait(mp, &self.shown)?;
+        while mp.sending.len() >= BATCHES_IN_FLIGHT {
+            wait_one(mp, &self.shown)?;
+        }
         // a chunk goes once: its blocks are freed after it is sent
         let ks: Vec<usize> = ks
             .into_iter()
-            .filter(|&k| mp.parts.get(k).is_some_and(Option::is_none))
+            .filter(|&k| mp.queued.get(k).is_some_and(|q| !q))
             .collect();
         if ks.is_empty() {
             return Ok(());
         }
+        for &k in &ks {
+            mp.queued[k] = true;
+        }
+        let slots = mp.slots.clone();
         let (store, key, id) = (mp.store.clone(), self.key.clone(), mp.id.clone());
         let (file, path, free) = (self.file.clone(), self.path.clone(), self.free);
         let task = async move {
             stream::iter(ks)
                 .map(|k| {
-                    let (store, key, id, file, path) = (
+                    let (store, key, id, file, path, slots) = (
                         store.clone(),
                         key.clone(),
                         id.clone(),
                         file.clone(),
                         path.clone(),
+                        slots.clone(),
                     );
                     async move {
+                        // the part is read only once it may go: memory holds IN_FLIGHT parts
+                        let _slot = slots.acquire_owned().await.ok();
                         let at = k as u64 * chunk;
                         let len = chunk.min(size - at);
                         let bytes = read_at(&file, &path, at, len)?;
@@ -314,7 +334,7 @@ impl FileUpload {
                 .try_collect::<Vec<_>>()
                 .await
         };
-        mp.sending = Some(super::runtime()?.spawn(task));
+        mp.sending.push_back(super::runtime()?.spawn(task));
         Ok(())
     }
 
@@ -358,9 +378,7 @@ impl FileUpload {
         };
         // the chunks sent so far first: only those never sent go now
         wait(mp, &shown)?;
-        let unsent: Vec<usize> = (0..mp.parts.len())
-            .filter(|&k| mp.parts[k].is_none())
-            .collect();
+        let unsent: Vec<usize> = (0..mp.parts.len()).filter(|&k| !mp.queued[k]).collect();
         self.send(unsent)?;
         let Some(mp) = self.multipart.as_mut() else {
             return Ok(());
@@ -382,7 +400,7 @@ impl FileUpload {
     /// Abort the multipart upload; what was left behind when that failed too.
     fn abort(mut self) -> Option<String> {
         let mut mp = self.multipart.take()?;
-        if let Some(h) = mp.sending.take() {
+        for h in mp.sending.drain(..) {
             h.abort();
         }
         match block_on(mp.store.abort_multipart(&self.key, &mp.id)) {
@@ -400,7 +418,15 @@ impl FileUpload {
 
 /// Wait for the chunks being sent of `mp`, and note their part ids.
 fn wait(mp: &mut Multipart, shown: &str) -> Result<()> {
-    let Some(h) = mp.sending.take() else {
+    while !mp.sending.is_empty() {
+        wait_one(mp, shown)?;
+    }
+    Ok(())
+}
+
+/// Wait for the oldest batch of chunks being sent of `mp`, and note their part ids.
+fn wait_one(mp: &mut Multipart, shown: &str) -> Result<()> {
+    let Some(h) = mp.sending.pop_front() else {
         return Ok(());
     };
     let sent = block_on(h)?
