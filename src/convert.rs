@@ -199,7 +199,12 @@ pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions)
         .zip(tensor_names)
         .map(|(t, name)| {
             let dtype = match opts.dtype {
-                Some(d) if t.dtype.is_castable_float() || t.dtype == DType::F8E4M3 => d,
+                Some(d)
+                    if t.dtype.is_castable_float()
+                        || (t.dtype == DType::F8E4M3 && crate::fp8::has_scale(&source, &t.name)) =>
+                {
+                    d
+                }
                 _ => t.dtype,
             };
             (name.clone(), dtype, t.shape.clone())

@@ -88,6 +88,12 @@ pub fn block_size(ck: &Checkpoint) -> Result<[u64; 2]> {
     }
 }
 
+/// Whether the `F8_E4M3` tensor `name` of `ck` has a scale tensor beside it (and so is
+/// dequantized by a `--dtype` cast).
+pub fn has_scale(ck: &Checkpoint, name: &str) -> bool {
+    ck.tensor(&scale_name(name)).is_some()
+}
+
 /// Whether tensor `name` of `ck` is the scale tensor of an FP8 weight.
 pub fn is_scale(ck: &Checkpoint, name: &str) -> bool {
     name.strip_suffix(SCALE_SUFFIX)
@@ -127,8 +133,10 @@ fn file_of<'a>(ck: &'a Checkpoint, t: &TensorLayout) -> &'a std::path::Path {
 }
 
 /// The [`BlockScale`]s that dequantize the `F8_E4M3` tensors of `selected` (source layouts,
-/// their output names beside them), by output name. Each must have its scale tensor beside
-/// it, `f32` of the shape its blocks need: otherwise a one-line error naming the file.
+/// their output names beside them), by output name, each from the `f32` scale tensor beside
+/// it, of the shape its blocks need (else a one-line error naming the file). An `F8_E4M3`
+/// tensor without a scale is left as it is, unless the model's `config.json` declares a
+/// `quantization_config`: then it is an error, as a quantized weight whose scale is missing.
 pub fn scales<'a>(
     ck: &Checkpoint,
     selected: impl IntoIterator<Item = (&'a TensorLayout, &'a str)>,
@@ -145,6 +153,9 @@ pub fn scales<'a>(
         };
         let sname = scale_name(&t.name);
         let Some(s) = ck.tensor(&sname) else {
+            if config(ck).is_none() {
+                continue; // a plain FP8 tensor: nothing says how to dequantize it
+            }
             return Err(Error::format(
                 file_of(ck, t),
                 format!(

@@ -12,7 +12,12 @@ fn dcp_cases() -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(fixture(""))
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| fixture(n).join("checkpoint").is_dir() && !n.starts_with("hf_storage"))
+        // the DCP fixtures: a checkpoint folder and the consolidated oracle beside it
+        .filter(|n| {
+            fixture(n).join("checkpoint").is_dir()
+                && fixture(n).join("oracle/full.safetensors").is_file()
+                && !n.starts_with("hf_storage")
+        })
         .collect();
     v.sort();
     v
