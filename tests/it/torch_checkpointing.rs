@@ -35,7 +35,7 @@ fn oracle(case: &str) -> Tensors {
 #[test]
 fn every_tensor_byte_equal_to_the_librarys_own_load() {
     for (case, world) in CASES {
-        let ck = Checkpoint::open(&ckpt(case)).unwrap();
+        let ck = Checkpoint::open(ckpt(case)).unwrap();
         assert_eq!(ck.format.name(), "torch-checkpointing");
         assert_eq!(ck.ranks, world);
         assert_same(case, "read", &read_all(&ck), &oracle(case));
