@@ -31,6 +31,8 @@
 #                                          ray, tensordict, omegaconf, accelerate, codetiming, peft
 #                                          (--no-deps), datasets, pillow, orjson (scripts/gen_verl.py,
 #                                          python/tests/test_verl.py, which CI runs)
+#   scripts/setup_venv.sh --torch-checkpointing ... plus Meta's torch-checkpointing 0.1.1 (--no-deps:
+#                                          it needs torch >= 2.11, already here; scripts/gen_torch_checkpointing.py)
 #   scripts/setup_venv.sh --s3            ... plus moto's S3 server and boto3 (the object-storage
 #                                          tests start a server on 127.0.0.1: test_remote.py)
 #                                          scripts/bench_remote.py --server s3s also wants s3s-fs, a
@@ -61,6 +63,7 @@ want_torchtitan=0
 want_s3=0
 want_frameworks=0
 want_verl=0
+want_torch_checkpointing=0
 for arg in "$@"; do
   case "$arg" in
     --torch21) want_torch21=1 ;;
@@ -72,8 +75,9 @@ for arg in "$@"; do
     --megatron) want_megatron=1 ;;
     --frameworks) want_frameworks=1; want_megatron=1; want_transformers=1 ;;
     --verl) want_verl=1; want_transformers=1 ;;
+    --torch-checkpointing) want_torch_checkpointing=1 ;;
     --s3) want_s3=1 ;;
-    -h|--help) sed -n '2,41p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,43p' "$0"; exit 0 ;;
     *) echo "setup_venv.sh: unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -134,6 +138,11 @@ if [ "$want_torchtitan" = 1 ]; then
   ensure_venv "$VENV" 'import tyro; print("tyro", tyro.__version__)' "${RESHARD_TYRO_SPEC:-tyro==1.0.17}"
   ensure_venv "$VENV" 'import torchtitan.components.checkpoint, torchtitan.components.optimizer, torchtitan.components.dataloader; print("torchtitan ok")' \
     --no-deps "${RESHARD_TORCHTITAN_SPEC:-torchtitan==0.3.0}" torchdata==0.11.0 spmd-types==0.2.3
+fi
+if [ "$want_torch_checkpointing" = 1 ]; then
+  # no dependencies beyond torch (>= 2.11); --no-deps so torch is not moved
+  ensure_venv "$VENV" 'from torch_checkpointing import CheckpointManager; print("torch_checkpointing ok")' \
+    --no-deps "${RESHARD_TORCH_CHECKPOINTING_SPEC:-torch-checkpointing==0.1.1}"
 fi
 if [ "$want_verl" = 1 ]; then
   # verl pins transformers < 5.11 and tensordict <= 0.10: it goes in without dependencies, with

@@ -38,7 +38,7 @@ done
 if [ "$setup" = 1 ] && [ "$python" = 1 ]; then
   echo "== setup: the venv (scripts/setup_venv.sh) and Slurm (scripts/slurm_local.sh install)"
   start=$(date +%s)
-  bash scripts/setup_venv.sh --lightning --deepspeed --transformers --megatron --frameworks --torchtitan --s3 --verl
+  bash scripts/setup_venv.sh --lightning --deepspeed --transformers --megatron --frameworks --torchtitan --s3 --verl --torch-checkpointing
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     bash scripts/slurm_local.sh install
   else

@@ -32,6 +32,7 @@ mod megatron_legacy;
 mod pt_read;
 mod pt_write;
 mod recipes;
+mod torch_checkpointing;
 mod torch_save;
 mod torchtitan;
 mod verl;

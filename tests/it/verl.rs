@@ -23,7 +23,7 @@ fn model_only(t: &Tensors) -> Tensors {
 #[test]
 fn model_tensors_byte_equal_to_the_gathered_state_dict() {
     for (case, world) in CASES {
-        let ck = Checkpoint::open(&fixture(&format!("verl/{case}/checkpoint"))).unwrap();
+        let ck = Checkpoint::open(fixture(&format!("verl/{case}/checkpoint"))).unwrap();
         assert_eq!(ck.format.name(), "verl");
         assert_eq!(ck.ranks, world);
         let (want, _) = read_st(&fixture(&format!("verl/{case}/oracle/model.safetensors")));
@@ -41,7 +41,7 @@ fn model_tensors_byte_equal_to_the_gathered_state_dict() {
 #[test]
 fn optimizer_states_byte_equal_to_the_gathered_optimizer() {
     for (case, _) in CASES {
-        let ck = Checkpoint::open(&fixture(&format!("verl/{case}/checkpoint"))).unwrap();
+        let ck = Checkpoint::open(fixture(&format!("verl/{case}/checkpoint"))).unwrap();
         let got = read_all(&ck);
         let (want, _) = read_st(&fixture(&format!("verl/{case}/oracle/optim.safetensors")));
         // optimizer.state_dict() numbers the parameters in the model's order

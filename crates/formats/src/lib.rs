@@ -45,6 +45,7 @@ pub mod pt;
 pub mod safetensors;
 pub mod ties;
 pub mod torch;
+pub mod torch_checkpointing;
 pub mod verl;
 
 /// The core floor's modules, at the paths this crate's code names them by.
@@ -78,6 +79,7 @@ pub const REGISTRY: &[Format] = &[
     Format::MEGATRON,
     Format::MEGATRON_LEGACY,
     Format::VERL,
+    Format::TORCH_CHECKPOINTING,
 ];
 
 /// One checkpoint format: what it can hold, how to recognize it, its reader and its writer.
@@ -317,6 +319,8 @@ impl Format {
     /// verl's FSDP checkpoint folders (`model_world_size_W_rank_R.pt`: per-rank DTensor or
     /// ShardedTensor state dicts), read as global tensors.
     pub const VERL: Format = Format(&verl::Verl);
+    /// Meta's torch_checkpointing folders (read only).
+    pub const TORCH_CHECKPOINTING: Format = Format(&torch_checkpointing::TorchCheckpointing);
 
     /// The name used on the command line.
     pub fn name(self) -> &'static str {

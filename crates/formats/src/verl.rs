@@ -276,11 +276,39 @@ fn world_of(path: &Path, names: &[String]) -> Result<u32> {
     }
 }
 
-struct Reader {
+/// Gathers the tensors of per-rank `torch.save` files into global layouts.
+pub(crate) struct Reader {
     tensors: BTreeMap<String, Gathered>,
     order: Vec<String>,
     extras: Vec<Extra>,
     saw_sharded_tensor: bool,
+}
+
+impl Reader {
+    /// An empty reader.
+    pub(crate) fn new() -> Reader {
+        Reader {
+            tensors: BTreeMap::new(),
+            order: vec![],
+            extras: vec![],
+            saw_sharded_tensor: false,
+        }
+    }
+
+    /// The gathered tensors in the order first seen, and the non-tensor leaves.
+    pub(crate) fn finish(mut self) -> (Vec<TensorLayout>, Vec<Extra>) {
+        let mut tensors = vec![];
+        for name in &self.order {
+            let g = self.tensors.remove(name).expect("gathered");
+            tensors.push(TensorLayout {
+                name: name.clone(),
+                dtype: g.dtype,
+                shape: g.shape,
+                pieces: g.pieces,
+            });
+        }
+        (tensors, self.extras)
+    }
 }
 
 /// A field of an object's state: a `BUILD` dict, or the dict of a `(dict, slots)` pair
@@ -306,30 +334,47 @@ fn ints(v: Option<&Value>) -> Option<Vec<u64>> {
 
 impl Reader {
     fn file(&mut self, p: &Path, index: usize, kind: &str, rank: u32) -> Result<()> {
-        let f = std::fs::File::open(p).at(p)?;
-        let map = crate::sys::map_file(&f, p)?;
-        let item =
-            save::parse_with(&map, globals()).map_err(|e| Error::format(p, e.to_string()))?;
-        let Value::Dict(pairs) = &item.value else {
-            return Err(Error::format(
-                p,
-                format!("holds a pickled {}, not a state dict", item.value.kind()),
-            ));
-        };
         let prefix = match kind {
             "model" => String::new(),
             "optim" => "optim.".to_string(),
             _ => format!("extra_state.rank_{rank}."),
         };
+        self.read_file(p, index, &prefix, rank, kind == "extra_state", None)
+    }
+
+    /// Read the `torch.save` file `p` (the `index`th of the checkpoint's files) of `rank`:
+    /// its state dict's entries under `prefix`. `per_rank`: its non-tensor leaves are kept for
+    /// every rank (else rank 0's). `leaf`: the name a top-level value that is not a dict
+    /// is kept under (`None`: such a file is refused).
+    pub(crate) fn read_file(
+        &mut self,
+        p: &Path,
+        index: usize,
+        prefix: &str,
+        rank: u32,
+        per_rank: bool,
+        leaf: Option<&str>,
+    ) -> Result<()> {
+        let f = std::fs::File::open(p).at(p)?;
+        let map = crate::sys::map_file(&f, p)?;
+        let item =
+            save::parse_with(&map, globals()).map_err(|e| Error::format(p, e.to_string()))?;
         let mut ctx = FileCtx {
             path: p,
             index: index as u32,
             rank,
-            per_rank: kind == "extra_state",
+            per_rank,
             archive: &item.archive,
             bytes: &map,
         };
-        self.dict(&mut ctx, &prefix, pairs)
+        match (&item.value, leaf) {
+            (Value::Dict(pairs), _) => self.dict(&mut ctx, prefix, pairs),
+            (v, Some(name)) => self.value(&mut ctx, name, v),
+            (v, None) => Err(Error::format(
+                p,
+                format!("holds a pickled {}, not a state dict", v.kind()),
+            )),
+        }
     }
 
     fn dict(&mut self, ctx: &mut FileCtx, prefix: &str, pairs: &[(Value, Value)]) -> Result<()> {
