@@ -201,7 +201,8 @@ pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions)
             let dtype = match opts.dtype {
                 Some(d)
                     if t.dtype.is_castable_float()
-                        || (t.dtype == DType::F8E4M3 && crate::fp8::has_scale(&source, &t.name)) =>
+                        || (t.dtype == DType::F8E4M3
+                            && crate::fp8::has_scale(&source, &t.name)) =>
                 {
                     d
                 }

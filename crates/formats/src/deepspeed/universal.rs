@@ -805,4 +805,3 @@ fn frozen_fragments(
         pieces,
     })
 }
-
