@@ -403,14 +403,14 @@ impl Reader {
             Value::List(items)
                 if items
                     .iter()
-                    .any(|x| matches!(x, Value::Dict(_)) || is_tensor(x)) =>
+                    .any(|x| matches!(x, Value::Dict(_)) || crate::pt::read::is_tensor_call(x)) =>
             {
                 for (i, x) in items.iter().enumerate() {
                     self.value(ctx, &format!("{name}.{i}"), x)?;
                 }
                 Ok(())
             }
-            _ if is_tensor(v) => self.tensor(ctx, name, v),
+            _ if crate::pt::read::is_tensor_call(v) => self.tensor(ctx, name, v),
             _ => {
                 // non-tensor leaves: rank 0's of shared files, every rank's of per-rank ones
                 if ctx.per_rank || ctx.rank == 0 {
@@ -636,20 +636,6 @@ struct FileCtx<'a> {
     per_rank: bool,
     archive: &'a Archive,
     bytes: &'a [u8],
-}
-
-/// True for the calls `torch.save` pickles a tensor (or a tensor subclass) as.
-fn is_tensor(v: &Value) -> bool {
-    matches!(
-        v.class(),
-        Some((
-            "torch._utils",
-            "_rebuild_tensor_v2"
-                | "_rebuild_tensor_v3"
-                | "_rebuild_parameter"
-                | "_rebuild_parameter_with_state"
-        )) | Some(("torch._tensor", "_rebuild_from_type_v2"))
-    )
 }
 
 #[cfg(test)]

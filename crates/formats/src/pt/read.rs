@@ -132,7 +132,7 @@ fn decode(
 }
 
 /// True for the calls `torch.save` pickles a tensor as (plain, parameter, subclass).
-fn is_tensor_call(v: &Value) -> bool {
+pub(crate) fn is_tensor_call(v: &Value) -> bool {
     matches!(
         v.class(),
         Some((
