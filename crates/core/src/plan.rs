@@ -350,22 +350,7 @@ pub fn plan_named<'a>(
     src: impl IntoIterator<Item = (&'a str, &'a TensorLayout)>,
     dst: &[TensorLayout],
 ) -> Result<Plan> {
-    let by_name: HashMap<&str, &TensorLayout> = src.into_iter().collect();
-    plan_each(dst, |d, ops, _| {
-        let s = by_name
-            .get(d.name.as_str())
-            .ok_or_else(|| Error::layout(&d.name, "is in the target but not in the source"))?;
-        plan_tensor(s, d, ops)?;
-        Ok(TensorPlan {
-            name: d.name.clone(),
-            dtype: (s.dtype, d.dtype),
-            shape: d.shape.clone(),
-            pieces: (s.pieces.len(), d.pieces.len()),
-            ops: ops.len(),
-            bytes: (0, 0),
-            view: None,
-        })
-    })
+    plan_named_scaled(src, dst, &HashMap::new())
 }
 
 /// [`plan_named`] where some sources are block-quantized: a target named in `scales` is
@@ -381,38 +366,8 @@ pub fn plan_named_scaled<'a>(
         let s = by_name
             .get(d.name.as_str())
             .ok_or_else(|| Error::layout(&d.name, "is in the target but not in the source"))?;
-        match scales.get(d.name.as_str()).filter(|_| s.dtype != d.dtype) {
-            None => plan_tensor(s, d, ops)?,
-            Some(bs) => {
-                if s.dtype != DType::F8E4M3 || !d.dtype.is_castable_float() {
-                    return Err(Error::layout(
-                        &d.name,
-                        format!(
-                            "cannot dequantize {} to {} (only F8_E4M3 to f16, bf16, f32, f64)",
-                            s.dtype, d.dtype
-                        ),
-                    ));
-                }
-                if s.shape != d.shape {
-                    return Err(Error::layout(
-                        &d.name,
-                        format!(
-                            "source shape {:?} differs from target shape {:?}",
-                            s.shape, d.shape
-                        ),
-                    ));
-                }
-                s.validate()?;
-                d.validate()?;
-                let first = ops.len();
-                fill(s, &d.pieces, d.dtype, ops);
-                for o in &mut ops[first..] {
-                    if let Some(c) = &mut o.cast {
-                        c.scale = Some(*bs);
-                    }
-                }
-            }
-        }
+        let scale = scales.get(d.name.as_str()).filter(|_| s.dtype != d.dtype);
+        plan_tensor_scaled(s, d, scale, ops)?;
         Ok(TensorPlan {
             name: d.name.clone(),
             dtype: (s.dtype, d.dtype),
@@ -698,6 +653,17 @@ fn pad_part(dst: &TensorLayout, part: &ViewPart, value: &[u8], fills: &mut Vec<F
 
 /// Append to `ops` the copies that fill every piece of `dst` from `src`.
 pub fn plan_tensor(src: &TensorLayout, dst: &TensorLayout, ops: &mut Vec<CopyOp>) -> Result<()> {
+    plan_tensor_scaled(src, dst, None, ops)
+}
+
+/// [`plan_tensor`], dequantizing an `F8_E4M3` source with `scale` (its [`BlockScale`]) into
+/// the target's floating dtype when one is given.
+fn plan_tensor_scaled(
+    src: &TensorLayout,
+    dst: &TensorLayout,
+    scale: Option<&BlockScale>,
+    ops: &mut Vec<CopyOp>,
+) -> Result<()> {
     if src.shape != dst.shape {
         return Err(Error::layout(
             &dst.name,
@@ -707,10 +673,35 @@ pub fn plan_tensor(src: &TensorLayout, dst: &TensorLayout, ops: &mut Vec<CopyOp>
             ),
         ));
     }
-    check_source(src, &dst.name, dst.dtype)?;
+    if scale.is_some() && (src.dtype != DType::F8E4M3 || !dst.dtype.is_castable_float()) {
+        return Err(Error::layout(
+            &dst.name,
+            format!(
+                "cannot dequantize {} to {} (only F8_E4M3 to f16, bf16, f32, f64)",
+                src.dtype, dst.dtype
+            ),
+        ));
+    }
+    check_source(
+        src,
+        &dst.name,
+        if scale.is_some() {
+            src.dtype
+        } else {
+            dst.dtype
+        },
+    )?;
     src.validate()?;
     dst.validate()?;
+    let first = ops.len();
     fill(src, &dst.pieces, dst.dtype, ops);
+    if let Some(bs) = scale {
+        for o in &mut ops[first..] {
+            if let Some(c) = &mut o.cast {
+                c.scale = Some(*bs);
+            }
+        }
+    }
     Ok(())
 }
 
