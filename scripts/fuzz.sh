@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 
 SECONDS_PER_TARGET=${1:-30}
 shift || true
-ALL_TARGETS=(pickle torch_zip safetensors_header hf_index layout open_dcp open_deepspeed)
+ALL_TARGETS=(pickle torch_zip safetensors_header hf_index layout open_dcp open_deepspeed open_producers)
 if [ $# -gt 0 ]; then TARGETS=("$@"); else TARGETS=("${ALL_TARGETS[@]}"); fi
 SANITIZER=${FUZZ_SANITIZER:-address}
 

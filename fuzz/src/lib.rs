@@ -426,6 +426,19 @@ pub const DEEPSPEED_FIXTURES: [&str; 4] = [
     "tests/fixtures/deepspeed/zero3_dp2_f32_g2_sub/checkpoint/global_step2",
 ];
 
+/// The fixtures of `open_producers`, relative to the repository root: a DeepSpeed universal
+/// checkpoint (a folder per parameter), verl's per-rank FSDP2 files (with `huggingface/`), a
+/// torch_checkpointing folder, Megatron-LM's legacy rank folders with the distributed
+/// optimizer's `distrib_optim.pt`, and without. A file index takes the low nibble: only a
+/// fixture's first 16 files (a folder's own files first) are reached.
+pub const PRODUCER_FIXTURES: [&str; 5] = [
+    "tests/fixtures/deepspeed_universal/zero3_dp2_f32_g2_sub/global_step2_universal",
+    "tests/fixtures/verl/fsdp2_w2/checkpoint",
+    "tests/fixtures/torch_checkpointing/fsdp2_w2/checkpoint",
+    "tests/fixtures/megatron_distopt/legacy",
+    "tests/fixtures/megatron_legacy/tp2/checkpoint",
+];
+
 /// The repository root: the crate's own directory when this file is compiled into the
 /// root crate's tests, its parent when it is compiled as the fuzz crate (`fuzz/`).
 pub fn repo_root() -> PathBuf {
@@ -436,20 +449,29 @@ pub fn repo_root() -> PathBuf {
         .expect("the repository's tests/fixtures")
 }
 
-/// The files of a fixture directory, sorted by name: `(name, bytes)`.
+/// The files of a fixture directory, its sub-folders' included, sorted by depth and then by
+/// their path relative to it (a folder's own files first): `(path, bytes)`.
 fn fixture_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
-        .expect("read a fixture checkpoint")
-        .flatten()
-        .filter(|e| e.path().is_file())
-        .map(|e| {
-            (
-                e.file_name().to_string_lossy().into_owned(),
-                std::fs::read(e.path()).expect("read a fixture file"),
-            )
-        })
-        .collect();
-    v.sort();
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, Vec<u8>)>) {
+        for e in std::fs::read_dir(dir)
+            .expect("read a fixture checkpoint")
+            .flatten()
+        {
+            let p = e.path();
+            if p.is_dir() {
+                walk(root, &p, out);
+            } else if p.is_file() {
+                let rel = p.strip_prefix(root).expect("under the fixture");
+                out.push((
+                    rel.to_string_lossy().into_owned(),
+                    std::fs::read(&p).expect("read a fixture file"),
+                ));
+            }
+        }
+    }
+    let mut v = vec![];
+    walk(dir, dir, &mut v);
+    v.sort_by(|a, b| (a.0.matches('/').count(), &a.0).cmp(&(b.0.matches('/').count(), &b.0)));
     v
 }
 
@@ -463,6 +485,8 @@ pub enum Set {
     Dcp,
     /// [`DEEPSPEED_FIXTURES`], for `open_deepspeed`.
     DeepSpeed,
+    /// [`PRODUCER_FIXTURES`], for `open_producers`.
+    Producers,
 }
 
 impl Set {
@@ -471,15 +495,18 @@ impl Set {
         match self {
             Set::Dcp => &DCP_FIXTURES,
             Set::DeepSpeed => &DEEPSPEED_FIXTURES,
+            Set::Producers => &PRODUCER_FIXTURES,
         }
     }
 
     fn files(self) -> &'static Vec<FixtureFiles> {
         static DCP: OnceLock<Vec<FixtureFiles>> = OnceLock::new();
         static DS: OnceLock<Vec<FixtureFiles>> = OnceLock::new();
+        static PRODUCERS: OnceLock<Vec<FixtureFiles>> = OnceLock::new();
         let cell = match self {
             Set::Dcp => &DCP,
             Set::DeepSpeed => &DS,
+            Set::Producers => &PRODUCERS,
         };
         cell.get_or_init(|| {
             let root = repo_root();
@@ -530,7 +557,11 @@ fn open_replaced(set: Set, data: &[u8]) {
     if !dir.is_dir() {
         std::fs::create_dir_all(&dir).expect("create a fixture copy");
         for (name, bytes) in fixture {
-            std::fs::write(dir.join(name), bytes).expect("copy a fixture file");
+            let p = dir.join(name);
+            if let Some(parent) = p.parent() {
+                std::fs::create_dir_all(parent).expect("create a fixture sub-folder");
+            }
+            std::fs::write(p, bytes).expect("copy a fixture file");
         }
     }
     let (name, original) = &fixture[file];
@@ -550,6 +581,13 @@ pub fn open_dcp(data: &[u8]) {
 /// and optim files, whose pickles name DeepSpeed's classes).
 pub fn open_deepspeed(data: &[u8]) {
     open_replaced(Set::DeepSpeed, data)
+}
+
+/// `open_producers`: [`open_replaced`] on [`PRODUCER_FIXTURES`] (the pickles of DeepSpeed
+/// universal checkpoints, verl's DTensor shards, torch_checkpointing's `metadata.pkl`,
+/// Megatron-LM's arguments and `distrib_optim.pt`).
+pub fn open_producers(data: &[u8]) {
+    open_replaced(Set::Producers, data)
 }
 
 /// The lazy open of `dir` ([`Checkpoint::open_lazy`]): errors are one line, and when the eager

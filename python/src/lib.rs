@@ -67,7 +67,7 @@ fn hint(e: &Error) -> String {
         },
         (Some(Hint::WorldSize), Error::TooManyRanks { world, .. }) => {
             let more: Vec<String> = Format::all()
-                .filter(|f| f.holds(*world))
+                .filter(|f| f.holds(*world) && f.capabilities().written)
                 .map(|f| format!("format=\"{}\"", f.name()))
                 .collect();
             format!(": use world_size=1, or {}", more.join(" or "))

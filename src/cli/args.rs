@@ -425,7 +425,11 @@ fn format_help() -> String {
 /// The `convert` help's closing text: examples, how the output format is chosen, the formats.
 fn convert_help() -> String {
     let formats: Vec<String> = Format::all()
-        .map(|f| format!("  {:12} {}", f.name(), f.capabilities().summary))
+        .map(|f| {
+            let c = f.capabilities();
+            let read_only = if c.written { "" } else { " (read only)" };
+            format!("  {:12} {}{read_only}", f.name(), c.summary)
+        })
         .collect();
     let files: Vec<String> = Format::all()
         .flat_map(|f| f.capabilities().extensions)
@@ -466,7 +470,7 @@ pub fn hint(e: &Error) -> String {
         },
         (Some(Hint::WorldSize), Error::TooManyRanks { world, .. }) => {
             let more: Vec<&str> = Format::all()
-                .filter(|f| f.holds(*world))
+                .filter(|f| f.holds(*world) && f.capabilities().written)
                 .map(Format::name)
                 .collect();
             format!(": use --to 1, or --format {}", more.join(" or "))

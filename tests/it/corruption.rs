@@ -42,24 +42,62 @@ fn copy_source(src: &Path, to: &Path) -> PathBuf {
         return p;
     }
     let d = to.join("ck");
-    std::fs::create_dir_all(&d).unwrap();
-    for e in std::fs::read_dir(src).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), d.join(e.file_name())).unwrap();
-    }
+    copy_tree(src, &d);
     d
 }
 
+/// Copy the folder `src` to `to`, sub-folders included (DeepSpeed's universal checkpoints
+/// keep a folder per parameter, verl a `huggingface/` folder, Megatron-LM one per rank).
+fn copy_tree(src: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        if e.path().is_dir() {
+            copy_tree(&e.path(), &to.join(e.file_name()));
+        } else {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+/// The files of a checkpoint (itself for a single file; those of its sub-folders too),
+/// sorted.
 fn files_of(p: &Path) -> Vec<PathBuf> {
     if p.is_file() {
         return vec![p.to_path_buf()];
     }
-    let mut v: Vec<PathBuf> = std::fs::read_dir(p)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
+    let mut v = vec![];
+    for e in std::fs::read_dir(p).unwrap() {
+        let q = e.unwrap().path();
+        if q.is_dir() {
+            v.extend(files_of(&q));
+        } else {
+            v.push(q);
+        }
+    }
     v.sort();
     v
+}
+
+/// The checkpoints of the producers added after the first corpus, each in its own layout:
+/// DeepSpeed universal folders, verl's per-rank files, torch_checkpointing folders,
+/// block-FP8 Hugging Face weights, Megatron-LM's legacy rank folders (with and without the
+/// distributed optimizer's state).
+fn producer_checkpoints() -> Vec<PathBuf> {
+    let root = common::fixture("");
+    [
+        "deepspeed_universal/zero2_dp2_f32_g1/global_step2_universal",
+        "deepspeed_universal/zero3_dp2_f32_g2_sub/global_step2_universal",
+        "verl/fsdp2_w2/checkpoint",
+        "torch_checkpointing/fsdp2_w2/checkpoint",
+        "torch_checkpointing/w1/checkpoint",
+        "fp8/checkpoint",
+        "megatron_legacy/tp2_pp2/checkpoint/iter_0000007",
+        "megatron_distopt/legacy/iter_0000007",
+    ]
+    .iter()
+    .map(|c| root.join(c))
+    .collect()
 }
 
 fn find_all(hay: &[u8], needle: &[u8]) -> Vec<usize> {
@@ -68,6 +106,15 @@ fn find_all(hay: &[u8], needle: &[u8]) -> Vec<usize> {
         .filter(|(_, w)| *w == needle)
         .map(|(i, _)| i)
         .collect()
+}
+
+/// Whether `name` is a torch_checkpointing item file of a rank (`model_0.pt`).
+fn item_file(name: &str) -> bool {
+    name.strip_suffix(".pt")
+        .and_then(|s| s.rsplit_once('_'))
+        .is_some_and(|(item, r)| {
+            !item.is_empty() && !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit())
+        })
 }
 
 /// Make the variants of `src` under `work` (each in its own directory).
@@ -86,12 +133,16 @@ fn variants(src: &Path, work: &Path) -> Vec<Variant> {
         if p.is_file() {
             p.to_path_buf()
         } else {
-            p.join(f.file_name().unwrap())
+            p.join(f.strip_prefix(src).unwrap())
         }
     };
     let originals = files_of(src);
     for (fi, f) in originals.iter().enumerate() {
-        let name = f.file_name().unwrap().to_string_lossy().to_string();
+        let name = if src.is_file() {
+            f.file_name().unwrap().to_string_lossy().to_string()
+        } else {
+            f.strip_prefix(src).unwrap().to_string_lossy().to_string()
+        };
         let bytes = std::fs::read(f).unwrap();
         let len = bytes.len();
         // truncated at many points
@@ -162,7 +213,14 @@ fn variants(src: &Path, work: &Path) -> Vec<Variant> {
         .iter()
         .filter(|f| {
             let n = f.file_name().unwrap().to_string_lossy();
-            n.ends_with(".distcp") || n.ends_with(".safetensors") || n.ends_with("_states.pt")
+            n.ends_with(".distcp")
+                || n.ends_with(".safetensors")
+                || n.ends_with("_states.pt")
+                || n.ends_with("model_optim_rng.pt")
+                || n == "distrib_optim.pt"
+                || n == "fp32.pt"
+                || n.starts_with("model_world_size_")
+                || item_file(&n)
         })
         .collect();
     // a rank file missing; two rank files swapped
@@ -174,7 +232,9 @@ fn variants(src: &Path, work: &Path) -> Vec<Variant> {
             },
         );
     }
-    if data.len() >= 2 {
+    // (not in a universal checkpoint: its files are named by the folder they sit in and hold
+    // no name, so two parameters' files of one shape swapped are each a valid file)
+    if data.len() >= 2 && !src.join("zero").is_dir() {
         let (a, b) = (data[0].clone(), data[1].clone());
         fresh("first two data files swapped".into(), &|p| {
             let (x, y) = (rel(p, &a), rel(p, &b));
@@ -284,9 +344,22 @@ fn protected(p: &Path) -> bool {
 
 #[test]
 fn every_damaged_variant_is_refused_or_converted_exactly() {
+    let total = corpus(common::fixture_checkpoints());
+    assert!(total.refused > 500, "{total:?}");
+}
+
+#[test]
+fn every_damaged_variant_of_the_newer_producers_is_refused_or_converted_exactly() {
+    let total = corpus(producer_checkpoints());
+    assert!(total.refused > 500, "{total:?}");
+}
+
+/// Damage each checkpoint of `sources` every way [`variants`] knows, convert each variant,
+/// and check the outcome (see the module's doc); prints the counts.
+fn corpus(sources: Vec<PathBuf>) -> Tally {
     let mut total = Tally::default();
     let mut lines = vec![];
-    for src in common::fixture_checkpoints() {
+    for src in sources {
         let want = contents(&src);
         let guarded = protected(&src);
         let work = tempfile::tempdir().unwrap();
@@ -410,5 +483,5 @@ fn every_damaged_variant_is_refused_or_converted_exactly() {
         total.converted_exactly,
         total.unprotected
     );
-    assert!(total.refused > 500, "{total:?}");
+    total
 }

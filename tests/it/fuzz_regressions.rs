@@ -89,6 +89,11 @@ fn open_deepspeed_corpus() {
     replay("open_deepspeed", targets::open_deepspeed);
 }
 
+#[test]
+fn open_producers_corpus() {
+    replay("open_producers", targets::open_producers);
+}
+
 /// The seeds are what they claim: the real fixtures open (so the fuzzers start from inputs
 /// that reach deep into each parser).
 #[test]
@@ -134,6 +139,7 @@ fn seeds_are_valid_inputs() {
     for (target, set) in [
         ("open_dcp", targets::Set::Dcp),
         ("open_deepspeed", targets::Set::DeepSpeed),
+        ("open_producers", targets::Set::Producers),
     ] {
         let mut seen = std::collections::BTreeSet::new();
         for p in seeds(target) {
@@ -154,6 +160,17 @@ fn seeds_are_valid_inputs() {
         let all: usize = (0..set.dirs().len()).map(|f| set.file_names(f).len()).sum();
         if target == "open_deepspeed" {
             assert_eq!(seen.len(), all, "{target}: a seed per fixture file");
+        }
+        if target == "open_producers" {
+            // a seed per file a selector reaches (a fixture's first 16)
+            let reach: usize = (0..set.dirs().len())
+                .map(|f| set.file_names(f).len().min(16))
+                .sum();
+            assert_eq!(
+                seen.len(),
+                reach,
+                "{target}: a seed per reachable fixture file"
+            );
         }
     }
     // DeepSpeed's pickles decode with its allow-list

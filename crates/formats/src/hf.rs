@@ -60,6 +60,7 @@ static CAPS: Capabilities = Capabilities {
     extras_kept: "as JSON under `reshard.extras` in the index's metadata",
     keeps_opaque: false,
     aliasing: Aliasing::Forbidden,
+    written: true,
 };
 
 impl Codec for Hf {

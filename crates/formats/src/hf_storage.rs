@@ -52,6 +52,7 @@ static CAPS: Capabilities = Capabilities {
     extras_kept: "as JSON in the safetensors __metadata__ key `reshard.extras`",
     keeps_opaque: false,
     aliasing: Aliasing::Forbidden,
+    written: true,
 };
 
 impl Codec for HfStorage {

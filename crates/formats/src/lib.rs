@@ -235,6 +235,8 @@ pub struct Capabilities {
     pub keeps_opaque: bool,
     /// How it stores tied tensors.
     pub aliasing: Aliasing,
+    /// Whether reshard writes it (a format read only refuses [`Codec::write`]).
+    pub written: bool,
 }
 
 /// Facts about a path gathered once for [`Codec::recognize`].

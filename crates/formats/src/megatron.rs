@@ -53,6 +53,7 @@ static MEGATRON_CAPS: Capabilities = Capabilities {
     extras_kept: "common.pt keys in common.pt, ShardedObjects and the rest as BYTE_IO items",
     keeps_opaque: true,
     aliasing: Aliasing::CopyPerName,
+    written: true,
 };
 
 /// True when a folder's files carry megatron-core's marker: `metadata.json` beside

@@ -173,6 +173,7 @@ static CAPS: Capabilities = Capabilities {
     extras_kept: "in every rank file (args, iteration, counters)",
     keeps_opaque: false,
     aliasing: Aliasing::StoresOnce,
+    written: true,
 };
 
 /// The rank folder's name for tensor rank `tp`, pipeline rank `pp` and expert rank `ep`
@@ -598,6 +599,22 @@ fn place(cfg: &Config, key: &str, stage: u64, ep: u64, file: &Path) -> Result<Op
         return Err(Error::format(
             file,
             "holds Megatron-LM's pre-megatron-core model (language_model.*): reshard reads megatron-core GPT models",
+        ));
+    }
+    // the embedding lives on the first pipeline stage, the final norm and the output layer
+    // on the last: a file elsewhere sits in another stage's folder
+    let (first, last) = (stage == 0, stage + 1 == cfg.pp);
+    let misplaced = (key.starts_with("embedding.") && !first)
+        || ((key.starts_with("decoder.final_layernorm.") || key.starts_with("output_layer."))
+            && !last);
+    if misplaced {
+        return Err(Error::format(
+            file,
+            format!(
+                "holds `{}`, which pipeline stage {stage} of {} does not: a rank file in another stage's folder?",
+                short(key),
+                cfg.pp
+            ),
         ));
     }
     if cfg.tied && key == "output_layer.weight" {

@@ -15,35 +15,45 @@
 //! (`optimizer.state.0.exp_avg`, `optimizer.param_groups.0.lr`). An item that is not a dict
 //! (`step`) is a value under its own name. Non-tensor leaves are extras (rank 0's).
 //!
+//! Written at one rank ([`write`]): an `<item>_0.pt` per item — the first part of each name's
+//! recorded nesting (`optimizer`, `step`), `model` for names without one — holding the item's
+//! nested dict of plain tensors and values, and a `metadata.pkl` that lists every tensor as
+//! replicated on rank 0, as the library records a single process's plain tensors; its
+//! `CheckpointManager.load` reshards that to any world size (DTensor targets included).
+//!
 //! Refused with one line naming the file: a malformed `metadata.pkl`, a missing rank file, a
 //! tensor `metadata.pkl` lists that no rank file holds, or one whose shape or dtype differs.
 
 use crate::error::{Error, Result};
-use crate::torch::pickle::{self, Globals, Value};
-use crate::torch::save;
+use crate::torch::pickle::{self, extra_value, pickle, Globals, PyValue, Value};
+use crate::torch::save::{self, standard_records};
+use crate::torch::zip::{layout_archive, output_parts};
 use crate::{
-    Aliasing, Capabilities, Checkpoint, Codec, Container, Family, Format, Output, Probe,
+    Aliasing, Capabilities, Checkpoint, Codec, Container, Family, Format, KeyPart, Output, Probe,
     Recognition, TargetTensor, WriteOptions,
 };
+use reshard_core::output::OutputFile;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// A torch_checkpointing checkpoint folder (read only).
+/// A torch_checkpointing checkpoint folder (read at any world size, written as one process's).
 pub struct TorchCheckpointing;
 
 static CAPS: Capabilities = Capabilities {
     name: "torch-checkpointing",
     aliases: &["torch_checkpointing"],
     summary: "Meta torch_checkpointing folders (metadata.pkl + <item>_R.pt per rank: DTensor \
-              shards), read as global tensors",
+              shards), read as global tensors; written as one process's (--to 1), which its \
+              loader reshards to any world size",
     noun: "a torch_checkpointing checkpoint (metadata.pkl and <item>_R.pt files)",
     container: Container::Directory,
     extensions: &[],
-    max_world: None,
+    max_world: Some(1),
     family: Family::Torch,
     extras_kept: "optimizer param_groups, non-dict items (step)",
     keeps_opaque: false,
     aliasing: Aliasing::StoresOnce,
+    written: true,
 };
 
 impl Codec for TorchCheckpointing {
@@ -60,11 +70,8 @@ impl Codec for TorchCheckpointing {
     fn read(&self, path: &Path) -> Result<Checkpoint> {
         read(path)
     }
-    fn write(&self, _target: &[TargetTensor], _world: u32, _opts: &WriteOptions) -> Result<Output> {
-        Err(Error::usage(
-            "torch_checkpointing checkpoints are read, not written: write dcp at any --to M, \
-             safetensors, or hf",
-        ))
+    fn write(&self, target: &[TargetTensor], _world: u32, opts: &WriteOptions) -> Result<Output> {
+        write(target, opts)
     }
 }
 
@@ -189,10 +196,12 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
             } else {
                 format!("{item}.")
             };
+            r.nest_under((*item != "model").then(|| vec![KeyPart::Key(item.to_string())]));
             r.read_file(&p, files.len() - 1, &prefix, rank, false, Some(item))?;
         }
     }
-    let (tensors, extras) = r.finish();
+    let paths = r.paths().clone();
+    let (tensors, extras, checksums) = r.finish();
     for (name, m) in &meta {
         let Some(t) = tensors.iter().find(|t| &t.name == name) else {
             return Err(Error::format(
@@ -231,7 +240,7 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
         tensors,
         metadata: BTreeMap::new(),
         extras,
-        paths: BTreeMap::new(),
+        paths,
         producer: Some(format!(
             "torch_checkpointing CheckpointManager (world size {world})"
         )),
@@ -239,10 +248,227 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
         tag: None,
         companions: vec![],
         scratch: vec![],
-        checksums: vec![],
+        checksums,
         locator: None,
         storage: reshard_storage::local(),
     })
+}
+
+/// The item a target name goes to and its path inside the item: the first part of its
+/// recorded nesting (`optimizer` of `optimizer.state.0.exp_avg`), else the `model` item with
+/// the name as a top-level key.
+fn item_of(name: &str, paths: &BTreeMap<String, Vec<KeyPart>>) -> (String, Vec<KeyPart>) {
+    match paths.get(name).and_then(|p| p.split_first()) {
+        Some((KeyPart::Key(item), rest)) => (item.clone(), rest.to_vec()),
+        _ => ("model".to_string(), vec![KeyPart::Key(name.to_string())]),
+    }
+}
+
+/// The `json.dumps(..., separators=(",", ":"))` of a nested path, as torch_checkpointing
+/// keys `nested_path_to_metadata` (`["state",0,"exp_avg"]`).
+fn nested_path_key(path: &[KeyPart]) -> String {
+    let parts: Vec<String> = path
+        .iter()
+        .map(|k| match k {
+            KeyPart::Key(s) => serde_json::Value::String(s.clone()).to_string(),
+            KeyPart::Index(i) | KeyPart::IntKey { int: i } => i.to_string(),
+        })
+        .collect();
+    format!("[{}]", parts.join(","))
+}
+
+/// What `metadata.pkl` says of a tensor one process holds whole: replicated over a mesh of
+/// one CPU rank, as torch_checkpointing records a plain tensor.
+fn replicated_metadata(t: &TargetTensor) -> PyValue {
+    let s = |x: &str| PyValue::Str(x.to_string());
+    let ints = |v: &[u64]| PyValue::List(v.iter().map(|&x| PyValue::Int(x as i64)).collect());
+    let mut stride = vec![1u64; t.shape.len()];
+    for d in (0..t.shape.len().saturating_sub(1)).rev() {
+        stride[d] = stride[d + 1] * t.shape[d + 1];
+    }
+    let data = PyValue::Dict(vec![
+        (s("global_shape"), ints(&t.shape)),
+        (
+            s("dtype"),
+            s(&format!(
+                "torch.{}",
+                crate::torch::dtype::torch_dtype_name(t.dtype)
+            )),
+        ),
+        (s("stride"), ints(&stride)),
+        (
+            s("mesh_spec"),
+            PyValue::Dict(vec![
+                (s("device_type"), s("cpu")),
+                (s("mesh_shape"), PyValue::Tuple(vec![PyValue::Int(1)])),
+                (s("mesh_data"), PyValue::Tuple(vec![PyValue::Int(0)])),
+                (s("mesh_dim_names"), PyValue::None),
+            ]),
+        ),
+        (
+            s("placements"),
+            PyValue::List(vec![PyValue::Dict(vec![(s("type"), s("Replicate"))])]),
+        ),
+    ]);
+    PyValue::List(vec![PyValue::Dict(vec![
+        (
+            s("sharding_metadata"),
+            PyValue::Dict(vec![
+                (s("type"), s("DTensorShardingMetadata")),
+                (s("data"), data),
+            ]),
+        ),
+        (s("ranks"), PyValue::Tuple(vec![PyValue::Int(0)])),
+    ])])
+}
+
+/// Lay out a consolidated target as one process's torch_checkpointing folder: an
+/// `<item>_0.pt` per item (a `torch.save` of its nested state dict, plain tensors) and
+/// `metadata.pkl` listing every tensor replicated on rank 0, which the library's loader
+/// reshards to any world size.
+fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
+    // items in first-seen order, `model` first
+    let mut items: Vec<String> = vec![];
+    let mut tensors_of: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    let mut extras_of: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    let mut sub_paths: BTreeMap<String, BTreeMap<String, Vec<KeyPart>>> = BTreeMap::new();
+    let note = |item: &str, items: &mut Vec<String>| {
+        if !items.iter().any(|i| i == item) {
+            items.push(item.to_string());
+        }
+    };
+    for (i, t) in target.iter().enumerate() {
+        let (item, rest) = item_of(&t.name, &opts.paths);
+        if rest.is_empty() {
+            return Err(Error::usage(format!(
+                "`{}`: a tensor that is a whole torch_checkpointing item is not written \
+                 (items are dicts)",
+                crate::torch::short(&t.name)
+            )));
+        }
+        note(&item, &mut items);
+        tensors_of.entry(item.clone()).or_default().push(i);
+        sub_paths
+            .entry(item)
+            .or_default()
+            .insert(t.name.clone(), rest);
+    }
+    for (i, e) in opts.extras.iter().enumerate() {
+        let (item, rest) = item_of(&e.name, &opts.paths);
+        note(&item, &mut items);
+        extras_of.entry(item.clone()).or_default().push(i);
+        sub_paths
+            .entry(item)
+            .or_default()
+            .insert(e.name.clone(), rest);
+    }
+    items.sort_by_key(|i| i != "model");
+    let mut out = Output {
+        files: vec![],
+        tensors: vec![],
+        copies: vec![],
+    };
+    let mut meta_items = vec![];
+    for item in &items {
+        if item.is_empty() || item.contains(['/', '\\']) || item.starts_with('.') {
+            return Err(Error::usage(format!(
+                "`{}` is not a torch_checkpointing item name (it names the item's file)",
+                crate::torch::short(item)
+            )));
+        }
+        let file_name = format!("{item}_0.pt");
+        let paths = sub_paths.remove(item).unwrap_or_default();
+        let ts: Vec<TargetTensor> = tensors_of
+            .get(item)
+            .map(|v| v.iter().map(|&i| target[i].clone()).collect())
+            .unwrap_or_default();
+        let extras: Vec<crate::Extra> = extras_of
+            .get(item)
+            .map(|v| v.iter().map(|&i| opts.extras[i].clone()).collect())
+            .unwrap_or_default();
+        let file_index = out.files.len() as u32;
+        // an item that is one value (`step`): its pickle is the value itself
+        if ts.is_empty() && extras.len() == 1 && paths.values().all(|p| p.is_empty()) {
+            let value = extra_value(&extras[0]);
+            let records = standard_records(pickle(&value), &[]);
+            let layout = layout_archive("archive", &records);
+            let (literals, checksums) = output_parts(&layout, &records, 0);
+            out.files.push(OutputFile {
+                path: PathBuf::from(&file_name),
+                size: layout.len,
+                literals,
+                checksums,
+            });
+            continue;
+        }
+        if paths.values().any(|p| p.is_empty()) {
+            return Err(Error::usage(format!(
+                "item `{}`: holds both a value of its own and keys",
+                crate::torch::short(item)
+            )));
+        }
+        let sub = WriteOptions {
+            extras,
+            paths,
+            ties: opts
+                .ties
+                .iter()
+                .map(|g| {
+                    g.iter()
+                        .filter(|n| ts.iter().any(|t| &t.name == *n))
+                        .cloned()
+                        .collect::<Vec<_>>()
+                })
+                .filter(|g| g.len() > 1)
+                .collect(),
+            ..opts.clone()
+        };
+        let mut o = crate::pt::write(&ts, &sub)?;
+        for f in &mut o.files {
+            f.path = PathBuf::from(&file_name);
+        }
+        for t in &mut o.tensors {
+            for p in &mut t.pieces {
+                p.loc.file += file_index;
+            }
+        }
+        out.files.extend(o.files);
+        out.tensors.extend(o.tensors);
+        if !ts.is_empty() {
+            let entries: Vec<(PyValue, PyValue)> = ts
+                .iter()
+                .map(|t| {
+                    let (_, rest) = item_of(&t.name, &opts.paths);
+                    (PyValue::Str(nested_path_key(&rest)), replicated_metadata(t))
+                })
+                .collect();
+            meta_items.push((
+                PyValue::Str(item.clone()),
+                PyValue::Dict(vec![
+                    (
+                        PyValue::Str("nested_path_to_metadata".into()),
+                        PyValue::Dict(entries),
+                    ),
+                    (
+                        PyValue::Str("rank_to_layout_info".into()),
+                        PyValue::Dict(vec![(PyValue::Int(0), PyValue::None)]),
+                    ),
+                ]),
+            ));
+        }
+    }
+    let meta = pickle(&PyValue::Dict(vec![
+        (PyValue::Str("metadata".into()), PyValue::Dict(meta_items)),
+        (PyValue::Str("world_size".into()), PyValue::Int(1)),
+        (PyValue::Str("version".into()), PyValue::Str("2.0".into())),
+    ]));
+    out.files.push(OutputFile {
+        path: PathBuf::from("metadata.pkl"),
+        size: meta.len() as u64,
+        literals: vec![(0, meta.into())],
+        checksums: vec![],
+    });
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -33,8 +33,8 @@ use crate::torch::save::{self, TensorItem};
 use crate::torch::short;
 use crate::torch::zip::Archive;
 use crate::{
-    dcp, Aliasing, Capabilities, Checkpoint, Codec, Container, Extra, Family, Format, Output,
-    Probe, Recognition, TargetTensor, WriteOptions,
+    dcp, Aliasing, Capabilities, Checkpoint, Codec, Container, Extra, Family, Format, KeyPart,
+    Output, Probe, Recognition, RecordCrc, TargetTensor, WriteOptions,
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -55,6 +55,7 @@ static CAPS: Capabilities = Capabilities {
     extras_kept: "optimizer param_groups, per-rank extra_state",
     keeps_opaque: false,
     aliasing: Aliasing::StoresOnce,
+    written: false,
 };
 
 impl Codec for Verl {
@@ -182,12 +183,7 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
         == Some(1);
     let mut files: Vec<PathBuf> = vec![];
     let mut side_files: Vec<PathBuf> = vec![];
-    let mut r = Reader {
-        tensors: BTreeMap::new(),
-        order: vec![],
-        extras: vec![],
-        saw_sharded_tensor: false,
-    };
+    let mut r = Reader::new();
     for kind in ["model", "optim", "extra_state"] {
         let present: Vec<u32> = (0..world)
             .filter(|&r| names.contains(&file(kind, r)))
@@ -217,16 +213,8 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
             side_files.push(path.join(n));
         }
     }
-    let mut tensors = vec![];
-    for name in &r.order {
-        let g = r.tensors.remove(name).expect("gathered");
-        tensors.push(TensorLayout {
-            name: name.clone(),
-            dtype: g.dtype,
-            shape: g.shape,
-            pieces: g.pieces,
-        });
-    }
+    let fsdp1 = fsdp1 || r.saw_sharded_tensor;
+    let (tensors, extras, checksums) = r.finish();
     Ok(Checkpoint {
         format: Format::VERL,
         path: path.to_path_buf(),
@@ -235,11 +223,11 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
         ranks: world,
         tensors,
         metadata: BTreeMap::new(),
-        extras: r.extras,
+        extras,
         paths: BTreeMap::new(),
         producer: Some(format!(
             "verl FSDPCheckpointManager ({}, world size {world})",
-            if fsdp1 || r.saw_sharded_tensor {
+            if fsdp1 {
                 "FSDP1 ShardedTensor; optimizer's flat slices not read"
             } else {
                 "FSDP2 DTensor"
@@ -249,7 +237,7 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
         tag: None,
         companions: vec![],
         scratch: vec![],
-        checksums: vec![],
+        checksums,
         locator: None,
         storage: reshard_storage::local(),
     })
@@ -282,6 +270,13 @@ pub(crate) struct Reader {
     order: Vec<String>,
     extras: Vec<Extra>,
     saw_sharded_tensor: bool,
+    /// The zip CRC-32 of every storage record a piece reads, once per record.
+    checksums: Vec<RecordCrc>,
+    /// Where the entry being read sits in its file's nesting, below [`Reader::nest_under`]'s
+    /// base; `None` when nesting is not recorded.
+    path: Option<Vec<KeyPart>>,
+    /// The nesting of each leaf read while a path is recorded.
+    paths: BTreeMap<String, Vec<KeyPart>>,
 }
 
 impl Reader {
@@ -292,11 +287,45 @@ impl Reader {
             order: vec![],
             extras: vec![],
             saw_sharded_tensor: false,
+            checksums: vec![],
+            path: None,
+            paths: BTreeMap::new(),
         }
     }
 
-    /// The gathered tensors in the order first seen, and the non-tensor leaves.
-    pub(crate) fn finish(mut self) -> (Vec<TensorLayout>, Vec<Extra>) {
+    /// Record the nesting of the leaves of the files read next, under `base` (`None`: stop
+    /// recording).
+    pub(crate) fn nest_under(&mut self, base: Option<Vec<KeyPart>>) {
+        self.path = base;
+    }
+
+    /// The nesting recorded of each leaf read under [`Reader::nest_under`].
+    pub(crate) fn paths(&self) -> &BTreeMap<String, Vec<KeyPart>> {
+        &self.paths
+    }
+
+    /// Run `f` with `part` pushed on the recorded path.
+    fn nested<T>(&mut self, part: KeyPart, f: impl FnOnce(&mut Self) -> T) -> T {
+        if let Some(p) = &mut self.path {
+            p.push(part);
+        }
+        let r = f(self);
+        if let Some(p) = &mut self.path {
+            p.pop();
+        }
+        r
+    }
+
+    /// Note the recorded path of the leaf `name`.
+    fn leaf(&mut self, name: &str) {
+        if let Some(p) = &self.path {
+            self.paths.insert(name.to_string(), p.clone());
+        }
+    }
+
+    /// The gathered tensors in the order first seen, the non-tensor leaves, and the CRCs of
+    /// the records the tensors' pieces read.
+    pub(crate) fn finish(mut self) -> (Vec<TensorLayout>, Vec<Extra>, Vec<RecordCrc>) {
         let mut tensors = vec![];
         for name in &self.order {
             let g = self.tensors.remove(name).expect("gathered");
@@ -307,7 +336,7 @@ impl Reader {
                 pieces: g.pieces,
             });
         }
-        (tensors, self.extras)
+        (tensors, self.extras, self.checksums)
     }
 }
 
@@ -382,9 +411,9 @@ impl Reader {
             if crate::pt::read::is_module_metadata(pairs, i) {
                 continue;
             }
-            let key = match k {
-                Value::Str(s) => s.clone(),
-                Value::Int(i) => i.to_string(),
+            let (key, part) = match k {
+                Value::Str(s) => (s.clone(), KeyPart::Key(s.clone())),
+                Value::Int(i) => (i.to_string(), KeyPart::IntKey { int: *i }),
                 _ => {
                     return Err(Error::format(
                         ctx.path,
@@ -392,7 +421,7 @@ impl Reader {
                     ))
                 }
             };
-            self.value(ctx, &format!("{prefix}{key}"), v)?;
+            self.nested(part, |r| r.value(ctx, &format!("{prefix}{key}"), v))?;
         }
         Ok(())
     }
@@ -406,12 +435,18 @@ impl Reader {
                     .any(|x| matches!(x, Value::Dict(_)) || crate::pt::read::is_tensor_call(x)) =>
             {
                 for (i, x) in items.iter().enumerate() {
-                    self.value(ctx, &format!("{name}.{i}"), x)?;
+                    self.nested(KeyPart::Index(i as i64), |r| {
+                        r.value(ctx, &format!("{name}.{i}"), x)
+                    })?;
                 }
                 Ok(())
             }
-            _ if crate::pt::read::is_tensor_call(v) => self.tensor(ctx, name, v),
+            _ if crate::pt::read::is_tensor_call(v) => {
+                self.leaf(name);
+                self.tensor(ctx, name, v)
+            }
             _ => {
+                self.leaf(name);
                 // non-tensor leaves: rank 0's of shared files, every rank's of per-rank ones
                 if ctx.per_rank || ctx.rank == 0 {
                     self.extras.push(Extra {
@@ -483,6 +518,25 @@ impl Reader {
                         "rank {}'s shard lies outside the global shape {shape:?}",
                         ctx.rank
                     )));
+                }
+            }
+            let rec = format!("{}/data/{}", ctx.archive.prefix, l.item.storage_key);
+            if let Some(entry) = ctx.archive.entry(&rec) {
+                let (file, offset) = (ctx.index, l.item.record.offset);
+                if !self
+                    .checksums
+                    .iter()
+                    .rev()
+                    .any(|c| c.file == file && c.offset == offset)
+                {
+                    self.checksums.push(RecordCrc {
+                        file,
+                        offset,
+                        len: l.item.record.len,
+                        crc: entry.crc,
+                        what: format!("`{}` (record {rec})", short(name)).into(),
+                        shown: None,
+                    });
                 }
             }
             g.pieces.push(Piece {

@@ -23,6 +23,7 @@ static DCP_CAPS: Capabilities = Capabilities {
     extras_kept: "as BYTE_IO items (Lightning's meta.pt keys in meta.pt)",
     keeps_opaque: true,
     aliasing: Aliasing::CopyPerName,
+    written: true,
 };
 
 impl Codec for Dcp {

@@ -26,6 +26,7 @@ static DEEPSPEED_CAPS: Capabilities = Capabilities {
     extras_kept: "as the model states' entries (engine counters, ds_config, client state)",
     keeps_opaque: false,
     aliasing: Aliasing::CopyPerName,
+    written: true,
 };
 
 impl Codec for DeepSpeed {

@@ -53,6 +53,7 @@ static UNIVERSAL_CAPS: Capabilities = Capabilities {
     extras_kept: "as the model states' entries (engine counters, ds_config, client state)",
     keeps_opaque: false,
     aliasing: Aliasing::CopyPerName,
+    written: true,
 };
 
 /// True when the folder `probe` describes is a universal tag folder: a `zero` sub-folder

@@ -24,6 +24,7 @@ static PT_CAPS: Capabilities = Capabilities {
     extras_kept: "as Python values",
     keeps_opaque: false,
     aliasing: Aliasing::StoresOnce,
+    written: true,
 };
 
 impl Codec for Pt {
