@@ -443,17 +443,21 @@ def worker_load(args):
     per tensor rank: every parameter whole. With it, ``MOE`` at TP ``args.tp`` x EP 2 (megatron-
     core chains a dense and an expert optimizer only when the experts are split), the dense
     part data-parallel over 2: a dense parameter's state is the rank's flat shard of it (none
-    where the rank holds none of it); the param_groups a list of both optimizers'."""
+    where the rank holds none of it); the param_groups a list of both optimizers'. With
+    ``args.gg`` the same with the grouped-GEMM cases' model (GroupedMLP experts, ``GG``)."""
     torch, dist = gf._init()
     _cuda_to_cpu(torch)
     from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
 
-    ep = MOE_EP if args.moe else 1
+    experts = args.moe or args.gg
+    ep = MOE_EP if experts else 1
     assert dist.get_world_size() == args.tp * ep, "one process per tensor (and expert) rank"
-    ps, model, ddp, opt = build_trainer(torch, args.tp, MOE if args.moe else MODEL, ep)
+    if args.gg:
+        _stub_grouped_gemm()
+    ps, model, ddp, opt = build_trainer(torch, args.tp, GG if args.gg else MOE if args.moe else MODEL, ep)
     inners = list(opt.chained_optimizers) if hasattr(opt, "chained_optimizers") else [opt]
-    assert len(inners) == (2 if args.moe else 1), len(inners)
+    assert len(inners) == (2 if experts else 1), len(inners)
     # torch's Adam (no apex / TransformerEngine here) has no state before its first step, and
     # DistributedOptimizer.state_dict wants each state's step: megatron-core's own dummy step
     for inner in inners:
@@ -566,6 +570,7 @@ def main():
     ap.add_argument("--ckpt")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--moe", action="store_true", help="(worker) the model of moe_ep2/")
+    ap.add_argument("--gg", action="store_true", help="(worker) the model of the grouped-GEMM cases")
     ap.add_argument("--out-prefix", dest="out")
     a = ap.parse_args()
     if a.load:
