@@ -35,6 +35,12 @@ saved the two ways Megatron-LM's ``save_checkpoint`` saves it:
                  rank 0, distrib_optim.pt a list of both optimizers' states, None where that
                  optimizer's data-parallel rank 0 is elsewhere) and torch_dist/ as above
                  (``--only-moe`` regenerates this one alone)
+  gg_ep2/        moe_ep2's model with GroupedMLP experts (moe_grouped_gemm; vocabulary 32, expert
+  gg_tp2_ep2/    FFN 12) at TP 1 x EP 2 and TP 2 x EP 2 (the experts split over the tensor ranks)
+                 on 4 processes; no training (GroupedMLP runs only on CUDA): built with the
+                 grouped_gemm package's availability check stubbed, the state set from seeds as
+                 tied_pp2's; legacy/ and torch_dist/ as moe_ep2's, the torch_dist save checked
+                 here against the seeds (``--only-gg`` regenerates these alone)
   case.json      the models, the splits, the optimizer's settings
 
 Usage: .venv/bin/python scripts/gen_megatron_distopt.py [--out tests/fixtures/megatron_distopt]

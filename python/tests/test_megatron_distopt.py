@@ -9,6 +9,9 @@ the ``fully_reshardable`` optimizer format).
   and megatron-core loads it into a GPTModel + DistributedOptimizer with the weights, state and
   param_groups it loads from its own save; its ``common.pt`` holds the optimizer's param_groups
   and sharding type as megatron-core's;
+- GroupedMLP experts (``gg_ep2``, ``gg_tp2_ep2``: moe_grouped_gemm at TP 1 and 2 x EP 2, the
+  state seeded): megatron-core loads reshard's torch_dist output of the legacy files at another
+  TP with the weights, state and param_groups of its own save;
 - torch_dist -> torch_dist at another rank count: megatron-core loads reshard's output into a
   GPTModel + DistributedOptimizer at TP 1 x DP 1 (the source was TP 2 x DP 2) with the same
   weights, optimizer state and param_groups, byte for byte, as from its own save.

@@ -19,7 +19,9 @@
 //! file's `model` state dict, whose tensor order is the parameters') and the bucket rule the
 //! saved arguments give. Each parameter's state is then a stretch of the flat record, a
 //! contiguous tensor of the parameter's local shape, placed in the global tensor as the
-//! parameter is: nothing is materialised.
+//! parameter is: nothing is materialised. GroupedMLP's `weight1` / `weight2`
+//! (`moe_grouped_gemm`) hold their state as they hold their weights, and are read per expert
+//! as the weights are (strided views of the stretch, under SequentialMLP's names).
 
 use super::{
     global_shape, grouped_experts, pieces, place, split_of_known, Config, RankFile, Split,
