@@ -35,6 +35,12 @@ saved the two ways Megatron-LM's ``save_checkpoint`` saves it:
                  rank 0, distrib_optim.pt a list of both optimizers' states, None where that
                  optimizer's data-parallel rank 0 is elsewhere) and torch_dist/ as above
                  (``--only-moe`` regenerates this one alone)
+  gg_ep2/        moe_ep2's model with GroupedMLP experts (moe_grouped_gemm; vocabulary 32, expert
+  gg_tp2_ep2/    FFN 12) at TP 1 x EP 2 and TP 2 x EP 2 (the experts split over the tensor ranks)
+                 on 4 processes; no training (GroupedMLP runs only on CUDA): built with the
+                 grouped_gemm package's availability check stubbed, the state set from seeds as
+                 tied_pp2's; legacy/ and torch_dist/ as moe_ep2's, the torch_dist save checked
+                 here against the seeds (``--only-gg`` regenerates these alone)
   case.json      the models, the splits, the optimizer's settings
 
 Usage: .venv/bin/python scripts/gen_megatron_distopt.py [--out tests/fixtures/megatron_distopt]
@@ -292,7 +298,117 @@ def worker_tied(args):
     dist.destroy_process_group()
 
 
-def build_trainer(torch, tp: int, m: dict = MODEL, ep: int = 1):
+# the grouped-GEMM cases: moe_ep2's model with megatron-core's GroupedMLP experts
+# (moe_grouped_gemm: each layer's local experts in two parameters, mlp.experts.weight1 [H,
+# E_local*2F/TP] and weight2 [E_local*F/TP, H]) on 4 processes, at TP 1 x EP 2 (dense DP 4, expert
+# DP 2) and at TP 2 x EP 2 (the experts split over the tensor ranks too; dense DP 2, expert DP 1).
+# GroupedMLP runs only on CUDA in bf16, so no training: built with the grouped_gemm package's
+# availability check stubbed, each parameter's exp_avg / exp_avg_sq set from a seed through
+# DistributedOptimizer's own setter (as tied_pp2), its fp32 main param the weight
+# (smaller than moe_ep2's: a vocabulary of 32, experts' FFN size 12, the fixture's bytes mostly
+# the dense part's state and megatron's per-tensor framing)
+GG = dict(MOE, moe_grouped_gemm=True, vocab_size=32, padded_vocab_size=32, moe_ffn_hidden_size=12)
+GG_CASES = {"gg_ep2": 1, "gg_tp2_ep2": 2}  # name -> TP (EP 2, 4 processes)
+GG_WORLD = 4
+
+
+def _stub_grouped_gemm():
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
+
+
+def _gg_split(name: str, p) -> bool:
+    """Whether this rank's parameter ``name`` is its tensor rank's own (split over TP): the
+    experts' always (megatron-core splits GroupedMLP's weights over the expert tensor ranks)."""
+    return bool(getattr(p, "tensor_model_parallel", False)) or ".mlp.experts." in name
+
+
+def _gg_seed(name: str, p, tp_rank: int, ep_rank: int, what: str) -> int:
+    """The seed of this rank's ``what`` (weight, exp_avg, exp_avg_sq) of parameter ``name``: equal
+    wherever the parameter is the same (its data-parallel replicas, a replicated one's TP ranks)."""
+    import zlib
+
+    tp = tp_rank if _gg_split(name, p) else "-"
+    ep = ep_rank if ".mlp.experts." in name else "-"
+    return zlib.crc32(f"{name}|tp{tp}|ep{ep}|{what}".encode())
+
+
+def worker_gg(args):
+    torch, dist = gf._init()
+    _cuda_to_cpu(torch)
+    _stub_grouped_gemm()
+    tp = GG_CASES[Path(args.dir).name]
+    ps, model, ddp, opt = build_trainer(torch, tp, GG, MOE_EP, weight_decay=0.0)
+    tp_rank, ep_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+    with torch.no_grad():  # (the weights: seeds of their own, the experts' per tensor rank)
+        for name, p in model.named_parameters():
+            g = torch.Generator().manual_seed(_gg_seed(name, p, tp_rank, ep_rank, "weight"))
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1 + (1.0 if "norm" in name else 0.0))
+    inners = list(opt.chained_optimizers)
+    assert len(inners) == 2, len(inners)
+    for inner in inners:
+        inner._init_optimizer_states_with_dummy_values()  # (no weight decay: the weights stay)
+        for name, p in model.named_parameters():
+            if p not in inner.model_param_group_index_map:
+                continue
+            r = inner._get_model_param_range_map(p)["param"]
+            states = dict(inner._get_main_param_and_optimizer_states(p))
+            for k in ("exp_avg", "exp_avg_sq"):
+                g = torch.Generator().manual_seed(_gg_seed(name, p, tp_rank, ep_rank, k))
+                states[k] = torch.rand(p.numel(), generator=g)[r.start:r.end]
+            with torch.no_grad():
+                inner._set_main_param_and_optimizer_states(p, states)
+    out = Path(args.dir)
+    save_both(torch, dist, out, model, opt, GG, tp, 1, GG_WORLD // tp, Path(args.megatron_lm),
+              dict(overlap_grad_reduce=False), ep=MOE_EP)
+    check_gg_oracle(torch, dist, out, model, tp, tp_rank, ep_rank)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def check_gg_oracle(torch, dist, out: Path, model, tp: int, tp_rank: int, ep_rank: int) -> None:
+    """megatron-core's own fully_reshardable save of the grouped experts' state is the seeds':
+    each rank's local weight1 / weight2 state, unflattened as GroupedMLP holds it ([E_local, H,
+    2F/TP] / [E_local, F/TP, H]), is its experts' stretch of the global [L, E, 2F, H] / [L, E, H,
+    F] tensors (transposed; at TP > 1 weight1's gate and up halves at rows t*F/TP and F + t*F/TP,
+    weight2's columns t*F/TP), read by torch's DCP reader."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(out / "torch_dist" / f"iter_{ITERATION:07d}"))
+    md = reader.read_metadata()
+    keys = [f"optimizer.state.{k}.decoder.layers.mlp.experts.experts.linear_fc{i}.weight"
+            for k in ("exp_avg", "exp_avg_sq") for i in (1, 2)]
+    sd = {k: torch.empty(tuple(md.state_dict_metadata[k].size)) for k in keys}
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    per = GG["num_experts"] // MOE_EP
+    f = GG["moe_ffn_hidden_size"] // tp
+    checked = 0
+    for name, p in model.named_parameters():
+        if ".mlp.experts.weight" not in name:
+            continue
+        layer = int(name.split(".")[2])
+        which = 1 if name.endswith("weight1") else 2
+        for k in ("exp_avg", "exp_avg_sq"):
+            g = torch.Generator().manual_seed(_gg_seed(name, p, tp_rank, ep_rank, k))
+            local = torch.rand(p.numel(), generator=g)
+            full = sd[f"optimizer.state.{k}.decoder.layers.mlp.experts.experts.linear_fc{which}.weight"]
+            for j in range(per):
+                e = ep_rank * per + j
+                if which == 1:
+                    mine = local.view(per, GG["hidden_size"], 2 * f)[j].t()  # [2F/TP, H]: [gate_t; up_t]
+                    F = GG["moe_ffn_hidden_size"]
+                    want = torch.cat([full[layer, e, tp_rank * f:(tp_rank + 1) * f],
+                                      full[layer, e, F + tp_rank * f:F + (tp_rank + 1) * f]])
+                else:
+                    mine = local.view(per, f, GG["hidden_size"])[j].t()  # [H, F/TP]
+                    want = full[layer, e, :, tp_rank * f:(tp_rank + 1) * f]
+                assert torch.equal(mine, want), (name, k, j)
+                checked += 1
+    assert checked == 2 * 2 * 2 * per, checked
+
+
+def build_trainer(torch, tp: int, m: dict = MODEL, ep: int = 1, weight_decay: float = 0.01):
     """This rank's GPTModel ``m`` (seeded), wrapped in DistributedDataParallel, and its
     DistributedOptimizer (chained: the dense and the expert parameters' with experts), at TP
     ``tp`` and EP ``ep`` (the rest data-parallel)."""
@@ -312,7 +428,7 @@ def build_trainer(torch, tp: int, m: dict = MODEL, ep: int = 1):
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False,
                                                grad_reduce_in_fp32=True)
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-    opt_config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95,
+    opt_config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=weight_decay, adam_beta1=0.9, adam_beta2=0.95,
                                  adam_eps=1e-8, use_distributed_optimizer=True, params_dtype=torch.float32,
                                  clip_grad=0.0)
     return ps, model, ddp, get_megatron_optimizer(opt_config, [ddp])
@@ -333,17 +449,21 @@ def worker_load(args):
     per tensor rank: every parameter whole. With it, ``MOE`` at TP ``args.tp`` x EP 2 (megatron-
     core chains a dense and an expert optimizer only when the experts are split), the dense
     part data-parallel over 2: a dense parameter's state is the rank's flat shard of it (none
-    where the rank holds none of it); the param_groups a list of both optimizers'."""
+    where the rank holds none of it); the param_groups a list of both optimizers'. With
+    ``args.gg`` the same with the grouped-GEMM cases' model (GroupedMLP experts, ``GG``)."""
     torch, dist = gf._init()
     _cuda_to_cpu(torch)
     from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
 
-    ep = MOE_EP if args.moe else 1
+    experts = args.moe or args.gg
+    ep = MOE_EP if experts else 1
     assert dist.get_world_size() == args.tp * ep, "one process per tensor (and expert) rank"
-    ps, model, ddp, opt = build_trainer(torch, args.tp, MOE if args.moe else MODEL, ep)
+    if args.gg:
+        _stub_grouped_gemm()
+    ps, model, ddp, opt = build_trainer(torch, args.tp, GG if args.gg else MOE if args.moe else MODEL, ep)
     inners = list(opt.chained_optimizers) if hasattr(opt, "chained_optimizers") else [opt]
-    assert len(inners) == (2 if args.moe else 1), len(inners)
+    assert len(inners) == (2 if experts else 1), len(inners)
     # torch's Adam (no apex / TransformerEngine here) has no state before its first step, and
     # DistributedOptimizer.state_dict wants each state's step: megatron-core's own dummy step
     for inner in inners:
@@ -384,9 +504,30 @@ def worker_load(args):
     dist.destroy_process_group()
 
 
-def generate(out: Path, megatron_lm: Path, only_moe: bool = False) -> None:
+def generate_gg(out: Path, megatron_lm: Path) -> dict:
+    """The grouped-GEMM cases (GG_CASES), each under out/<name>; their case.json entries."""
+    cases = {}
+    for name, tp in GG_CASES.items():
+        shutil.rmtree(out / name, ignore_errors=True)
+        secs = job(f"gen_megatron_distopt {name}", Path(__file__), GG_WORLD,
+                   ["--worker-gg", "--dir", str(out / name), "--megatron-lm", str(megatron_lm)],
+                   env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+        cases[name] = {"tp": tp, "ep": MOE_EP, "dp": GG_WORLD // tp, "expert_dp": GG_WORLD // (tp * MOE_EP),
+                       "expert_tp": tp, "model": GG, "overlap_grad_reduce": False, "weight_decay": 0.0,
+                       "optimizers": "chained: dense, experts",
+                       "state": "seeded exp_avg / exp_avg_sq, no training (GroupedMLP runs on CUDA only)",
+                       "seconds": secs}
+    return cases
+
+
+def generate(out: Path, megatron_lm: Path, only_moe: bool = False, only_gg: bool = False) -> None:
     # (hostile/ and README.md are kept)
     out.mkdir(parents=True, exist_ok=True)
+    if only_gg:
+        case = json.loads((out / "case.json").read_text())
+        case.update(generate_gg(out, megatron_lm))
+        (out / "case.json").write_text(json.dumps(case, indent=1) + "\n")
+        return
     shutil.rmtree(out / "moe_ep2", ignore_errors=True)
     moe_secs = job("gen_megatron_distopt moe_ep2", Path(__file__), MOE_WORLD,
                    ["--worker-moe", "--dir", str(out / "moe_ep2"), "--megatron-lm", str(megatron_lm)],
@@ -398,6 +539,7 @@ def generate(out: Path, megatron_lm: Path, only_moe: bool = False) -> None:
     if only_moe:
         (out / "case.json").write_text(json.dumps(case, indent=1) + "\n")
         return
+    gg = generate_gg(out, megatron_lm)
     for sub in ("legacy", "torch_dist", "tied_pp2"):
         shutil.rmtree(out / sub, ignore_errors=True)
     secs = job("gen_megatron_distopt", Path(__file__), TP * DP,
@@ -414,7 +556,7 @@ def generate(out: Path, megatron_lm: Path, only_moe: bool = False) -> None:
         "tied_pp2": {"tp": 1, "pp": 2, "dp": 2, "tied": True, "overlap_grad_reduce": True,
                      "ddp_bucket_size": TIED_BUCKET, "weight_decay": 0.0,
                      "state": "seeded exp_avg / exp_avg_sq, no training"},
-        "seconds": secs, "moe_ep2": case["moe_ep2"]}, indent=1) + "\n")
+        "seconds": secs, "moe_ep2": case["moe_ep2"], **gg}, indent=1) + "\n")
     total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"{out}: {total} bytes, {secs} s")
 
@@ -426,16 +568,21 @@ def main():
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--worker-tied", action="store_true")
     ap.add_argument("--worker-moe", action="store_true")
+    ap.add_argument("--worker-gg", action="store_true")
     ap.add_argument("--only-moe", action="store_true", help="regenerate moe_ep2/ only")
+    ap.add_argument("--only-gg", action="store_true", help="regenerate the grouped-GEMM cases only")
     ap.add_argument("--dir")
     ap.add_argument("--load", action="store_true", help="(worker) load --ckpt at --tp, write --out.*")
     ap.add_argument("--ckpt")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--moe", action="store_true", help="(worker) the model of moe_ep2/")
+    ap.add_argument("--gg", action="store_true", help="(worker) the model of the grouped-GEMM cases")
     ap.add_argument("--out-prefix", dest="out")
     a = ap.parse_args()
     if a.load:
         worker_load(a)
+    elif a.worker_gg:
+        worker_gg(a)
     elif a.worker_moe:
         worker_moe(a)
     elif a.worker_tied:
@@ -443,7 +590,7 @@ def main():
     elif a.worker:
         worker(a)
     else:
-        generate(a.out, a.megatron_lm, a.only_moe)
+        generate(a.out, a.megatron_lm, a.only_moe, a.only_gg)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ the ``fully_reshardable`` optimizer format).
   and megatron-core loads it into a GPTModel + DistributedOptimizer with the weights, state and
   param_groups it loads from its own save; its ``common.pt`` holds the optimizer's param_groups
   and sharding type as megatron-core's;
+- GroupedMLP experts (``gg_ep2``, ``gg_tp2_ep2``: moe_grouped_gemm at TP 1 and 2 x EP 2, the
+  state seeded): megatron-core loads reshard's torch_dist output of the legacy files at another
+  TP with the weights, state and param_groups of its own save;
 - torch_dist -> torch_dist at another rank count: megatron-core loads reshard's output into a
   GPTModel + DistributedOptimizer at TP 1 x DP 1 (the source was TP 2 x DP 2) with the same
   weights, optimizer state and param_groups, byte for byte, as from its own save.
@@ -50,18 +53,20 @@ NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight"
          "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 
 
-def megatron_load(ckpt: Path, tmp: Path, tp: int = 1, moe: bool = False) -> tuple[dict, list]:
+def megatron_load(ckpt: Path, tmp: Path, tp: int = 1, moe: bool = False, gg: bool = False) -> tuple[dict, list]:
     """What megatron-core holds after loading the torch_dist folder ``ckpt`` into a GPTModel
     and its DistributedOptimizer at TP ``tp`` (one process per tensor rank, DP 1): rank 0's
     ``{weight|param|exp_avg|exp_avg_sq}.<parameter name>`` tensors, and the param_groups. With
     ``moe``: moe_ep2's model at TP ``tp`` x EP 2 (the dense part data-parallel over 2), every
     rank's tensors as ``<rank>:<name>`` (a dense parameter's state: the rank's flat shard), and
-    each chained optimizer's param_groups."""
+    each chained optimizer's param_groups. With ``gg``: the same with the grouped-GEMM cases'
+    model (GroupedMLP experts)."""
     out = tmp / f"loaded_{ckpt.parent.name}_{tp}_{abs(hash(str(ckpt)))}"
+    moe = moe or gg
     nproc = tp * (2 if moe else 1)
     _torchrun.job("megatron load", GEN, nproc,
                   ["--load", "--ckpt", str(ckpt), "--tp", str(tp), "--out-prefix", str(out)]
-                  + (["--moe"] if moe else []),
+                  + (["--gg"] if gg else ["--moe"] if moe else []),
                   env={"CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONWARNINGS": "ignore"})
     groups = json.loads(Path(f"{out}.0.json").read_text())
     if not moe:
@@ -183,6 +188,38 @@ def test_experts_distributed_optimizer_state_is_what_megatron_loads(tmp_path):
     assert mine["optimizer"] == theirs["optimizer"] and sorted(mine["optimizer"]) == [0, 1]
     # and every tensor of the output is megatron-core's own save, read by torch's DCP reader
     a, b = dcp_tensors(out / ITER, ""), dcp_tensors(moe / "torch_dist" / ITER, "")
+    assert sorted(a) == sorted(b) and len([k for k in a if k.startswith("optimizer.state.")]) == 30
+    for k in a:
+        same_bytes(a[k], b[k], k)
+
+
+@pytest.mark.parametrize("case,load_tp", [("gg_ep2", 2), ("gg_tp2_ep2", 1)])
+def test_grouped_gemm_experts_distributed_optimizer_state_is_what_megatron_loads(tmp_path, case, load_tp):
+    """GroupedMLP's experts (moe_grouped_gemm: a layer's local experts in weight1 / weight2), their
+    state seeded, at TP 1 x EP 2 and TP 2 x EP 2 (the experts split over the tensor ranks).
+    megatron-core loads reshard's torch_dist output of the legacy files into a GPTModel with
+    GroupedMLP experts + DistributedOptimizer at another TP (and so another data-parallel size),
+    EP 2, with the weights, state and param_groups it loads from its own save."""
+    src = FIX / case
+    out = tmp_path / case
+    reshard.convert(src / "legacy", out, world_size=3, format="megatron")
+    want, want_groups = megatron_load(src / "torch_dist" / ITER, tmp_path, tp=load_tp, gg=True)
+    got, got_groups = megatron_load(out / ITER, tmp_path, tp=load_tp, gg=True)
+    assert sorted(got) == sorted(want)
+    nproc = 2 * load_tp
+    # each rank: 2 layers' weight1 / weight2, the experts' state whole on the rank that holds them
+    # (expert-data-parallel 1 at the loading split)
+    for r in range(nproc):
+        for n in (f"decoder.layers.{i}.mlp.experts.weight{w}" for i in range(2) for w in (1, 2)):
+            for k in ("weight", *STATES):
+                assert want[f"{r}:{k}.{n}"].shape == want[f"{r}:weight.{n}"].shape, (r, k, n)
+    for k in want:
+        same_bytes(got[k], want[k], k)
+    assert got_groups == want_groups and len(got_groups) == 2
+    # the seeded state of the experts, not zeros
+    assert all(v.abs().sum() > 0 for k, v in got.items() if ":exp_avg_sq." in k and ".experts." in k)
+    # and every tensor of the output is megatron-core's own save, read by torch's DCP reader
+    a, b = dcp_tensors(out / ITER, ""), dcp_tensors(src / "torch_dist" / ITER, "")
     assert sorted(a) == sorted(b) and len([k for k in a if k.startswith("optimizer.state.")]) == 30
     for k in a:
         same_bytes(a[k], b[k], k)

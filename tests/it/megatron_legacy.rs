@@ -1047,3 +1047,82 @@ fn distributed_optimizer_of_experts_errors_name_the_file() {
     assert_eq!(e.lines().count(), 1, "{e}");
     fails(&["inspect", s(&it)], "holds 4608 elements per state");
 }
+
+#[test]
+fn distributed_optimizer_state_of_grouped_gemm_experts_converts_to_megatron_core_torch_dist() {
+    // GroupedMLP's experts (moe_grouped_gemm): each layer's local experts in two parameters,
+    // `mlp.experts.weight1` [H, E_local·2F/TP] and `weight2` [E_local·F/TP, H], in the expert
+    // optimizer's buffer; their state seeded, saved by megatron-core both ways. At TP 1 × EP 2
+    // (expert-data-parallel 2) and at TP 2 × EP 2 (the experts split over the tensor ranks,
+    // the SwiGLU gate and up halves of each expert's linear_fc1 apart)
+    for (case, folders) in [("gg_ep2", 2), ("gg_tp2_ep2", 4)] {
+        let legacy = distopt(&format!("{case}/legacy"));
+        let ck = Checkpoint::open(&legacy).unwrap();
+        // the rank files and, after them, each folder's distrib_optim.pt
+        assert_eq!(ck.files.len(), 2 * folders, "{case}");
+        // 29 weights (8 experts' two linears each among them) and, for each, megatron-core's
+        // param / exp_avg / exp_avg_sq; the experts' state read per expert, as the weights
+        assert_eq!(ck.tensors.len(), 116, "{case}");
+        let fc1 = ck
+            .tensors
+            .iter()
+            .find(|t| {
+                t.name
+                == "optimizer.state.exp_avg.decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"
+            })
+            .unwrap_or_else(|| panic!("{case}: no expert 3's linear_fc1 state"));
+        assert_eq!(fc1.shape, vec![24, 16], "{case}");
+        // a transposed view of its stretch of distrib_optim.pt, not a copy
+        assert!(
+            fc1.pieces
+                .iter()
+                .all(|p| p.loc.file as usize >= folders && p.loc.strides.is_some()),
+            "{case}"
+        );
+        // legacy -> torch_dist: megatron-core's own fully_reshardable save, every tensor (the
+        // experts' state stacked [L, E, …] under megatron-core's keys) byte for byte
+        let d = tempfile::tempdir().unwrap();
+        let out = d.path().join("dist3");
+        convert(&legacy, &out, &["--to", "3", "--format", "megatron", "-q"]);
+        let got = read_all(&Checkpoint::open(&out).unwrap());
+        let want = read_all(&Checkpoint::open(distopt(&format!("{case}/torch_dist"))).unwrap());
+        assert_eq!(want.len(), 40, "{case}");
+        for (linear, shape) in [
+            ("linear_fc1", [2, 4, 24, 16]),
+            ("linear_fc2", [2, 4, 16, 12]),
+        ] {
+            for key in ["param", "exp_avg", "exp_avg_sq"] {
+                let name = format!(
+                    "optimizer.state.{key}.decoder.layers.mlp.experts.experts.{linear}.weight"
+                );
+                assert_eq!(want[&name].1, shape.to_vec(), "{case}: {name}");
+            }
+        }
+        same(&format!("{case}: legacy -> torch_dist"), &got, &want);
+    }
+}
+
+#[test]
+fn distributed_optimizer_of_grouped_gemm_experts_errors_name_the_file() {
+    // SequentialMLP's expert state (moe_ep2's) in a folder of GroupedMLP's: the same model
+    // but for the experts' sizes, which make another buffer
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("save");
+    common::copy_dir(&distopt("gg_ep2/legacy"), &dir);
+    let it = dir.join("iter_0000007");
+    let bad = it.join("mp_rank_00_001/distrib_optim.pt");
+    std::fs::copy(
+        distopt("moe_ep2/legacy/iter_0000007/mp_rank_00_001/distrib_optim.pt"),
+        &bad,
+    )
+    .unwrap();
+    let e = Checkpoint::open(&it).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        format!(
+            "{}: holds 4608 elements per state, but the 4 expert parameters of {} make a buffer of 2304 (another model, or data-parallel ranks missing)",
+            bad.display(),
+            it.join("mp_rank_00_001/model_optim_rng.pt").display()
+        )
+    );
+}

@@ -26,7 +26,7 @@
 //! entries of origin `common.pt`, so a `torch_dist` output carries them in its `common.pt`. GroupedMLP's experts
 //! (`args.moe_grouped_gemm`: a layer's `mlp.experts.weight1` / `weight2`) are read as
 //! SequentialMLP's, each expert's projection a strided (transposed) view of its stretch of
-//! the record. Not read: virtual pipeline stages (`model0`, `model1`, …), Megatron-LM's
+//! the record (their distributed optimizer's state alike). Not read: virtual pipeline stages (`model0`, `model1`, …), Megatron-LM's
 //! pre-megatron-core models (`language_model.*`), TransformerEngine's `_extra_state` (FP8
 //! scaling state, which has no split rule).
 //!
@@ -791,7 +791,7 @@ fn read(dir: &Path) -> Result<Checkpoint> {
         .collect();
     let mut tensors = global_tensors(&cfg, &files)?;
     // the distributed optimizer's state, as megatron-core's fully_reshardable tensors
-    let optim = if distopt::present(&cfg, &files) {
+    let optim = if distopt::present(&files) {
         Some(distopt::read(&cfg, &files)?)
     } else {
         None

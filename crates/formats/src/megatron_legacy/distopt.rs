@@ -19,9 +19,13 @@
 //! file's `model` state dict, whose tensor order is the parameters') and the bucket rule the
 //! saved arguments give. Each parameter's state is then a stretch of the flat record, a
 //! contiguous tensor of the parameter's local shape, placed in the global tensor as the
-//! parameter is: nothing is materialised.
+//! parameter is: nothing is materialised. GroupedMLP's `weight1` / `weight2`
+//! (`moe_grouped_gemm`) hold their state as they hold their weights, and are read per expert
+//! as the weights are (strided views of the stretch, under SequentialMLP's names).
 
-use super::{global_shape, pieces, place, split_of_known, Config, RankFile, Split};
+use super::{
+    global_shape, grouped_experts, pieces, place, split_of_known, Config, RankFile, Split,
+};
 use crate::error::{Error, IoContext, Result};
 use crate::layout::DType;
 use crate::layout::{Loc, Piece, Region, TensorLayout};
@@ -66,13 +70,12 @@ pub(super) struct OptimState {
 }
 
 /// Whether the distributed optimizer's state is read: the arguments say it was used, and
-/// rank 0's folder holds its file (absent with `--no-save-optim`). Not read (the weights
-/// are): GroupedMLP's experts (`moe_grouped_gemm`), whose parameters are whole layers'
-/// `weight1` / `weight2`.
-pub(super) fn present(cfg: &Config, files: &[RankFile]) -> bool {
+/// rank 0's folder holds its file (absent with `--no-save-optim`). GroupedMLP's experts
+/// (`moe_grouped_gemm`) included: the state of a layer's `weight1` / `weight2` is read per
+/// expert, as their weights are.
+pub(super) fn present(files: &[RankFile]) -> bool {
     let r0 = &files[0];
     super::bool_arg(&r0.args, "use_distributed_optimizer")
-        && !cfg.grouped_gemm
         && r0.path.with_file_name(DISTRIB_OPTIM).is_file()
 }
 
@@ -188,27 +191,12 @@ pub(super) fn read(cfg: &Config, files: &[RankFile]) -> Result<OptimState> {
                 ));
             }
             for ((key, local), start) in mine.iter().zip(starts) {
-                let Some(p) = place(cfg, key, s, e, &f.path)? else {
-                    // the last stage's copy of a tied embedding: megatron-core keeps the first
-                    // stage's state only
-                    continue;
-                };
-                let split = if cfg.tp == 1 {
-                    Split::Replicated
-                } else {
-                    split_of_known(&p).unwrap_or(Split::Replicated)
-                };
-                if split == Split::Replicated && t > 0 {
-                    continue;
-                }
-                let Some(global) = global_shape(split, &local.shape, cfg.tp) else {
-                    continue;
-                };
                 for fl in &state.flats {
-                    let name = format!("{STATE_PREFIX}{}.{}", fl.key, p.name);
                     let elem = fl.dtype.size() as u64;
+                    // the parameter's stretch of the flat record, a contiguous tensor of its
+                    // local shape
                     let stretch = TensorLayout {
-                        name: name.clone(),
+                        name: key.to_string(),
                         dtype: fl.dtype,
                         shape: local.shape.clone(),
                         pieces: vec![Piece {
@@ -222,20 +210,41 @@ pub(super) fn read(cfg: &Config, files: &[RankFile]) -> Result<OptimState> {
                             },
                         }],
                     };
-                    let idx = *at.entry(name.clone()).or_insert_with(|| {
-                        out.push(TensorLayout {
-                            name,
-                            dtype: fl.dtype,
-                            shape: global.clone(),
-                            pieces: vec![],
+                    // GroupedMLP's weight1 / weight2 hold their state as they hold the
+                    // weights: each local expert's a strided view of it, as the weights are read
+                    for (key, stretch) in grouped_experts(cfg, vec![(key, &stretch)], &f.path)? {
+                        let Some(p) = place(cfg, &key, s, e, &f.path)? else {
+                            // the last stage's copy of a tied embedding: megatron-core keeps
+                            // the first stage's state only
+                            continue;
+                        };
+                        let split = if cfg.tp == 1 {
+                            Split::Replicated
+                        } else {
+                            split_of_known(&p).unwrap_or(Split::Replicated)
+                        };
+                        if split == Split::Replicated && t > 0 {
+                            continue;
+                        }
+                        let Some(global) = global_shape(split, &stretch.shape, cfg.tp) else {
+                            continue;
+                        };
+                        let name = format!("{STATE_PREFIX}{}.{}", fl.key, p.name);
+                        let idx = *at.entry(name.clone()).or_insert_with(|| {
+                            out.push(TensorLayout {
+                                name,
+                                dtype: fl.dtype,
+                                shape: global.clone(),
+                                pieces: vec![],
+                            });
+                            out.len() - 1
                         });
-                        out.len() - 1
-                    });
-                    let mut ps = pieces(split, &stretch, t, cfg.tp, r as u32, cfg.swiglu);
-                    for piece in &mut ps {
-                        piece.loc.file = file;
+                        let mut ps = pieces(split, &stretch, t, cfg.tp, r as u32, cfg.swiglu);
+                        for piece in &mut ps {
+                            piece.loc.file = file;
+                        }
+                        out[idx].pieces.extend(ps);
                     }
-                    out[idx].pieces.extend(ps);
                 }
             }
         }
