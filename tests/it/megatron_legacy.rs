@@ -893,13 +893,19 @@ fn distributed_optimizer_errors_name_the_file() {
         assert_eq!(e.lines().count(), 1, "{e}");
         fails(&["inspect", s(&it)], needle);
     }
-    // without --use-distributed-optimizer's file (--no-save-optim) the weights still read
+    // the parameter state's file missing while model_optim_rng.pt holds the optimizer's
+    // state_dict (saved with the optimizer, not --no-save-optim): refused naming it, not read
+    // as weights only
     let (_d, it) = copy();
     for r in ["mp_rank_00", "mp_rank_01"] {
         std::fs::remove_file(it.join(r).join("distrib_optim.pt")).unwrap();
     }
-    let ck = Checkpoint::open(&it).unwrap();
-    assert_eq!(ck.tensors.len(), 15);
+    let e = Checkpoint::open(&it).unwrap_err().to_string();
+    let missing = it.join("mp_rank_00/distrib_optim.pt");
+    assert!(
+        e.starts_with(&format!("{}: is missing", missing.display())),
+        "{e}"
+    );
 }
 
 #[test]

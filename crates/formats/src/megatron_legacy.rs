@@ -791,7 +791,7 @@ fn read(dir: &Path) -> Result<Checkpoint> {
         .collect();
     let mut tensors = global_tensors(&cfg, &files)?;
     // the distributed optimizer's state, as megatron-core's fully_reshardable tensors
-    let optim = if distopt::present(&files) {
+    let optim = if distopt::present(&files)? {
         Some(distopt::read(&cfg, &files)?)
     } else {
         None

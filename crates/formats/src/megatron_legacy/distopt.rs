@@ -72,11 +72,31 @@ pub(super) struct OptimState {
 /// Whether the distributed optimizer's state is read: the arguments say it was used, and
 /// rank 0's folder holds its file (absent with `--no-save-optim`). GroupedMLP's experts
 /// (`moe_grouped_gemm`) included: the state of a layer's `weight1` / `weight2` is read per
-/// expert, as their weights are.
-pub(super) fn present(files: &[RankFile]) -> bool {
+/// expert, as their weights are. Refused: the file missing where rank 0's
+/// `model_optim_rng.pt` holds the optimizer's `state_dict()` (saved with the optimizer, so
+/// the parameter state was saved beside it).
+pub(super) fn present(files: &[RankFile]) -> Result<bool> {
     let r0 = &files[0];
-    super::bool_arg(&r0.args, "use_distributed_optimizer")
-        && r0.path.with_file_name(DISTRIB_OPTIM).is_file()
+    if !super::bool_arg(&r0.args, "use_distributed_optimizer") {
+        return Ok(false);
+    }
+    let path = r0.path.with_file_name(DISTRIB_OPTIM);
+    if path.is_file() {
+        return Ok(true);
+    }
+    let saved = r0
+        .ck
+        .extras
+        .iter()
+        .any(|x| x.name == "optimizer" || x.name.starts_with("optimizer."));
+    if saved {
+        return Err(Error::format(
+            &path,
+            "is missing: the arguments say the distributed optimizer was used and \
+             model_optim_rng.pt holds its state_dict, so its parameter state belongs here",
+        ));
+    }
+    Ok(false)
 }
 
 /// Whether the local state-dict key `key` is an expert's parameter: in the expert
