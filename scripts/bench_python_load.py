@@ -39,7 +39,10 @@ The page cache is warm (the checkpoint files are read once before the first roun
 Also at M = 1, into a plain (non-FSDP) module: ``reshard.torch.load_model`` from the DCP
 checkpoint against ``torch.load`` of a consolidated ``.pt`` of the weights (made by
 ``reshard.convert(ckpt, pt, world_size=1, include=["model.*"], strip_prefix="model.")``) +
-``model.load_state_dict``, with and without ``mmap=True``.
+``model.load_state_dict``, with and without ``mmap=True``; ``load_model`` from the same
+weights as one ``.safetensors`` file against ``safetensors.torch.load_file`` +
+``load_state_dict``; and the bound: one thread copying each parameter's bytes from the mapped
+``.safetensors`` (page cache) into the parameter (``--ms ""`` runs only this part).
 
 Correctness is checked once before timing (at --verify-ms ranks): every local parameter shard
 and optimizer state tensor loaded by reshard equals dcp.load's (torch.equal), and the
@@ -205,6 +208,16 @@ def worker_load(a):
             rt.load_model(model, a.ckpt)
         elif a.loader == "reshard-pt":
             rt.load_model(model, a.pt, prefix="")
+        elif a.loader == "reshard-st":
+            rt.load_model(model, a.pt[: -len(".pt")] + ".safetensors", prefix="")
+        elif a.loader == "safetensors":
+            from safetensors.torch import load_file
+
+            sd = load_file(a.pt[: -len(".pt")] + ".safetensors")
+            model.load_state_dict(sd)
+            del sd
+        elif a.loader == "memcpy":
+            memcpy_from_page_cache(model, a.pt[: -len(".pt")] + ".safetensors")
         else:
             sd = torch.load(a.pt, weights_only=True, mmap=(a.loader == "torch.load-mmap"))
             model.load_state_dict(sd)
@@ -223,6 +236,30 @@ def worker_load(a):
     if dist:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def memcpy_from_page_cache(model, st: str) -> None:
+    """The bound: one thread copies each parameter's bytes from the page cache (the
+    safetensors file, mapped) into the parameter's memory; no parsing beyond the header."""
+    import mmap
+    import struct
+
+    import torch
+
+    torch.set_num_threads(1)  # a single-threaded memcpy: torch's copy_ would split big copies
+    with open(st, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    n = struct.unpack("<Q", mm[:8])[0]
+    header = json.loads(mm[8 : 8 + n])
+    base = 8 + n
+    params = dict(model.state_dict())
+    view = memoryview(mm)
+    for name, t in params.items():
+        lo, hi = header[name]["data_offsets"]
+        src = torch.frombuffer(view[base + lo : base + hi], dtype=torch.uint8)
+        t.view(-1).view(torch.uint8).copy_(src)
+    del src, view
+    mm.close()
 
 
 def worker_verify(a):
@@ -347,12 +384,16 @@ def main() -> None:
         print(f"<!-- saved {ckpt} at 4 ranks in {time.perf_counter() - t:.1f} s -->")
     if not pt.exists():
         reshard.convert(ckpt, pt, world_size=1, include=["model.*"], strip_prefix="model.")
+    st = pt.with_suffix(".safetensors")
+    if not st.exists():
+        reshard.convert(ckpt, st, world_size=1, include=["model.*"], strip_prefix="model.")
     size = dir_bytes(ckpt)
     print(f"\nCheckpoint: {ckpt} — {size:,} B ({size / 2**30:.3f} GiB), {len(list(ckpt.iterdir()))} files; "
           f"{a.layers} × Linear({a.hidden}, {a.hidden}) fp32, FSDP2 over 4 ranks, AdamW after one step. "
           f"Consolidated weights: {pt.name}, {pt.stat().st_size:,} B.\n")
     warm(ckpt)
     warm(pt)
+    warm(st)
 
     for m in [int(x) for x in a.verify_ms.split(",") if x]:
         t = time.perf_counter()
@@ -402,7 +443,7 @@ def main() -> None:
 
     pr = a.rounds if a.pt_rounds is None else a.pt_rounds
     if pr:
-        pl = ["reshard", "reshard-pt", "torch.load", "torch.load-mmap"]
+        pl = ["reshard", "reshard-pt", "reshard-st", "torch.load", "torch.load-mmap", "safetensors", "memcpy"]
         pruns: dict = {}
         for rnd in range(pr):
             for loader in (pl if rnd % 2 == 0 else pl[::-1]):
@@ -413,6 +454,9 @@ def main() -> None:
             "reshard-pt": "`reshard.torch.load_model(model, pt, prefix=\"\")`",
             "torch.load": "`model.load_state_dict(torch.load(pt, weights_only=True))`",
             "torch.load-mmap": "`model.load_state_dict(torch.load(pt, weights_only=True, mmap=True))`",
+            "reshard-st": "`reshard.torch.load_model(model, st, prefix=\"\")`",
+            "safetensors": "`model.load_state_dict(safetensors.torch.load_file(st))`",
+            "memcpy": "one thread copying each parameter's bytes from the mapped `.safetensors` (the bound)",
         }
         print("| M = 1, plain module, weights only | median (s) | rounds (s) | peak VmHWM (MiB) | delta over baseline (MiB) | share (MiB) |")
         print("|---|---|---|---|---|---|")
@@ -422,6 +466,15 @@ def main() -> None:
             print(f"| {label[loader]} | {statistics.median(times):.3f} | {' '.join(f'{x:.2f}' for x in times)} | "
                   f"{mib(statistics.median(r['peak'] for r in rs))} | {mib(statistics.median(r['delta'] for r in rs))} | "
                   f"{mib(rs[0]['share'])} |")
+        med = {k: statistics.median(r["time"] for r in pruns[k]) for k in pl}
+        print()
+        for ours, theirs in (("reshard-pt", "torch.load-mmap"), ("reshard-st", "safetensors"),
+                             ("reshard-st", "torch.load-mmap"), ("reshard", "torch.load-mmap")):
+            print(f"- {ours} / {theirs} = {med[ours] / med[theirs]:.2f} (target <= 1.0)")
+        share = pruns["memcpy"][0]["share"]
+        for k in ("reshard", "reshard-pt", "reshard-st"):
+            print(f"- {k}: {share / med[k] / 2**30:.2f} GiB/s = {med['memcpy'] / med[k]:.2f} x the "
+                  f"single-threaded memcpy's {share / med['memcpy'] / 2**30:.2f} GiB/s (target >= 0.8)")
     print(f"\n<!-- total {time.perf_counter() - t_all:.0f} s of timed rounds -->")
 
 

@@ -459,6 +459,25 @@ def _prefixed(prefix: str) -> Callable[[str], Optional[str]]:
     return lambda n: n[len(prefix):] if n.startswith(prefix) else None
 
 
+def _own_tensors(model: torch.nn.Module, sd: Mapping[str, Any]) -> Optional[Dict[str, torch.Tensor]]:
+    """The module's own parameters and buffers by state-dict name when ``model.state_dict()``
+    (``sd``) is a plain module's: every tensor a plain one, no FSDP, DDP or ``torch.compile``
+    wrapper renaming or re-sharding keys. ``None`` otherwise: the state-dict API's path."""
+    if any(_is_dtensor(v) or _is_sharded_tensor(v) for v in sd.values()):
+        return None
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or hasattr(model, "_orig_mod"):
+        return None
+    if any(type(m).__name__ in ("FullyShardedDataParallel", "FSDPModule") or hasattr(m, "_get_fsdp_state")
+           for m in model.modules()):
+        return None
+    own: Dict[str, torch.Tensor] = {}
+    for n, t in model.named_parameters(remove_duplicate=False):
+        own[n] = t
+    for n, t in model.named_buffers(remove_duplicate=False):
+        own[n] = t
+    return own
+
+
 def load_model(
     model: torch.nn.Module,
     path: Any,
@@ -472,27 +491,44 @@ def load_model(
     (``torch.distributed.checkpoint.state_dict.get_model_state_dict``: DTensors for FSDP2,
     ShardedTensors or DTensors for FSDP1, plain tensors otherwise) is filled by
     :func:`load` from the checkpoint entries named ``prefix`` + key, then set back with
-    ``set_model_state_dict``. By default the prefix is the one under which the checkpoint
-    holds the model's keys: ``"model."`` where Fabric and most trainers put them
-    (``{"model": ...}``), none for a bare model state dict, a DeepSpeed ZeRO checkpoint (its
-    fp32 master weights under the module's names) or torchtitan's step folders; pass
-    ``prefix`` to choose. ``progress`` as :func:`load` takes it."""
-    sdapi = _state_dict_api("load_model")
-    StateDictOptions, get_model_state_dict, set_model_state_dict = (
-        sdapi.StateDictOptions,
-        sdapi.get_model_state_dict,
-        sdapi.set_model_state_dict,
-    )
-
+    ``set_model_state_dict``. A plain module (no FSDP, DDP or ``torch.compile`` wrapper)
+    skips that API: its ``state_dict()`` shares its parameters' and buffers' memory, which
+    the checkpoint's bytes are read into directly (entries held elsewhere — values, a
+    hook's copies — are set with ``load_state_dict``). By default the prefix is the one
+    under which the checkpoint holds the model's keys: ``"model."`` where Fabric and most
+    trainers put them (``{"model": ...}``), none for a bare model state dict, a DeepSpeed
+    ZeRO checkpoint (its fp32 master weights under the module's names) or torchtitan's step
+    folders; pass ``prefix`` to choose. ``progress`` as :func:`load` takes it."""
     ck = _checkpoint(path)
-    sd = get_model_state_dict(model)
+    plain = model.state_dict()
+    own = _own_tensors(model, plain)
+    if own is not None:
+        sd = plain
+    else:
+        sdapi = _state_dict_api("load_model")
+        sd = sdapi.get_model_state_dict(model)
     if prefix is None:
         names = set(ck.keys())
         under = sum(("model." + k) in names for k in sd)
         bare = sum(k in names for k in sd)
         prefix = "" if bare > under else "model."
     res = load(sd, ck, strict=strict, rename=_prefixed(prefix), progress=progress)
-    set_model_state_dict(model, sd, options=StateDictOptions(strict=strict))
+    if own is not None:
+        rest = {
+            k: v
+            for k, v in sd.items()
+            if not (
+                k in own
+                and isinstance(v, torch.Tensor)
+                and v.data_ptr() == own[k].data_ptr()
+                and v.shape == own[k].shape
+                and v.stride() == own[k].stride()
+            )
+        }
+        if rest:
+            model.load_state_dict(rest, strict=False)
+    else:
+        sdapi.set_model_state_dict(model, sd, options=sdapi.StateDictOptions(strict=strict))
     return res
 
 

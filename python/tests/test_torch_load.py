@@ -721,14 +721,58 @@ def test_bad_inputs(tmp_path):
 
 
 def test_state_dict_api_needed(monkeypatch):
-    """Without torch.distributed.checkpoint.state_dict (torch 2.1), load_model and
-    load_optimizer raise RequestError saying what they need; load works on."""
+    """Without torch.distributed.checkpoint.state_dict (torch 2.1), load_optimizer raises
+    RequestError saying what it needs; load, and load_model into a plain module (which reads
+    into its parameters without that API), work on."""
     monkeypatch.setitem(sys.modules, "torch.distributed.checkpoint.state_dict", None)
     model = torch.nn.Linear(2, 2)
     ck = FIX / "fsdp2_w4_f32" / "checkpoint"
-    for call in (lambda: rt.load_model(model, ck), lambda: rt.load_optimizer(model, torch.optim.SGD(model.parameters()), ck)):
-        with pytest.raises(reshard.RequestError, match=r"needs torch >= 2.2") as e:
-            call()
-        assert "\n" not in str(e.value)
+    with pytest.raises(reshard.RequestError, match=r"needs torch >= 2.2") as e:
+        rt.load_optimizer(model, torch.optim.SGD(model.parameters()), ck)
+    assert "\n" not in str(e.value)
+    # a plain module: its state dict read in place (here nothing matches: all missing)
+    assert rt.load_model(model, ck, strict=False).missing_keys == ["weight", "bias"]
     w = {"model.head.bias": torch.empty(5)}
     assert rt.load(w, ck, strict=False).missing_keys == []
+
+
+class _WithExtra(torch.nn.Module):
+    """A module with a tied weight, a buffer and an ``_extra_state`` entry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(6, 4)
+        self.lin = torch.nn.Linear(4, 3)
+        self.head = torch.nn.Linear(4, 6, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.ones(3))
+        self.extra = {"calls": 0}
+
+    def get_extra_state(self):
+        return dict(self.extra)
+
+    def set_extra_state(self, state):
+        self.extra = dict(state)
+
+
+def test_load_model_reads_a_plain_modules_parameters_in_place(tmp_path):
+    """A plain module's parameters and buffers get the checkpoint's bytes in their own
+    memory (no copy through a state dict); a value entry (``_extra_state``) is set through
+    ``load_state_dict``; tied weights stay tied."""
+    torch.manual_seed(3)
+    src = _WithExtra()
+    with torch.no_grad():
+        src.scale.mul_(2.5)
+    src.extra = {"calls": 7}
+    torch.save(src.state_dict(), tmp_path / "m.pt")
+    for path in (tmp_path / "m.pt",):
+        torch.manual_seed(4)
+        model = _WithExtra()
+        ptrs = {n: t.data_ptr() for n, t in model.state_dict().items() if torch.is_tensor(t)}
+        assert rt.load_model(model, path) == ([], [])
+        for n, t in model.state_dict().items():
+            if torch.is_tensor(t):
+                assert torch.equal(t, src.state_dict()[n]), n
+                assert t.data_ptr() == ptrs[n], f"{n}: not read in place"
+        assert model.head.weight is model.emb.weight
+        assert model.extra == {"calls": 7}

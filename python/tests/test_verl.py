@@ -2,7 +2,7 @@
 ``FSDPCheckpointManager`` on CPU: ``scripts/gen_verl.py``), judged by the model and by verl:
 
 - consolidated into a Hugging Face folder, ``from_pretrained`` gives the source model's logits
-  and verl's ``huggingface/`` config;
+  and verl's ``huggingface/`` config (FSDP2 DTensor shards, and FSDP1 ShardedTensors);
 - ``reshard.torch.load`` into a plain model (world 1) gives the source model's state dict
   byte for byte;
 - every weight equals verl's own model merger's output (bf16) after the same cast.
@@ -41,7 +41,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), what
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + ["fsdp1_w2"])
 def test_consolidated_folder_has_the_models_logits(case, tmp_path):
     from transformers import AutoModelForCausalLM
 

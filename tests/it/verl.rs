@@ -124,3 +124,30 @@ fn a_missing_rank_file_is_refused_naming_it() {
         "optim_world_size_3_rank_2.pt: is missing",
     );
 }
+
+#[test]
+fn fsdp1_sharded_tensors_read_and_convert_to_hf() {
+    // FSDP1 SHARDED_STATE_DICT: a ShardedTensor per parameter, its process group's state
+    // pickled as `getattr(ShardedTensor, "ProcessGroupState")(...)` (read as a value)
+    let src = fixture("verl/fsdp1_w2/checkpoint");
+    let ck = Checkpoint::open(&src).unwrap();
+    assert_eq!(ck.ranks, 2);
+    assert!(
+        ck.producer.as_deref().unwrap_or("").contains("FSDP1"),
+        "{:?}",
+        ck.producer
+    );
+    let (want, _) = read_st(&fixture("verl/fsdp1_w2/oracle/model.safetensors"));
+    assert_same("fsdp1_w2", "model", &model_only(&read_all(&ck)), &want);
+    // the optimizer's flat padded slices are not read: no optim.* tensor
+    assert!(ck.tensors.iter().all(|t| !t.name.starts_with("optim.")));
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("hf");
+    convert(
+        &src,
+        &out,
+        &["--format", "hf", "--exclude", "extra_state.*"],
+    );
+    let (got, _) = read_st(&out.join("model-00001-of-00001.safetensors"));
+    assert_same("fsdp1_w2", "hf", &got, &want);
+}

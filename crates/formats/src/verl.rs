@@ -111,6 +111,13 @@ fn globals() -> &'static Globals {
                 "ShardedTensor",
             ),
             ("torch.distributed._shard.sharded_tensor.shard", "Shard"),
+            // FSDP1's ShardedTensor pickles its process group's state as
+            // `getattr(ShardedTensor, "ProcessGroupState")(...)`: a value here
+            ("builtins", "getattr"),
+            (
+                "torch.distributed._shard.sharded_tensor.api",
+                "ShardedTensor.ProcessGroupState",
+            ),
             ("torch.distributed._shard.metadata", "ShardMetadata"),
             ("torch.distributed.remote_device", "_remote_device"),
             (

@@ -15,6 +15,7 @@ enum Builtin {
     Set,
     ByteArray,
     CodecsEncode,
+    GetAttr,
 }
 
 /// The special meaning of `module.name`, if any.
@@ -24,6 +25,7 @@ fn builtin_of(module: &str, name: &str) -> Builtin {
         ("builtins", "set") | ("builtins", "frozenset") => Builtin::Set,
         ("builtins", "bytearray") | ("builtins", "bytes") => Builtin::ByteArray,
         ("_codecs", "encode") => Builtin::CodecsEncode,
+        ("builtins", "getattr") => Builtin::GetAttr,
         _ => Builtin::Plain,
     }
 }
@@ -90,6 +92,21 @@ impl Machine<'_> {
         let qual = format!("{module}.{name}");
         let arg_ids = self.node(args).tuple_ids().unwrap_or_default().to_vec();
         let node = match (builtin, arg_ids.as_slice()) {
+            // `getattr(cls, "Inner")`, how pickle names a nested class: the global
+            // `module.cls.Inner`, allowed only when the allow-list names it so
+            (Builtin::GetAttr, [obj, attr]) => {
+                let (obj, attr) = (*obj, *attr);
+                let (Node::Global(owner), Node::Str(attr)) = (self.node(obj), self.node(attr))
+                else {
+                    return Err(invalid(
+                        at,
+                        format!("{qual} is only read for an allow-listed class and an attribute name"),
+                    ));
+                };
+                let (m, n) = self.global_name(*owner);
+                let (m, nested) = (m.to_owned(), format!("{n}.{attr}"));
+                Node::Global(self.resolve_global(&m, &nested, at)?)
+            }
             (Builtin::Dict, []) => Node::Dict(Seq::new()),
             (Builtin::Dict, [src]) => {
                 let src = *src;

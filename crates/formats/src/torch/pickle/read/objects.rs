@@ -186,7 +186,12 @@ impl Machine<'_> {
 
     /// The number of the global `module.name`, checked against the allow-list (protocol < 3
     /// names are mapped to Python 3's first).
-    fn resolve_global(&mut self, module: &str, name: &str, at: usize) -> Result<u32, PickleError> {
+    pub(super) fn resolve_global(
+        &mut self,
+        module: &str,
+        name: &str,
+        at: usize,
+    ) -> Result<u32, PickleError> {
         let module = if self.proto < 3 {
             match module {
                 "__builtin__" => "builtins",

@@ -1005,3 +1005,23 @@ fn a_bytes_io_is_a_value_and_a_user_class_stays_unknown() {
         Err(PickleError::UnknownGlobal { .. })
     ));
 }
+
+// --- getattr of a nested class -------------------------------------------------------
+
+#[test]
+fn getattr_names_an_allow_listed_nested_class_only() {
+    // getattr(m.C, "Inner")() — how pickle names a nested class (protocol 2)
+    let pk = b"\x80\x02c__builtin__\ngetattr\ncm\nC\nX\x05\x00\x00\x00Inner\x86R)\x81.";
+    let mut g = all();
+    g.allow("builtins", "getattr");
+    // not allowed: m.C.Inner is not on the list
+    let e = parse(pk, &g).unwrap_err().to_string();
+    assert!(e.contains("m.C.Inner"), "{e}");
+    g.allow("m", "C.Inner");
+    let v = parse(pk, &g).unwrap();
+    assert!(v.class() == Some(("m", "C.Inner")), "{v:?}");
+    // getattr of anything but an allow-listed global and a name is refused
+    let pk = b"\x80\x02c__builtin__\ngetattr\nK\x01X\x05\x00\x00\x00Inner\x86R.";
+    let e = parse(pk, &g).unwrap_err().to_string();
+    assert!(e.contains("getattr is only read"), "{e}");
+}
