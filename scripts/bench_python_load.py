@@ -243,8 +243,11 @@ def memcpy_from_page_cache(model, st: str) -> None:
     safetensors file, mapped) into the parameter's memory; no parsing beyond the header."""
     import mmap
     import struct
+    import warnings
 
     import torch
+
+    warnings.simplefilter("ignore", UserWarning)  # frombuffer of a read-only mapping: only read
 
     torch.set_num_threads(1)  # a single-threaded memcpy: torch's copy_ would split big copies
     with open(st, "rb") as f:
