@@ -134,8 +134,16 @@ fn converts_to_torch_dist_equal_to_megatron_cores_own_save() {
         let got = Checkpoint::open(&out).unwrap();
         assert_eq!(got.format, Format::MEGATRON, "{case}");
         let want = Checkpoint::open(dir.join("torch_dist")).unwrap();
-        same(&format!("{case} -> torch_dist"), &read_all(&got), &read_all(&want));
-        assert_eq!(objects(&got), objects(&want), "{case}: _extra_state objects");
+        same(
+            &format!("{case} -> torch_dist"),
+            &read_all(&got),
+            &read_all(&want),
+        );
+        assert_eq!(
+            objects(&got),
+            objects(&want),
+            "{case}: _extra_state objects"
+        );
         let args = reshard::recipe::source_config(&got, "megatron")
             .unwrap()
             .expect("args in common.pt");
@@ -155,8 +163,10 @@ fn a_plain_dcp_checkpoint_stays_dcp_and_bad_input_is_one_line() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains(&format!("{}", Path::new(&plain).join(".metadata").display()))
-            && err.contains("not a Megatron-LM fsdp_dtensor save")
+        err.contains(&format!(
+            "{}",
+            Path::new(&plain).join(".metadata").display()
+        )) && err.contains("not a Megatron-LM fsdp_dtensor save")
             && !err.contains('\n'),
         "{err}"
     );

@@ -139,9 +139,11 @@ fn args_of(e: &Extra) -> std::result::Result<Option<Value>, String> {
 /// A str attribute of a decoded Namespace.
 fn str_arg<'a>(ns: &'a Value, name: &str) -> Option<&'a str> {
     match ns {
-        Value::Object { state: Some(s), .. } => match s.as_dict()?.iter().find(
-            |(k, _)| matches!(k, Value::Str(k) if k == name),
-        )? {
+        Value::Object { state: Some(s), .. } => match s
+            .as_dict()?
+            .iter()
+            .find(|(k, _)| matches!(k, Value::Str(k) if k == name))?
+        {
             (_, Value::Str(v)) => Some(v.as_str()),
             _ => None,
         },
@@ -153,13 +155,15 @@ fn str_arg<'a>(ns: &'a Value, name: &str) -> Option<&'a str> {
 fn read(mut ck: Checkpoint) -> Result<Checkpoint> {
     let metadata = ck.path.join(crate::dcp::METADATA);
     let fail = |m: String| Error::format(&metadata, m);
-    let args = ck
-        .extras
-        .iter()
-        .find(|e| e.name == "args")
-        .ok_or_else(|| fail("has no `args` item: not a Megatron-LM fsdp_dtensor save".into()))?;
+    let args =
+        ck.extras.iter().find(|e| e.name == "args").ok_or_else(|| {
+            fail("has no `args` item: not a Megatron-LM fsdp_dtensor save".into())
+        })?;
     let ns = args_of(args).map_err(&fail)?.ok_or_else(|| {
-        fail("its `args` item is not an argparse.Namespace: not a Megatron-LM fsdp_dtensor save".into())
+        fail(
+            "its `args` item is not an argparse.Namespace: not a Megatron-LM fsdp_dtensor save"
+                .into(),
+        )
     })?;
     if str_arg(&ns, "ckpt_format") != Some("fsdp_dtensor") {
         return Err(fail(format!(
@@ -347,7 +351,10 @@ mod tests {
             swiglu_half("decoder.layers.0.mlp.experts.linear_fc1.weight3_w"),
             Some(("decoder.layers.0.mlp.experts.linear_fc1.weight3", 0))
         );
-        assert_eq!(swiglu_half("decoder.layers.0.mlp.linear_fc2.weight_w"), None);
+        assert_eq!(
+            swiglu_half("decoder.layers.0.mlp.linear_fc2.weight_w"),
+            None
+        );
         assert_eq!(swiglu_half("decoder.layers.0.mlp.linear_fc1.scale_w"), None);
     }
 }
