@@ -163,10 +163,10 @@ def _parallel(tp, pp, ep):
 
 # --------------------------------------------------------------------------- Megatron-LM's args
 
-def megatron_lm_args(m: dict, tp: int, pp: int, ep: int, ckpt_format: str, mlm: Path):
+def megatron_lm_args(m: dict, tp: int, pp: int, ep: int, ckpt_format: str, mlm: Path, extra=()):
     """The argparse.Namespace Megatron-LM's own parse_args + validate_args (tag core_v0.16.1)
-    produce for this model, as pretrain_gpt.py would be started for it, with padded_vocab_size set
-    the way its tokenizer builder sets it."""
+    produce for this model, as pretrain_gpt.py would be started for it (with the options `extra`
+    added), with padded_vocab_size set the way its tokenizer builder sets it."""
     if str(mlm) not in sys.path:
         sys.path.append(str(mlm))  # after site-packages: megatron.core stays the venv's
     import contextlib
@@ -191,7 +191,7 @@ def megatron_lm_args(m: dict, tp: int, pp: int, ep: int, ckpt_format: str, mlm: 
             "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "10",
             "--lr", "1e-4", "--seed", "1234", "--no-gradient-accumulation-fusion",
             "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion", "--no-rope-fusion",
-            "--save", "checkpoints", "--load", "checkpoints", "--save-interval", str(ITERATION)]
+            "--save", "checkpoints", "--load", "checkpoints", "--save-interval", str(ITERATION), *extra]
     if not m["tied"]:
         argv.append("--untie-embeddings-and-output-weights")
     if m["add_qkv_bias"]:

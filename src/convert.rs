@@ -160,8 +160,11 @@ pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions)
     if let Some(applied) = crate::recipe::apply(&source, format, &recipe_opts)? {
         return prepare_recipe(source, format, format_reason, applied, opts);
     }
-    // a legacy source's per-layer tensors, stacked under megatron-core's sharded keys
-    if source.format == Format::MEGATRON_LEGACY && format == Format::MEGATRON {
+    // a legacy or fsdp_dtensor source's per-layer tensors, stacked under megatron-core's
+    // sharded keys
+    if (source.format == Format::MEGATRON_LEGACY || source.format == Format::MEGATRON_FSDP)
+        && format == Format::MEGATRON
+    {
         let applied = crate::recipe::legacy_torch_dist(&source)?;
         return prepare_recipe(source, format, format_reason, applied, opts);
     }

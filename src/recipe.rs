@@ -426,8 +426,8 @@ pub fn objects(instance: &Instance) -> Vec<crate::Extra> {
 /// `ShardedObject` per layer (and expert), beside their stacked weights.
 const LINEAR_LAYERS: [&str; 4] = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"];
 
-/// A legacy per-rank checkpoint's tensors (per layer, SequentialMLP's experts as
-/// `local_experts.{e}`) laid out as megatron-core's `torch_dist` saves the same model: layers
+/// A legacy per-rank checkpoint's tensors, or a Megatron-LM `fsdp_dtensor` checkpoint's (per
+/// layer, SequentialMLP's experts as `local_experts.{e}`), laid out as megatron-core's `torch_dist` saves the same model: layers
 /// and experts stacked on leading axes under its sharded keys (`mlp.experts.experts.*`), and
 /// the `_extra_state` object of each linear layer (`None`, as the local spec saves it). Every
 /// target is a view of the source's own tensors, so the bytes are the source's, vocabulary
@@ -481,8 +481,10 @@ pub fn legacy_torch_dist(ck: &Checkpoint) -> Result<Applied> {
     }
     Ok(Applied {
         name: "torch_dist".into(),
-        reason: "a megatron-legacy source: layers and experts stacked as megatron-core saves them"
-            .into(),
+        reason: format!(
+            "a {} source: layers and experts stacked as megatron-core saves them",
+            ck.format
+        ),
         from: "megatron",
         to: "megatron",
         instance: Instance {

@@ -28,6 +28,7 @@ mod deepspeed_universal;
 mod fp8;
 mod hf_storage;
 mod megatron;
+mod megatron_fsdp;
 mod megatron_legacy;
 mod pt_read;
 mod pt_write;

@@ -17,6 +17,7 @@
 //! | `pt/` | one `torch.save` file (`.pt`) holding a state dict: codec, reader, writer |
 //! | `deepspeed/` | DeepSpeed ZeRO checkpoints (stages 1-3): file records, partitions, reader, writer; universal checkpoints (`ds_to_universal`), read |
 //! | `megatron` | megatron-core `dist_checkpointing` (`torch_dist`): its files around a DCP checkpoint |
+//! | `megatron_fsdp` | Megatron-LM's `fsdp_dtensor` checkpoints (Megatron-FSDP's DTensors in DCP), read under megatron-core's names |
 //! | `megatron_legacy` | Megatron-LM's per-rank checkpoints (`--ckpt-format torch`) read as global tensors and written at a chosen TP/PP/EP, and its save directories (`latest_checkpointed_iteration.txt`, `iter_NNNNNNN/`) |
 //! | `torch/` | the torch.save machinery DCP and `.pt` share: pickle, zip records, dtypes |
 //! | `index` | which bytes opening a checkpoint reads, for checkpoints read from object storage |
@@ -40,6 +41,7 @@ pub mod hf;
 pub mod hf_storage;
 pub mod index;
 pub mod megatron;
+pub mod megatron_fsdp;
 pub mod megatron_legacy;
 pub mod pt;
 pub mod safetensors;
@@ -78,6 +80,7 @@ pub const REGISTRY: &[Format] = &[
     Format::DEEPSPEED_UNIVERSAL,
     Format::MEGATRON,
     Format::MEGATRON_LEGACY,
+    Format::MEGATRON_FSDP,
     Format::VERL,
     Format::TORCH_CHECKPOINTING,
 ];
@@ -318,6 +321,10 @@ impl Format {
     /// `mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`), read as global tensors and written at
     /// the split [`WriteOptions::tp`], `pp` and `ep` ask for.
     pub const MEGATRON_LEGACY: Format = Format(&megatron_legacy::MegatronLegacy);
+    /// Megatron-LM's `--ckpt-format fsdp_dtensor` checkpoints (a DCP folder of Megatron-FSDP
+    /// DTensors), read under megatron-core's names; told from other DCP checkpoints by their
+    /// saved `args`.
+    pub const MEGATRON_FSDP: Format = Format(&megatron_fsdp::MegatronFsdp);
     /// verl's FSDP checkpoint folders (`model_world_size_W_rank_R.pt`: per-rank DTensor or
     /// ShardedTensor state dicts), read as global tensors.
     pub const VERL: Format = Format(&verl::Verl);

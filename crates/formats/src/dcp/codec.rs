@@ -37,11 +37,12 @@ impl Codec for Dcp {
                 && !crate::megatron::looks_like(probe),
         )
     }
+    // a Megatron-LM fsdp_dtensor save is a DCP checkpoint too, told by its `args`: that format's
     fn read(&self, path: &Path) -> Result<Checkpoint> {
-        dcp::read(path)
+        crate::megatron_fsdp::claim(dcp::read(path)?)
     }
     fn read_lazy(&self, path: &Path) -> Result<Checkpoint> {
-        dcp::read_lazy(path)
+        crate::megatron_fsdp::claim(dcp::read_lazy(path)?)
     }
     fn write(&self, target: &[TargetTensor], world: u32, opts: &WriteOptions) -> Result<Output> {
         dcp::write::write(target, world, opts)
