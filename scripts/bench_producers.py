@@ -220,15 +220,20 @@ def make(root: Path, cases: list[str], size_gb: float) -> None:
 # ---------------------------------------------------------------- the peers' tools
 
 def peer_ucp_st(src: str, out: str) -> None:
-    """The simplest Python consolidation of a universal checkpoint: every parameter's fp32.pt."""
+    """The simplest Python consolidation of a universal checkpoint: every parameter's fp32.pt,
+    in the shape the model states file records (ds_to_universal keeps a ZeRO-3 parameter flat)."""
     import torch
     from safetensors.torch import save_file
 
+    states = torch.load(next(Path(src).glob("*model_states.pt")), weights_only=False)
+    shapes = {k: s for group in states["param_shapes"] for k, s in group.items()}
     sd = {}
     for d in sorted(Path(src, "zero").iterdir()):
         f = d / "fp32.pt"
         if f.is_file():
-            sd[d.name] = torch.load(f, weights_only=False)["param"].contiguous()
+            v = torch.load(f, weights_only=False)  # {"param": tensor, ...} or the tensor alone
+            v = v["param"] if isinstance(v, dict) else v
+            sd[d.name] = v.reshape(shapes.get(d.name, v.shape)).contiguous()
     save_file(sd, out)
 
 
@@ -287,7 +292,7 @@ PEERS = {"ucp-st": peer_ucp_st, "tc": peer_tc, "fp8": peer_fp8}
 def reshard_cmd(case: str, rs: str, src: Path, out: Path) -> list[str]:
     base = [rs, "convert", str(src), str(out), "-q"]
     return base + {
-        "ucp": ["--format", "deepspeed-universal"],
+        "ucp": ["--to", "2", "--format", "deepspeed-universal"],
         "ucp-st": ["--to", "1", "--exclude", "optimizer.*"],
         "verl": ["--format", "hf", "--dtype", "bf16", "--exclude", "optim.*", "--exclude", "extra_state.*"],
         "tc": ["--to", "1"],
@@ -334,38 +339,64 @@ def remove(p: Path) -> None:
 
 
 def tensors(p: Path) -> dict:
-    """name -> (dtype, shape, bytes) of every tensor under p: safetensors files, or a universal
-    checkpoint's zero/<param>/<state>.pt files (the ``param`` of each, named <param>.<state>)."""
+    """name -> a function reading that tensor, for every tensor under p: safetensors files, or a
+    universal checkpoint's zero/<param>/<state>.pt files (the ``param`` of each, named
+    <param>.<state>). One tensor at a time: the outputs are GiBs."""
     import torch
     from safetensors import safe_open
 
-    def raw(t):
-        return (str(t.dtype), tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    def pt(f):
+        v = torch.load(f, weights_only=False)
+        return v["param"] if isinstance(v, dict) else v
 
-    out = {}
-    if p.is_dir() and (p / "zero").is_dir():
-        for f in sorted((p / "zero").glob("*/*.pt")):
-            v = torch.load(f, weights_only=False)
-            out[f"{f.parent.name}.{f.stem}"] = raw(v["param"] if isinstance(v, dict) else v)
-        return out
-    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
-    for f in files:
+    def st(f, k):
         with safe_open(str(f), "pt") as s:
-            for k in s.keys():
-                out[k] = raw(s.get_tensor(k))
+            return s.get_tensor(k)
+
+    if p.is_dir() and (p / "zero").is_dir():
+        return {f"{f.parent.name}.{f.stem}": (lambda f=f: pt(f)) for f in sorted((p / "zero").glob("*/*.pt"))}
+    out = {}
+    for f in sorted(p.glob("*.safetensors")) if p.is_dir() else [p]:
+        with safe_open(str(f), "pt") as s:
+            out.update({k: (lambda f=f, k=k: st(f, k)) for k in s.keys()})
     return out
 
 
+def universal(p: Path) -> Path:
+    """The tag folder of a universal checkpoint written as <out>/<tag>_universal (reshard's
+    layout, with ``latest_universal``), else p."""
+    tags = [d for d in p.glob("*_universal") if d.is_dir()] if p.is_dir() else []
+    return tags[0] if len(tags) == 1 else p
+
+
 def check(a: Path, b: Path) -> str:
-    """Both outputs hold the same tensors: names, dtypes, shapes and bytes."""
+    """Both outputs hold the same tensors: names, dtypes, shapes and bytes. Universal
+    checkpoints: the same bytes in the same number of elements (ds_to_universal keeps a ZeRO-3
+    parameter's state flat, 1-D; reshard writes it in the parameter's shape), and states only
+    reshard writes (a per-parameter ``step.pt``) are listed."""
+    import torch
+
+    a, b = universal(a), universal(b)
+    ucp = (a / "zero").is_dir()
     x, y = tensors(a), tensors(b)
-    if set(x) != set(y):
+    extra = sorted(set(x) - set(y)) if ucp else []
+    if set(x) - set(extra) != set(y):
         only_a, only_b = sorted(set(x) - set(y)), sorted(set(y) - set(x))
         sys.exit(f"tensor sets differ: only reshard's {only_a[:5]}, only the peer's {only_b[:5]}")
-    for k in x:
-        if x[k] != y[k]:
-            sys.exit(f"tensor {k} differs: {x[k][:2]} against {y[k][:2]}")
-    return f"{len(x)} tensors, {sum(len(v[2]) for v in x.values()) / 2**30:.2f} GiB"
+    size, reshaped = 0, 0
+    for k in sorted(y):
+        u, v = x[k](), y[k]()
+        if ucp and u.shape != v.shape and u.numel() == v.numel() and v.dim() == 1:
+            reshaped += 1
+            u = u.reshape(-1)
+        if u.dtype != v.dtype or u.shape != v.shape:
+            sys.exit(f"tensor {k} differs: {u.dtype} {tuple(u.shape)} against {v.dtype} {tuple(v.shape)}")
+        u, v = u.contiguous().reshape(-1).view(torch.uint8), v.contiguous().reshape(-1).view(torch.uint8)
+        if not torch.equal(u, v):
+            sys.exit(f"tensor {k} differs in its bytes")
+        size += u.numel()
+    more = f" ({reshaped} flat in the peer's; reshard's has {len(extra)} more: {extra[0]}, ...)" if extra else ""
+    return f"{len(y)} tensors, {size / 2**30:.2f} GiB{more}"
 
 
 def bench(root: Path, cases: list[str], rounds: int, out: Path, rs: str) -> None:
