@@ -37,7 +37,8 @@ Cases (``--cases``; default all):
   scales).
 
 Each round (page cache warm: every command ran once before, for the check) runs, per case,
-reshard then the peer, as subprocesses; wall time and peak RSS (``os.wait4``'s ``ru_maxrss``:
+reshard, the peer, and the peer's imports alone (a fresh Python importing what the tool
+imports: part of every user's run, shown apart), as subprocesses; wall time and peak RSS (``os.wait4``'s ``ru_maxrss``:
 the largest of the process and the children it waited for, not their sum) are recorded and the
 medians printed as Markdown. Before timing, both outputs are checked to hold the same tensors
 (names, dtypes, shapes, bytes). Outputs go to ``--out`` (default /dev/shm/bench-producers), each
@@ -310,6 +311,15 @@ def peer_cmd(case: str, src: Path, out: Path) -> list[str]:
     return [PY, __file__, "--peer", case, str(src), str(out)]
 
 
+IMPORTS = {
+    "ucp": "import deepspeed.checkpoint.ds_to_universal",
+    "ucp-st": "import torch, safetensors.torch",
+    "verl": "import verl.model_merger.base_model_merger, verl.model_merger.fsdp_model_merger",
+    "tc": "import torch.distributed, torch_checkpointing, safetensors.torch",
+    "fp8": "import torch, safetensors.torch",
+}
+
+
 def sources(root: Path) -> dict[str, Path]:
     return {"ucp": root / "ucp" / "zero" / "global_step1", "ucp-st": root / "ucp" / "universal",
             "verl": root / "verl" / "checkpoint", "tc": root / "tc" / "checkpoint",
@@ -407,6 +417,7 @@ def bench(root: Path, cases: list[str], rounds: int, out: Path, rs: str) -> None
     for c in cases:
         r_out, p_out = out / f"{c}-reshard{ext.get(c, '')}", out / f"{c}-peer{ext.get(c, '')}"
         cmds[c] = (reshard_cmd(c, rs, src[c], r_out), r_out, peer_cmd(c, src[c], p_out), p_out)
+    imports = {c: [PY, "-c", IMPORTS[c]] for c in cases}
     checked = {}
     for c, (rc, ro, pc, po) in cmds.items():  # correctness first (and the page cache warm)
         remove(ro)
@@ -420,26 +431,30 @@ def bench(root: Path, cases: list[str], rounds: int, out: Path, rs: str) -> None
         print(f"bench_producers: {c}: same tensors: {checked[c]}", file=sys.stderr, flush=True)
         remove(ro)
         remove(po)
-    res = {c: ([], []) for c in cases}
+    res = {c: ([], [], []) for c in cases}
     for r in range(rounds):
         for c, (rc, ro, pc, po) in cmds.items():
-            for i, (cmd, o) in enumerate(((rc, ro), (pc, po))):
-                remove(o)
+            for i, (cmd, o) in enumerate(((rc, ro), (pc, po), (imports[c], None))):
+                if o:
+                    remove(o)
                 res[c][i].append(run(cmd))
-                remove(o)
+                if o:
+                    remove(o)
         print(f"bench_producers: round {r + 1}/{rounds} done; {os.getloadavg()}", file=sys.stderr, flush=True)
     print(f"{rounds} interleaved rounds, medians; load average after: "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     print("| case | checkpoint | output (checked equal) | reshard time / peak RSS | peer time / peak RSS "
-          "| peer / reshard: time, RSS |")
-    print("|---|---:|---|---:|---:|---:|")
+          "| peer's imports alone | peer / reshard: time, RSS | (peer - imports) / reshard: time |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
     for c in cases:
-        (rt, rm), (pt, pm) = ([statistics.median(x[j] for x in res[c][i]) for j in (0, 1)] for i in (0, 1))
+        (rt, rm), (pt, pm), (it, im) = ([statistics.median(x[j] for x in res[c][i]) for j in (0, 1)]
+                                        for i in (0, 1, 2))
         print(f"| {c} | {du(src[c]) / 2**30:.2f} GiB | {checked[c]} | {rt:.2f} s / {rm / 2**20:.0f} MiB "
-              f"| {pt:.2f} s / {pm / 2**20:.0f} MiB | {pt / rt:.1f}×, {pm / rm:.1f}× |", flush=True)
+              f"| {pt:.2f} s / {pm / 2**20:.0f} MiB | {it:.2f} s / {im / 2**20:.0f} MiB "
+              f"| {pt / rt:.1f}×, {pm / rm:.1f}× | {(pt - it) / rt:.1f}× |", flush=True)
     print("\nper round (s, MiB):")
     for c in cases:
-        for i, who in enumerate(("reshard", "peer")):
+        for i, who in enumerate(("reshard", "peer", "peer's imports")):
             print(f"  {c} {who}: " + ", ".join(f"{t:.2f}/{m / 2**20:.0f}" for t, m in res[c][i]))
 
 
