@@ -441,6 +441,9 @@ def bench(root: Path, cases: list[str], rounds: int, out: Path, rs: str) -> None
                 if o:
                     remove(o)
         print(f"bench_producers: round {r + 1}/{rounds} done; {os.getloadavg()}", file=sys.stderr, flush=True)
+    (out / "latest_universal").unlink(missing_ok=True)  # ds_to_universal writes it beside its output
+    if not any(out.iterdir()):
+        out.rmdir()
     print(f"{rounds} interleaved rounds, medians; load average after: "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     print("| case | checkpoint | output (checked equal) | reshard time / peak RSS | peer time / peak RSS "
