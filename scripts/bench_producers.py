@@ -9,7 +9,7 @@ Cases (``--cases``; default all):
 
 - ``ucp``: a DeepSpeed ZeRO-3 checkpoint (scripts/bench_deepspeed.py's: 16 x Linear(4096, 4096),
   fp32, one AdamW step, 2 CPU ranks on gloo) to a universal checkpoint: ``reshard convert
-  ZERO/global_step1 OUT --format deepspeed-universal`` against DeepSpeed's ``python -m
+  ZERO/global_step1 OUT --to 2 --format deepspeed-universal`` against DeepSpeed's ``python -m
   deepspeed.checkpoint.ds_to_universal --input_folder ZERO/global_step1 --output_folder OUT
   --inject_missing_state`` (its default worker counts: 4 extract, 2 merge processes).
 - ``ucp-st``: ds_to_universal's universal checkpoint of that model to one ``.safetensors`` of the
@@ -31,7 +31,7 @@ Cases (``--cases``; default all):
 - ``fp8``: block-FP8 weights as DeepSeek-V3 ships them (3 layers of DeepSeek-V3's dense MLP,
   gate/up/down 18432 x 7168, and ``kv_a_proj_with_mqa`` 576 x 7168, float8_e4m3fn with 128 x 128
   ``weight_scale_inv`` quantized as scripts/gen_fp8.py does, plus bf16 embeddings and norms: one
-  file per layer, 1.17 GiB) to bf16: ``reshard convert CK OUT --dtype bf16`` against
+  file per layer, 1.17 GiB) to bf16: ``reshard convert CK OUT --to 1 --dtype bf16`` against
   DeepSeek-V3's ``fp8_cast_bf16.py`` approach in torch on CPU (per file: ``load_file``, each FP8
   weight times its scale_inv repeated over its blocks, ``save_file``; the index without the
   scales).
