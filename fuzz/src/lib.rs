@@ -429,14 +429,16 @@ pub const DEEPSPEED_FIXTURES: [&str; 4] = [
 /// The fixtures of `open_producers`, relative to the repository root: a DeepSpeed universal
 /// checkpoint (a folder per parameter), verl's per-rank FSDP2 files (with `huggingface/`), a
 /// torch_checkpointing folder, Megatron-LM's legacy rank folders with the distributed
-/// optimizer's `distrib_optim.pt`, and without. A file index takes the low nibble: only a
+/// optimizer's `distrib_optim.pt`, and without, and a Megatron-FSDP `fsdp_dtensor` save
+/// directory (DCP files whose `args` item says so). A file index takes the low nibble: only a
 /// fixture's first 16 files (a folder's own files first) are reached.
-pub const PRODUCER_FIXTURES: [&str; 5] = [
+pub const PRODUCER_FIXTURES: [&str; 6] = [
     "tests/fixtures/deepspeed_universal/zero3_dp2_f32_g2_sub/global_step2_universal",
     "tests/fixtures/verl/fsdp2_w2/checkpoint",
     "tests/fixtures/torch_checkpointing/fsdp2_w2/checkpoint",
     "tests/fixtures/megatron_distopt/legacy",
     "tests/fixtures/megatron_legacy/tp2/checkpoint",
+    "tests/fixtures/megatron_fsdp/llama_tp2_fsdp2/fsdp_dtensor",
 ];
 
 /// The repository root: the crate's own directory when this file is compiled into the

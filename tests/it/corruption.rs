@@ -82,7 +82,7 @@ fn files_of(p: &Path) -> Vec<PathBuf> {
 /// The checkpoints of the producers added after the first corpus, each in its own layout:
 /// DeepSpeed universal folders, verl's per-rank files, torch_checkpointing folders,
 /// block-FP8 Hugging Face weights, Megatron-LM's legacy rank folders (with and without the
-/// distributed optimizer's state).
+/// distributed optimizer's state), a Megatron-FSDP `fsdp_dtensor` checkpoint.
 fn producer_checkpoints() -> Vec<PathBuf> {
     let root = common::fixture("");
     [
@@ -94,6 +94,7 @@ fn producer_checkpoints() -> Vec<PathBuf> {
         "fp8/checkpoint",
         "megatron_legacy/tp2_pp2/checkpoint/iter_0000007",
         "megatron_distopt/legacy/iter_0000007",
+        "megatron_fsdp/llama_tp2_fsdp2/fsdp_dtensor/iter_0000007",
     ]
     .iter()
     .map(|c| root.join(c))
