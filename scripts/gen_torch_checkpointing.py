@@ -92,6 +92,22 @@ def train(model):
     return opt
 
 
+def blank(model):
+    """An optimizer with state for ``model`` to load into (one step), then the parameters
+    and every state tensor zeroed: what a load must fill."""
+    import torch
+
+    opt = train(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    for st in opt.state.values():
+        for v in st.values():
+            if torch.is_tensor(v):
+                v.zero_()
+    return opt
+
+
 def worker(args):
     import torch.distributed as dist
 
@@ -117,14 +133,7 @@ def oracle_load(args):
 
     dist.init_process_group("gloo")
     model = build()
-    opt = train(model)  # so the optimizer has state to load into
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    for st in opt.state.values():
-        for v in st.values():
-            if torch.is_tensor(v):
-                v.zero_()
+    opt = blank(model)
     msd, osd = model.state_dict(), opt.state_dict()
     got = manager().load(args.dir, into={"model": msd, "optimizer": osd, "step": None})
     oracle = Path(args.oracle)

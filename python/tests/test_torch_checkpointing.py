@@ -84,14 +84,7 @@ def _load(rank: int, world: int, ckpt: str):
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model, mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",)))
-    opt = g.train(model)  # an optimizer with state to load into
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    for st in opt.state.values():
-        for v in st.values():
-            if torch.is_tensor(v):
-                v.zero_()
+    opt = g.blank(model)  # an optimizer with state to load into, everything zeroed
     into = {"model": model.state_dict(), "optimizer": opt.state_dict()}
     if world == 1:
         # (an item without a resharder, as `step` is, is read from each rank's own file: the
