@@ -5,7 +5,9 @@ For each checkpoint directory (made by ``scripts/gen_scale_dcp.py``), runs
 ``reshard plan DIR --to M`` for every ``--to`` value ``--rounds`` times and prints the median
 wall time and the median peak RSS (of the process, from ``wait4``), with the number of chunks;
 ``--load R/M ...`` also times a trainer rank's load from Python: ``reshard.open`` and
-``local_shards(R, M)`` (numpy arrays, so torch is not imported). ``--convert`` also times ``reshard convert DIR OUT.safetensors --to 1 --no-fsync`` (OUT in
+``local_shards(R, M)`` (numpy arrays, so torch is not imported). ``--baseline OTHER`` times
+only ``reshard plan``, alternating runs of OTHER (the build before) and of ``--reshard``, and
+also reports their CPU time (user + system), steadier than wall time on a shared machine. ``--convert`` also times ``reshard convert DIR OUT.safetensors --to 1 --no-fsync`` (OUT in
 ``--out``, a tmpfs by default, removed after each round). ``--torch`` also times ``pickle.load``
 of the ``.metadata`` with torch imported (what every torch loader does first), once per round,
 and torch's ``dcp_to_torch_save`` once per checkpoint, stopped after ``--torch-timeout`` seconds.
@@ -27,9 +29,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run(cmd: list[str], timeout: float | None = None) -> tuple[float, int] | None:
-    """Wall seconds and peak RSS (bytes, from ``wait4``) of a command; None when it ran past
-    ``timeout`` seconds (it is killed then)."""
+def run(cmd: list[str], timeout: float | None = None) -> tuple[float, int, float] | None:
+    """Wall seconds, peak RSS (bytes, from ``wait4``) and CPU seconds (user + system, all
+    threads) of a command; None when it ran past ``timeout`` seconds (it is killed then)."""
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     timer = threading.Timer(timeout, p.kill) if timeout else None
@@ -45,7 +47,7 @@ def run(cmd: list[str], timeout: float | None = None) -> tuple[float, int] | Non
     err = p.stderr.read().decode() if p.stderr else ""
     if status != 0:
         sys.exit(f"{' '.join(cmd)} failed: {err.strip()}")
-    return dt, ru.ru_maxrss * 1024
+    return dt, ru.ru_maxrss * 1024, ru.ru_utime + ru.ru_stime
 
 
 def chunks(d: str, reshard: str) -> int:
@@ -78,6 +80,29 @@ def report(n: int, size: int, name: str, res: list[tuple[float, int]]) -> None:
     )
 
 
+def paired(dirs: list[str], to: list[int], rounds: int, reshard: str, baseline: str) -> None:
+    """``reshard plan DIR --to M`` by ``baseline`` and by ``reshard``, alternating, ``rounds``
+    pairs per case: medians of wall time, CPU time and peak RSS of each."""
+    print("| chunks | step | build | median wall | median CPU (user + sys) | median peak RSS |")
+    print("|---:|---|---|---:|---:|---:|")
+    for d in dirs:
+        n = chunks(d, reshard)
+        for m in to:
+            res: dict[str, list] = {"before": [], "after": []}
+            for _ in range(rounds):
+                for name, exe in (("before", baseline), ("after", reshard)):
+                    res[name].append(run([exe, "plan", d, "--to", str(m)]))
+            for name, rs in res.items():
+                t = statistics.median(r[0] for r in rs)
+                cpu = statistics.median(r[2] for r in rs)
+                rss = statistics.median(r[1] for r in rs)
+                print(
+                    f"| {n:,} | `reshard plan --to {m}` | {name} | {t:.2f} s | {cpu:.2f} s "
+                    f"| {rss / 2**20:.0f} MiB |",
+                    flush=True,
+                )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="+")
@@ -92,7 +117,12 @@ def main() -> int:
     ap.add_argument("--out", default="/dev/shm", help="where --convert writes (default /dev/shm)")
     ap.add_argument("--torch", action="store_true", help="also time torch's pickle.load and dcp_to_torch_save")
     ap.add_argument("--torch-timeout", type=float, default=300, help="seconds dcp_to_torch_save may take")
+    ap.add_argument("--baseline", metavar="RESHARD",
+                    help="only time `reshard plan`, paired against this build in alternating rounds")
     a = ap.parse_args()
+    if a.baseline:
+        paired(a.dirs, a.to, a.rounds, a.reshard, a.baseline)
+        return 0
     print("| chunks | .metadata | step | median time | median peak RSS | per chunk |")
     print("|---:|---:|---|---:|---:|---:|")
     if a.import_baseline:

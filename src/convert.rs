@@ -250,6 +250,9 @@ pub fn prepare(src: impl AsRef<Path>, dst: Option<&Path>, opts: &ConvertOptions)
         }
     }
     let output = formats::write(format, &target, world as u32, &wopts)?;
+    // the output's layouts say all the plan needs; the regions asked for (one per rank and
+    // tensor, millions at scale) would only sit beside the plan being made
+    drop(target);
     // second copies a format keeps (DeepSpeed's model-dtype weights) read what their
     // target tensor reads
     let index: std::collections::HashMap<&str, usize> = tensor_names

@@ -445,11 +445,13 @@ pub(super) fn default_threads(
 }
 
 /// Bytes of destination each of `threads` workers would get if windows were dealt greedily
-/// (largest first) — the per-thread balance `reshard plan` shows.
+/// (largest first) — the per-thread balance `reshard plan` shows. The windows are those
+/// [`windows`] cuts, but only whether each has something to write is kept, not what: a
+/// plan's fragments would take as much memory as the plan again.
 pub fn balance(plan: &Plan, outputs: &[OutputFile], threads: usize, window: u64) -> Vec<u64> {
-    let mut sizes: Vec<u64> = windows(plan, outputs, window)
-        .iter()
-        .map(Window::size)
+    let mut sizes: Vec<u64> = written_windows(plan, outputs, window)
+        .into_iter()
+        .map(|(a, b)| b - a)
         .collect();
     sizes.sort_unstable_by(|a, b| b.cmp(a));
     let mut load = vec![0u64; threads.max(1)];
@@ -461,9 +463,158 @@ pub fn balance(plan: &Plan, outputs: &[OutputFile], threads: usize, window: u64)
     load
 }
 
+/// The destination byte ranges of the windows [`windows`] makes of `plan` (those with
+/// something to write), in file and offset order, found by clipping each literal, copy and
+/// fill as [`windows_in`] does and keeping only whether a window got a fragment.
+fn written_windows(plan: &Plan, outputs: &[OutputFile], window: u64) -> Vec<(u64, u64)> {
+    let window = window.max(8) / 8 * 8;
+    // file f's windows are first[f]..first[f + 1]: window k of the file spans
+    // k·window .. min(size, (k + 1)·window), as `windows_in` cuts a whole file
+    let mut first = vec![0usize; outputs.len() + 1];
+    for (f, o) in outputs.iter().enumerate() {
+        let n = usize::try_from(o.size.div_ceil(window)).unwrap_or(usize::MAX);
+        first[f + 1] = first[f].saturating_add(n);
+    }
+    let span = |f: usize, k: usize| -> (u64, u64) {
+        let a = (k - first[f]) as u64 * window;
+        (a, outputs[f].size.min(a.saturating_add(window)))
+    };
+    // the windows of file f overlapping bytes a..b (`windows_in`'s `overlapping`)
+    let overlapping = |f: usize, a: u64, b: u64| -> std::ops::Range<usize> {
+        let (lo, n) = (first[f], first[f + 1] - first[f]);
+        let i = if a >= outputs[f].size {
+            n
+        } else {
+            (a / window) as usize
+        };
+        let j = usize::try_from(b.div_ceil(window)).map_or(n, |j| j.min(n));
+        lo + i..lo + j.max(i)
+    };
+    let mut used = vec![false; first[outputs.len()]];
+    for (f, o) in outputs.iter().enumerate() {
+        for (off, bytes) in &o.literals {
+            for k in overlapping(f, *off, off + bytes.len() as u64) {
+                used[k] = true;
+            }
+        }
+    }
+    let mut frags = vec![];
+    for op in &plan.ops {
+        let (a, b) = op.dst_span();
+        if b <= a || op.dst as usize >= outputs.len() {
+            continue;
+        }
+        let f = op.dst as usize;
+        for k in overlapping(f, a, b) {
+            if !used[k] {
+                let (w0, w1) = span(f, k);
+                clip(op, w0, w1, &mut frags);
+                used[k] = !frags.is_empty();
+                frags.clear();
+            }
+        }
+    }
+    let mut cut = vec![];
+    for op in &plan.fills {
+        if op.count == 0 || op.dst as usize >= outputs.len() {
+            continue;
+        }
+        let f = op.dst as usize;
+        let (a, b) = op.dst_span();
+        for k in overlapping(f, a, b) {
+            if !used[k] {
+                let (w0, w1) = span(f, k);
+                clip_fill(op, w0, w1, &mut cut);
+                used[k] = !cut.is_empty();
+                cut.clear();
+            }
+        }
+    }
+    (0..outputs.len())
+        .flat_map(|f| (first[f]..first[f + 1]).map(move |k| (f, k)))
+        .filter(|&(_, k)| used[k])
+        .map(|(f, k)| span(f, k))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `balance`'s windows are exactly those `windows` makes: literals (an empty one
+    /// included), strided copies whose rows skip whole windows, fills, a zero-size file and
+    /// ops and literals past a file's end.
+    #[test]
+    fn written_windows_are_the_windows_with_fragments() {
+        let file = |size: u64, literals: Vec<(u64, &[u8])>| OutputFile {
+            path: "f".into(),
+            size,
+            literals: literals.into_iter().map(|(o, b)| (o, b.into())).collect(),
+            checksums: vec![],
+        };
+        let outputs = vec![
+            file(
+                1000,
+                vec![(0, b"abcd"), (96, b""), (101, b""), (990, b"0123456789")],
+            ),
+            file(0, vec![]),
+            file(517, vec![(500, b"xy")]),
+        ];
+        let op = |dst: u32, dst_offset: u64, len: u64, count: u64, dst_stride: u64| CopyOp {
+            src: 0,
+            src_offset: 0,
+            dst,
+            dst_offset,
+            len,
+            count,
+            src_stride: len,
+            dst_stride,
+            cast: None,
+        };
+        let plan = Plan {
+            ops: vec![
+                op(0, 200, 8, 4, 200),
+                op(0, 300, 16, 1, 0),
+                op(2, 0, 8, 3, 160),
+                op(2, 511, 6, 1, 0),
+                op(5, 0, 8, 1, 0),
+            ],
+            tensors: vec![],
+            fills: vec![
+                FillOp {
+                    dst: 0,
+                    dst_offset: 700,
+                    len: 4,
+                    count: 2,
+                    dst_stride: 150,
+                    value: vec![1, 2, 3, 4],
+                },
+                FillOp {
+                    dst: 2,
+                    dst_offset: 400,
+                    len: 2,
+                    count: 0,
+                    dst_stride: 0,
+                    value: vec![0, 0],
+                },
+            ],
+        };
+        for window in [8, 64, 96, 100, 4096] {
+            let want: Vec<(u64, u64)> = windows(&plan, &outputs, window)
+                .iter()
+                .map(|w| (w.start, w.end))
+                .collect();
+            assert_eq!(
+                written_windows(&plan, &outputs, window),
+                want,
+                "window {window}"
+            );
+        }
+        // 1000 + 517 bytes in 64-byte windows, some never written: not every byte counts
+        let load = balance(&plan, &outputs, 2, 64);
+        assert_eq!(load.len(), 2);
+        assert!(load.iter().sum::<u64>() < 1517);
+    }
 
     #[test]
     fn clip_strided_op_into_windows_keeps_every_byte_once() {

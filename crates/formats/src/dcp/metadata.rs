@@ -181,9 +181,21 @@ fn non_negative(v: Option<Obj>) -> Option<u64> {
 pub const RESHARD_VERSION: &str = "reshard_version";
 
 /// Decode one metadata pickle (`origin` is its index in the list of metadata files).
+#[cfg(test)]
 fn parse_metadata(path: &Path, bytes: &[u8], origin: usize) -> Result<Meta> {
+    parse_metadata_consuming(path, bytes, origin, |_| {})
+}
+
+/// [`parse_metadata`], calling `consumed(n)` as the decoder is done with the first `n` bytes
+/// (see [`pickle::parse_graph_consuming`]).
+fn parse_metadata_consuming(
+    path: &Path,
+    bytes: &[u8],
+    origin: usize,
+    consumed: impl FnMut(usize),
+) -> Result<Meta> {
     let err = |msg: String| Error::format(path, msg);
-    let graph = pickle::parse_graph(bytes, &pickle::dcp_metadata_globals())
+    let graph = pickle::parse_graph_consuming(bytes, &pickle::dcp_metadata_globals(), consumed)
         .map_err(|e| err(format!("cannot decode the metadata pickle: {e}")))?;
     let root = graph.root();
     // megatron-core's `MCoreMetadata` is a `Metadata` with `mcore_data`
@@ -780,9 +792,18 @@ pub(super) fn load_metadata(dir: &Path) -> Result<(Vec<PathBuf>, Meta)> {
     let mut metas = Vec::with_capacity(paths.len());
     for (i, p) in paths.iter().enumerate() {
         // Mapped, not read: at a million chunks, a copy of the pickle is a fifth of a
-        // gigabyte of fresh memory to fault in.
+        // gigabyte of fresh memory to fault in. The pages the decoder is done with are
+        // dropped as it goes, so the file does not stay resident beside its value graph.
         let src = super::Source::open(p.clone(), None)?;
-        metas.push(parse_metadata(p, src.bytes(), i)?);
+        let mut done = 0u64;
+        let release = |n: usize| {
+            let n = n as u64;
+            if n > done {
+                src.release(done, n - done);
+                done = n;
+            }
+        };
+        metas.push(parse_metadata_consuming(p, src.bytes(), i, release)?);
     }
     let meta = if metas.len() == 1 {
         metas.pop().unwrap_or_default()

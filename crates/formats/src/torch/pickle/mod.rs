@@ -59,7 +59,7 @@ pub use globals::{
     dcp_metadata_globals, megatron_legacy_globals, pickled_dict_globals, torch_save_globals,
     Globals,
 };
-pub use read::{parse, parse_graph, Obj, PickleError};
+pub use read::{parse, parse_graph, parse_graph_consuming, Obj, PickleError};
 pub use reshard_core::value::Value;
 #[cfg(any(test, feature = "internals"))]
 pub use write::from_pickle;

@@ -15,6 +15,9 @@ use std::collections::HashMap;
 /// What executing one opcode gives: nothing, or why the pickle cannot be decoded.
 pub(super) type Step = Result<(), PickleError>;
 
+/// How often [`Machine::run_consuming`] reports the input it is done with.
+pub(super) const CONSUMED_STEP: usize = 8 << 20;
+
 /// The VM's state while it runs a pickle: the arena of values, the stack and its marks, the
 /// memo, the globals met so far and the budget.
 pub(super) struct Machine<'g> {
@@ -73,10 +76,26 @@ impl<'g> Machine<'g> {
     /// Run the opcodes of `data` up to `STOP`: the id of the unpickled value and the number
     /// of bytes consumed.
     pub(super) fn run(&mut self, data: &[u8]) -> Result<(Id, usize), PickleError> {
+        self.run_consuming(data, |_| {})
+    }
+
+    /// [`Machine::run`], calling `consumed(n)` about every [`CONSUMED_STEP`] bytes once the
+    /// opcodes before byte `n` are done: no value refers to the input (strings and bytes are
+    /// copied into the arena), so the caller may drop those bytes' pages.
+    pub(super) fn run_consuming(
+        &mut self,
+        data: &[u8],
+        mut consumed: impl FnMut(usize),
+    ) -> Result<(Id, usize), PickleError> {
         use op::*;
         let mut r = Reader::new(data);
+        let mut next = CONSUMED_STEP;
         loop {
             let at = r.pos;
+            if at >= next {
+                consumed(at);
+                next = at.saturating_add(CONSUMED_STEP);
+            }
             let Some(code) = r.next_byte() else {
                 return Err(PickleError::MissingStop { offset: at });
             };

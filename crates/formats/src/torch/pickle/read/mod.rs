@@ -204,9 +204,23 @@ pub fn parse_with_len(bytes: &[u8], globals: &Globals) -> Result<(Value, usize),
 /// string or class name is copied per use. The same checks and budgets as [`parse`] apply,
 /// including the expansion bound on what the tree would be.
 pub fn parse_graph(bytes: &[u8], globals: &Globals) -> Result<Graph, PickleError> {
+    parse_graph_consuming(bytes, globals, |_| {})
+}
+
+/// [`parse_graph`], calling `consumed(n)` as the decoder is done with the input's first `n`
+/// bytes: every few megabytes while it decodes, and with the whole input's length once the
+/// graph is made (before its expansion is checked). The graph holds nothing of the input, so
+/// the caller may drop those bytes' pages (a mapped `.metadata` need not stay resident
+/// beside the graph decoded from it).
+pub fn parse_graph_consuming(
+    bytes: &[u8],
+    globals: &Globals,
+    mut consumed: impl FnMut(usize),
+) -> Result<Graph, PickleError> {
     let budget = Budget::for_input(bytes.len());
     let mut vm = Machine::new(globals, budget);
-    let (root, _) = vm.run(bytes)?;
+    let (root, _) = vm.run_consuming(bytes, &mut consumed)?;
+    consumed(bytes.len());
     vm.check_expansion(root)?;
     Ok(Graph {
         nodes: vm.nodes,

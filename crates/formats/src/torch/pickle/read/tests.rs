@@ -1006,6 +1006,7 @@ fn a_bytes_io_is_a_value_and_a_user_class_stays_unknown() {
     ));
 }
 
+<<<<<<< HEAD
 // --- getattr of a nested class -------------------------------------------------------
 
 #[test]
@@ -1024,4 +1025,37 @@ fn getattr_names_an_allow_listed_nested_class_only() {
     let pk = b"\x80\x02c__builtin__\ngetattr\nK\x01X\x05\x00\x00\x00Inner\x86R.";
     let e = parse(pk, &g).unwrap_err().to_string();
     assert!(e.contains("getattr is only read"), "{e}");
+=======
+/// `parse_graph_consuming` reports ever larger prefixes of the input as it goes, ending
+/// with the whole input, and its graph outlives the input: a list of 700,000 strings (over
+/// twice the reporting step, so reported on the way too), read back after the input is
+/// dropped.
+#[test]
+fn graph_consuming_reports_prefixes_and_outlives_the_input() {
+    use crate::torch::pickle::{pickle, PyValue};
+    let items: Vec<String> = (0..700_000)
+        .map(|i| format!("item number {i:>12}"))
+        .collect();
+    let bytes = pickle(&PyValue::List(
+        items.iter().map(|s| PyValue::Str(s.clone())).collect(),
+    ));
+    let len = bytes.len();
+    assert!(len > 2 * machine::CONSUMED_STEP);
+    let mut seen = vec![];
+    let graph = parse_graph_consuming(&bytes, &all(), |n| seen.push(n)).expect("decodes");
+    drop(bytes);
+    assert!(seen.len() >= 3, "reported {seen:?}");
+    assert!(seen.windows(2).all(|w| w[0] < w[1]), "{seen:?}");
+    assert!(seen[..seen.len() - 1]
+        .iter()
+        .all(|&n| n >= machine::CONSUMED_STEP && n < len));
+    assert_eq!(seen.last(), Some(&len));
+    let got: Vec<&str> = graph
+        .root()
+        .as_list()
+        .expect("a list")
+        .map(|o| o.as_str().expect("a str"))
+        .collect();
+    assert_eq!(got, items);
+>>>>>>> plan
 }
