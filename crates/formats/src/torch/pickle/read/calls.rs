@@ -100,7 +100,9 @@ impl Machine<'_> {
                 else {
                     return Err(invalid(
                         at,
-                        format!("{qual} is only read for an allow-listed class and an attribute name"),
+                        format!(
+                            "{qual} is only read for an allow-listed class and an attribute name"
+                        ),
                     ));
                 };
                 let (m, n) = self.global_name(*owner);

@@ -1006,7 +1006,6 @@ fn a_bytes_io_is_a_value_and_a_user_class_stays_unknown() {
     ));
 }
 
-<<<<<<< HEAD
 // --- getattr of a nested class -------------------------------------------------------
 
 #[test]
@@ -1025,7 +1024,8 @@ fn getattr_names_an_allow_listed_nested_class_only() {
     let pk = b"\x80\x02c__builtin__\ngetattr\nK\x01X\x05\x00\x00\x00Inner\x86R.";
     let e = parse(pk, &g).unwrap_err().to_string();
     assert!(e.contains("getattr is only read"), "{e}");
-=======
+}
+
 /// `parse_graph_consuming` reports ever larger prefixes of the input as it goes, ending
 /// with the whole input, and its graph outlives the input: a list of 700,000 strings (over
 /// twice the reporting step, so reported on the way too), read back after the input is
@@ -1057,5 +1057,4 @@ fn graph_consuming_reports_prefixes_and_outlives_the_input() {
         .map(|o| o.as_str().expect("a str"))
         .collect();
     assert_eq!(got, items);
->>>>>>> plan
 }
