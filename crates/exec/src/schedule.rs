@@ -446,7 +446,7 @@ pub(super) fn default_threads(
 
 /// Bytes of destination each of `threads` workers would get if windows were dealt greedily
 /// (largest first) — the per-thread balance `reshard plan` shows. The windows are those
-/// [`windows`] cuts, but only whether each has something to write is kept, not what: a
+/// `windows` cuts, but only whether each has something to write is kept, not what: a
 /// plan's fragments would take as much memory as the plan again.
 pub fn balance(plan: &Plan, outputs: &[OutputFile], threads: usize, window: u64) -> Vec<u64> {
     let mut sizes: Vec<u64> = written_windows(plan, outputs, window)
