@@ -42,7 +42,9 @@ checkpoint against ``torch.load`` of a consolidated ``.pt`` of the weights (made
 ``model.load_state_dict``, with and without ``mmap=True``; ``load_model`` from the same
 weights as one ``.safetensors`` file against ``safetensors.torch.load_file`` +
 ``load_state_dict``; and the bound: one thread copying each parameter's bytes from the mapped
-``.safetensors`` (page cache) into the parameter (``--ms ""`` runs only this part).
+``.safetensors`` (page cache) into the parameter (``--ms ""`` runs only this part;
+``--prefault`` makes every loader's destination pages resident before timing, so the copy
+alone is compared).
 
 Correctness is checked once before timing (at --verify-ms ranks): every local parameter shard
 and optimizer state tensor loaded by reshard equals dcp.load's (torch.equal), and the
@@ -188,6 +190,11 @@ def worker_load(a):
     if a.mode == "plain":
         model = build(a.layers, a.hidden, "meta")
         model.to_empty(device="cpu")
+        if a.prefault:
+            # the parameters' pages made resident before timing: what is measured is the
+            # copy itself, as into a model that already exists
+            for t in model.state_dict().values():
+                t.zero_()
         opt = None
     else:
         model = fsdp_model(a.layers, a.hidden, meta=True)
@@ -357,6 +364,8 @@ def main() -> None:
     ap.add_argument("--ms", default="1,2,8", help="world sizes to load at")
     ap.add_argument("--verify-ms", default="8", help="world sizes to check correctness at")
     ap.add_argument("--pt-rounds", type=int, default=None, help="rounds of the .pt comparison (default --rounds)")
+    ap.add_argument("--prefault", action="store_true",
+                    help="plain-module loads into parameters whose pages are already resident (every loader)")
     # worker-only
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--task", help=argparse.SUPPRESS)
@@ -450,7 +459,8 @@ def main() -> None:
         pruns: dict = {}
         for rnd in range(pr):
             for loader in (pl if rnd % 2 == 0 else pl[::-1]):
-                res = launch(1, ["--task", "load", "--mode", "plain", "--loader", loader, "--pt", str(pt), *common], tmp)
+                res = launch(1, ["--task", "load", "--mode", "plain", "--loader", loader, "--pt", str(pt),
+                                 *(["--prefault"] if a.prefault else []), *common], tmp)
                 pruns.setdefault(loader, []).append(res[0])
         label = {
             "reshard": "`reshard.torch.load_model(model, dcp_ckpt)`",
