@@ -225,7 +225,12 @@ fn fill_part(op: &FillOp, d: u64, (a, b): (u64, u64), out: &mut Vec<FillOp>) {
 
 /// Cut the plan into windows of `window` destination bytes, over every byte of every output.
 pub(super) fn windows<'a>(plan: &Plan, outputs: &'a [OutputFile], window: u64) -> Vec<Window<'a>> {
-    let whole: Vec<Span> = outputs
+    windows_in(plan, outputs, window, &whole_files(outputs))
+}
+
+/// Every byte of every output, as spans.
+fn whole_files(outputs: &[OutputFile]) -> Vec<Span> {
+    outputs
         .iter()
         .enumerate()
         .map(|(f, o)| Span {
@@ -233,8 +238,7 @@ pub(super) fn windows<'a>(plan: &Plan, outputs: &'a [OutputFile], window: u64) -
             start: 0,
             end: o.size,
         })
-        .collect();
-    windows_in(plan, outputs, window, &whole)
+        .collect()
 }
 
 /// Cut the plan into windows of `window` destination bytes over `spans` only (sorted by file
@@ -248,7 +252,29 @@ pub(super) fn windows_in<'a>(
     window: u64,
     spans: &[Span],
 ) -> Vec<Window<'a>> {
+    cut(plan, outputs, window, spans, Frags::All)
+}
+
+/// What [`cut`] keeps of each window's fragments.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Frags {
+    /// Every fragment: the windows the executor runs.
+    All,
+    /// The first only: enough to know the window writes something, in memory bounded by
+    /// the number of windows (a plan's fragments would take as much memory as the plan).
+    First,
+}
+
+/// [`windows_in`], keeping `keep` of each window's fragments.
+fn cut<'a>(
+    plan: &Plan,
+    outputs: &'a [OutputFile],
+    window: u64,
+    spans: &[Span],
+    keep: Frags,
+) -> Vec<Window<'a>> {
     let window = window.max(8) / 8 * 8;
+    let first_only = keep == Frags::First;
     let mut wins: Vec<Window> = vec![];
     for s in spans {
         let mut a = s.start;
@@ -289,21 +315,23 @@ pub(super) fn windows_in<'a>(
         let j = ws.partition_point(|w| w.start < b);
         lo + i..lo + j.max(i)
     }
-    let mut lits: Vec<(usize, Frag)> = vec![];
+    // with `Frags::First`, a window that has a fragment is not clipped into again
+    let done = |w: &Window| first_only && !w.frags.is_empty();
     for (f, o) in outputs.iter().enumerate() {
         for (off, bytes) in &o.literals {
             let end = off + bytes.len() as u64;
             for k in overlapping(&wins, &first, f as u32, *off, end) {
-                let w = &wins[k];
+                let w = &mut wins[k];
+                if done(w) {
+                    continue;
+                }
                 let (a, b) = ((*off).max(w.start), end.min(w.end));
                 let s = &bytes[(a - off) as usize..(b - off) as usize];
-                lits.push((k, Frag::Lit { dst: a, bytes: s }));
+                w.frags.push(Frag::Lit { dst: a, bytes: s });
             }
         }
     }
-    for (k, frag) in lits {
-        wins[k].frags.push(frag);
-    }
+    let mut scratch = vec![];
     for op in &plan.ops {
         let (a, b) = op.dst_span();
         if b <= a || op.dst as usize >= outputs.len() {
@@ -311,7 +339,14 @@ pub(super) fn windows_in<'a>(
         }
         for k in overlapping(&wins, &first, op.dst, a, b) {
             let w = &mut wins[k];
-            clip(op, w.start, w.end, &mut w.frags);
+            if first_only {
+                if !done(w) {
+                    clip(op, w.start, w.end, &mut scratch);
+                    w.frags.extend(scratch.drain(..).take(1));
+                }
+            } else {
+                clip(op, w.start, w.end, &mut w.frags);
+            }
         }
     }
     let mut cut = vec![];
@@ -322,12 +357,16 @@ pub(super) fn windows_in<'a>(
         let (a, b) = op.dst_span();
         for k in overlapping(&wins, &first, op.dst, a, b) {
             let w = &mut wins[k];
+            if done(w) {
+                continue;
+            }
             clip_fill(op, w.start, w.end, &mut cut);
-            w.frags.extend(cut.drain(..).map(Frag::Fill));
+            let n = if first_only { 1 } else { cut.len() };
+            w.frags.extend(cut.drain(..).take(n).map(Frag::Fill));
         }
     }
     debug_assert!(
-        wins.iter().all(writes_once),
+        first_only || wins.iter().all(writes_once),
         "a fill overlaps a copy, a literal or another fill"
     );
     wins.into_iter().filter(|w| !w.frags.is_empty()).collect()
@@ -446,12 +485,12 @@ pub(super) fn default_threads(
 
 /// Bytes of destination each of `threads` workers would get if windows were dealt greedily
 /// (largest first) — the per-thread balance `reshard plan` shows. The windows are those
-/// `windows` cuts, but only whether each has something to write is kept, not what: a
-/// plan's fragments would take as much memory as the plan again.
+/// [`windows`] cuts, found keeping one fragment of each ([`Frags::First`]).
 pub fn balance(plan: &Plan, outputs: &[OutputFile], threads: usize, window: u64) -> Vec<u64> {
-    let mut sizes: Vec<u64> = written_windows(plan, outputs, window)
-        .into_iter()
-        .map(|(a, b)| b - a)
+    let whole = whole_files(outputs);
+    let mut sizes: Vec<u64> = cut(plan, outputs, window, &whole, Frags::First)
+        .iter()
+        .map(Window::size)
         .collect();
     sizes.sort_unstable_by(|a, b| b.cmp(a));
     let mut load = vec![0u64; threads.max(1)];
@@ -463,87 +502,13 @@ pub fn balance(plan: &Plan, outputs: &[OutputFile], threads: usize, window: u64)
     load
 }
 
-/// The destination byte ranges of the windows [`windows`] makes of `plan` (those with
-/// something to write), in file and offset order, found by clipping each literal, copy and
-/// fill as [`windows_in`] does and keeping only whether a window got a fragment.
-fn written_windows(plan: &Plan, outputs: &[OutputFile], window: u64) -> Vec<(u64, u64)> {
-    let window = window.max(8) / 8 * 8;
-    // file f's windows are first[f]..first[f + 1]: window k of the file spans
-    // k·window .. min(size, (k + 1)·window), as `windows_in` cuts a whole file
-    let mut first = vec![0usize; outputs.len() + 1];
-    for (f, o) in outputs.iter().enumerate() {
-        let n = usize::try_from(o.size.div_ceil(window)).unwrap_or(usize::MAX);
-        first[f + 1] = first[f].saturating_add(n);
-    }
-    let span = |f: usize, k: usize| -> (u64, u64) {
-        let a = (k - first[f]) as u64 * window;
-        (a, outputs[f].size.min(a.saturating_add(window)))
-    };
-    // the windows of file f overlapping bytes a..b (`windows_in`'s `overlapping`)
-    let overlapping = |f: usize, a: u64, b: u64| -> std::ops::Range<usize> {
-        let (lo, n) = (first[f], first[f + 1] - first[f]);
-        let i = if a >= outputs[f].size {
-            n
-        } else {
-            (a / window) as usize
-        };
-        let j = usize::try_from(b.div_ceil(window)).map_or(n, |j| j.min(n));
-        lo + i..lo + j.max(i)
-    };
-    let mut used = vec![false; first[outputs.len()]];
-    for (f, o) in outputs.iter().enumerate() {
-        for (off, bytes) in &o.literals {
-            for k in overlapping(f, *off, off + bytes.len() as u64) {
-                used[k] = true;
-            }
-        }
-    }
-    let mut frags = vec![];
-    for op in &plan.ops {
-        let (a, b) = op.dst_span();
-        if b <= a || op.dst as usize >= outputs.len() {
-            continue;
-        }
-        let f = op.dst as usize;
-        for k in overlapping(f, a, b) {
-            if !used[k] {
-                let (w0, w1) = span(f, k);
-                clip(op, w0, w1, &mut frags);
-                used[k] = !frags.is_empty();
-                frags.clear();
-            }
-        }
-    }
-    let mut cut = vec![];
-    for op in &plan.fills {
-        if op.count == 0 || op.dst as usize >= outputs.len() {
-            continue;
-        }
-        let f = op.dst as usize;
-        let (a, b) = op.dst_span();
-        for k in overlapping(f, a, b) {
-            if !used[k] {
-                let (w0, w1) = span(f, k);
-                clip_fill(op, w0, w1, &mut cut);
-                used[k] = !cut.is_empty();
-                cut.clear();
-            }
-        }
-    }
-    (0..outputs.len())
-        .flat_map(|f| (first[f]..first[f + 1]).map(move |k| (f, k)))
-        .filter(|&(_, k)| used[k])
-        .map(|(f, k)| span(f, k))
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// `balance`'s windows are exactly those `windows` makes: literals (an empty one
-    /// included), strided copies whose rows skip whole windows, fills, a zero-size file and
-    /// ops and literals past a file's end.
+    /// `balance`'s windows (one fragment kept of each) are exactly those `windows` makes:
+    /// literals (an empty one included), strided copies whose rows skip whole windows, fills,
+    /// a zero-size file and ops and literals past a file's end.
     #[test]
     fn written_windows_are_the_windows_with_fragments() {
         let file = |size: u64, literals: Vec<(u64, &[u8])>| OutputFile {
@@ -604,11 +569,16 @@ mod tests {
                 .iter()
                 .map(|w| (w.start, w.end))
                 .collect();
-            assert_eq!(
-                written_windows(&plan, &outputs, window),
-                want,
-                "window {window}"
+            let first = cut(
+                &plan,
+                &outputs,
+                window,
+                &whole_files(&outputs),
+                Frags::First,
             );
+            assert!(first.iter().all(|w| w.frags.len() == 1), "window {window}");
+            let got: Vec<(u64, u64)> = first.iter().map(|w| (w.start, w.end)).collect();
+            assert_eq!(got, want, "window {window}");
         }
         // 1000 + 517 bytes in 64-byte windows, some never written: not every byte counts
         let load = balance(&plan, &outputs, 2, 64);
