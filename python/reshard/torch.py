@@ -467,8 +467,7 @@ def _own_tensors(model: torch.nn.Module, sd: Mapping[str, Any]) -> Optional[Dict
         return None
     if isinstance(model, torch.nn.parallel.DistributedDataParallel) or hasattr(model, "_orig_mod"):
         return None
-    if any(type(m).__name__ in ("FullyShardedDataParallel", "FSDPModule") or hasattr(m, "_get_fsdp_state")
-           for m in model.modules()):
+    if _has_fsdp1(model):  # (FSDP2's parameters are DTensors: refused above)
         return None
     own: Dict[str, torch.Tensor] = {}
     for n, t in model.named_parameters(remove_duplicate=False):

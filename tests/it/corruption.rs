@@ -109,15 +109,6 @@ fn find_all(hay: &[u8], needle: &[u8]) -> Vec<usize> {
         .collect()
 }
 
-/// Whether `name` is a torch_checkpointing item file of a rank (`model_0.pt`).
-fn item_file(name: &str) -> bool {
-    name.strip_suffix(".pt")
-        .and_then(|s| s.rsplit_once('_'))
-        .is_some_and(|(item, r)| {
-            !item.is_empty() && !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit())
-        })
-}
-
 /// Make the variants of `src` under `work` (each in its own directory).
 fn variants(src: &Path, work: &Path) -> Vec<Variant> {
     let mut out = vec![];
@@ -221,7 +212,7 @@ fn variants(src: &Path, work: &Path) -> Vec<Variant> {
                 || n == "distrib_optim.pt"
                 || n == "fp32.pt"
                 || n.starts_with("model_world_size_")
-                || item_file(&n)
+                || reshard::formats::torch_checkpointing::item_file(&n).is_some()
         })
         .collect();
     // a rank file missing; two rank files swapped

@@ -282,10 +282,7 @@ fn nested_path_key(path: &[KeyPart]) -> String {
 fn replicated_metadata(t: &TargetTensor) -> PyValue {
     let s = |x: &str| PyValue::Str(x.to_string());
     let ints = |v: &[u64]| PyValue::List(v.iter().map(|&x| PyValue::Int(x as i64)).collect());
-    let mut stride = vec![1u64; t.shape.len()];
-    for d in (0..t.shape.len().saturating_sub(1)).rev() {
-        stride[d] = stride[d + 1] * t.shape[d + 1];
-    }
+    let stride = save::contiguous_strides(&t.shape);
     let data = PyValue::Dict(vec![
         (s("global_shape"), ints(&t.shape)),
         (
@@ -438,8 +435,8 @@ fn write(target: &[TargetTensor], opts: &WriteOptions) -> Result<Output> {
             let entries: Vec<(PyValue, PyValue)> = ts
                 .iter()
                 .map(|t| {
-                    let (_, rest) = item_of(&t.name, &opts.paths);
-                    (PyValue::Str(nested_path_key(&rest)), replicated_metadata(t))
+                    let key = nested_path_key(&sub.paths[&t.name]);
+                    (PyValue::Str(key), replicated_metadata(t))
                 })
                 .collect();
             meta_items.push((

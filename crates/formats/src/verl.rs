@@ -279,6 +279,8 @@ pub(crate) struct Reader {
     saw_sharded_tensor: bool,
     /// The zip CRC-32 of every storage record a piece reads, once per record.
     checksums: Vec<RecordCrc>,
+    /// `(file, offset)` of the records in `checksums`.
+    recorded: std::collections::HashSet<(u32, u64)>,
     /// Where the entry being read sits in its file's nesting, below [`Reader::nest_under`]'s
     /// base; `None` when nesting is not recorded.
     path: Option<Vec<KeyPart>>,
@@ -295,6 +297,7 @@ impl Reader {
             extras: vec![],
             saw_sharded_tensor: false,
             checksums: vec![],
+            recorded: Default::default(),
             path: None,
             paths: BTreeMap::new(),
         }
@@ -530,12 +533,7 @@ impl Reader {
             let rec = format!("{}/data/{}", ctx.archive.prefix, l.item.storage_key);
             if let Some(entry) = ctx.archive.entry(&rec) {
                 let (file, offset) = (ctx.index, l.item.record.offset);
-                if !self
-                    .checksums
-                    .iter()
-                    .rev()
-                    .any(|c| c.file == file && c.offset == offset)
-                {
+                if self.recorded.insert((file, offset)) {
                     self.checksums.push(RecordCrc {
                         file,
                         offset,
