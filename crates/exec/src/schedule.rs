@@ -485,7 +485,7 @@ pub(super) fn default_threads(
 
 /// Bytes of destination each of `threads` workers would get if windows were dealt greedily
 /// (largest first) — the per-thread balance `reshard plan` shows. The windows are those
-/// [`windows`] cuts, found keeping one fragment of each ([`Frags::First`]).
+/// `windows` cuts, found keeping one fragment of each (`Frags::First`).
 pub fn balance(plan: &Plan, outputs: &[OutputFile], threads: usize, window: u64) -> Vec<u64> {
     let whole = whole_files(outputs);
     let mut sizes: Vec<u64> = cut(plan, outputs, window, &whole, Frags::First)
